@@ -1,0 +1,13 @@
+"""K3: the Kimi K3 architecture, training and inference stack in PyTorch."""
+
+from k3.config import K3Config, get_preset, list_presets
+
+__version__ = "0.1.0"
+__all__ = ["K3Config", "get_preset", "list_presets", "__version__"]
+
+
+def __getattr__(name):  # lazy: importing k3 must not build the model stack
+    if name in ("K3Model", "K3ForCausalLM"):
+        from k3.model import decoder
+        return getattr(decoder, name)
+    raise AttributeError(name)

@@ -1,0 +1,1 @@
+"""Modules that own parameters and call k3.ops."""

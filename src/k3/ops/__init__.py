@@ -1,0 +1,1 @@
+"""Pure tensor functions (no parameters). Each has a naive reference in the tests."""

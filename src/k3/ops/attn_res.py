@@ -1,0 +1,35 @@
+"""Attention Residuals mixing (SPEC §3.3).
+
+Given sources v_0..v_{n-1} (each [..., H]), a pseudo-query w [H] and a key-norm weight γ [H]:
+
+    key_i   = RMSNorm(v_i; γ)          (fp32)
+    logit_i = <w, key_i>               (no 1/sqrt(d))
+    α       = softmax_i(logit)
+    out     = Σ_i α_i v_i              (raw sources, fp32 accumulate, cast to v's dtype)
+
+A single source is returned unchanged (softmax over one logit is exactly 1). Zero w gives the
+uniform mean of the sources.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["attn_res_mix"]
+
+
+def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float = 1e-5) -> torch.Tensor:
+    """sources: n tensors [..., H]; query, norm_weight: [H] (query may be [1, H]) -> [..., H]."""
+    if len(sources) == 0:
+        raise ValueError("attn_res_mix needs at least one source")
+    if len(sources) == 1:
+        return sources[0]
+    dtype = sources[0].dtype
+    v = torch.stack(sources, dim=0).float()                       # [n, ..., H]
+    key = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    logits = key @ query.reshape(-1).float()                      # [n, ...]
+    alpha = torch.softmax(logits, dim=0).unsqueeze(-1)            # [n, ..., 1]
+    return (alpha * v).sum(0).to(dtype)
