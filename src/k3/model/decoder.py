@@ -1,0 +1,196 @@
+"""Decoder layer, K3Model and K3ForCausalLM, with Block Attention Residuals (SPEC §3.3).
+
+Residual stream bookkeeping with AttnRes block size B (in decoder layers)::
+
+    partial = embed(tokens); blocks = []
+    for layer l:
+        if l % B == 0: blocks.append(partial); partial = 0
+        h = mix_attn(blocks + ([partial] if l % B else []));   partial += attn(norm(h))
+        h = mix_mlp(blocks + [partial]);                       partial += mlp(norm(h))
+    h = mix_out(blocks + [partial]); logits = lm_head(norm(h))
+
+``mix`` is :func:`k3.ops.attn_res.attn_res_mix` with the layer's pseudo-query/key-norm pair. With
+``attn_res_block_size=None`` the model uses standard pre-norm residuals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.cache import K3Cache
+from k3.model.kda import KimiDeltaAttention
+from k3.model.mla import GatedMLA
+from k3.model.mlp import GatedMLP
+from k3.model.moe import LatentMoE
+from k3.model.norm import RMSNorm
+from k3.ops.attn_res import attn_res_mix
+
+__all__ = ["DecoderLayer", "K3Model", "K3ForCausalLM", "CausalLMOutput", "AttnResPair"]
+
+
+class AttnResPair(nn.Module):
+    """One AttnRes pseudo-query (stored as a Linear(H, 1) weight, zero-init) and its key norm.
+
+    Registered on the owner under ``{prefix}_proj`` / ``{prefix}_norm`` so checkpoint names match
+    the release (``self_attention_res_proj.weight`` ...); this class only holds the mixing call.
+    """
+
+    @staticmethod
+    def build(owner: nn.Module, prefix: str, hidden: int, eps: float) -> None:
+        proj = nn.Linear(hidden, 1, bias=False)
+        nn.init.zeros_(proj.weight)
+        owner.add_module(f"{prefix}_proj", proj)
+        owner.add_module(f"{prefix}_norm", RMSNorm(hidden, eps))
+
+    @staticmethod
+    def mix(owner: nn.Module, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
+        proj, norm = getattr(owner, f"{prefix}_proj"), getattr(owner, f"{prefix}_norm")
+        return attn_res_mix(sources, proj.weight, norm.weight, norm.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: K3Config, layer_idx: int):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.is_kda = config.is_kda_layer(layer_idx)
+        self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = LatentMoE(config)
+        else:
+            self.mlp = GatedMLP(H, config.intermediate_size, config)
+        self.attn_res = config.attn_res_block_size is not None
+        if self.attn_res:
+            AttnResPair.build(self, "self_attention_res", H, eps)
+            AttnResPair.build(self, "mlp_res", H, eps)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, h: torch.Tensor, state=None) -> torch.Tensor:
+        """Standard pre-norm residual layer: h [B,T,H] -> [B,T,H]."""
+        h = h + self.self_attn(self.input_layernorm(h), state)
+        return h + self.ffn(self.post_attention_layernorm(h))
+
+    def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor | None,
+                         state=None) -> torch.Tensor:
+        """One AttnRes layer: returns the new partial sum (see module docstring)."""
+        srcs = blocks if partial is None else blocks + [partial]
+        h = AttnResPair.mix(self, "self_attention_res", srcs)
+        a = self.self_attn(self.input_layernorm(h), state)
+        partial = a if partial is None else partial + a
+        h = AttnResPair.mix(self, "mlp_res", blocks + [partial])
+        return partial + self.ffn(self.post_attention_layernorm(h))
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3Config):
+        super().__init__()
+        if config.num_nextn_predict_layers:
+            raise ValueError("num_nextn_predict_layers > 0 (multi-token prediction) is not supported yet")
+        self.config = config
+        H = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
+        self.layers = nn.ModuleList(DecoderLayer(config, l) for l in range(config.num_hidden_layers))
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        if config.attn_res_block_size is not None:
+            AttnResPair.build(self, "output_attn_res", H, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
+        """input_ids [B,T] int64 -> final normed hidden states [B,T,H]."""
+        cfg = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.numel() and input_ids.device.type != "meta":
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= cfg.vocab_size:
+                raise ValueError(f"input_ids outside the vocabulary [0, {cfg.vocab_size}): "
+                                 f"min {lo}, max {hi}")
+        B, T = input_ids.shape
+        if cache is not None:
+            if not isinstance(cache, K3Cache):
+                raise TypeError(f"cache must be a K3Cache, got {type(cache).__name__}")
+            cache.check(cfg, B)
+        if (cache.seq_len if cache is not None else 0) + T > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {T} (+{cache.seq_len if cache else 0} cached) exceeds "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        states = cache.layers if cache is not None else [None] * len(self.layers)
+        x = self.embed_tokens(input_ids)
+        if cfg.attn_res_block_size is None:
+            for layer, st in zip(self.layers, states):
+                x = layer(x, st)
+        else:
+            bs = cfg.attn_res_block_size
+            blocks: list[torch.Tensor] = []
+            partial: torch.Tensor | None = x
+            for l, (layer, st) in enumerate(zip(self.layers, states)):
+                if l % bs == 0:
+                    blocks.append(partial)
+                    partial = None
+                partial = layer.forward_attn_res(blocks, partial, st)
+            x = AttnResPair.mix(self, "output_attn_res", blocks + [partial])
+        if cache is not None:
+            cache.seq_len += T
+        return self.norm(x)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    cache: K3Cache | None = None
+
+
+class K3ForCausalLM(nn.Module):
+    """K3 text model with an LM head. ``model(input_ids, labels=None, cache=None)``.
+
+    ``labels`` follow the HF convention: aligned with ``input_ids`` and shifted inside, so the loss
+    is the mean next-token cross-entropy over positions whose label is not -100.
+    """
+
+    def __init__(self, config: K3Config):
+        super().__init__()
+        if not isinstance(config, K3Config):
+            raise TypeError(f"config must be a K3Config, got {type(config).__name__}")
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def new_cache(self, batch_size: int) -> K3Cache:
+        """An empty inference cache for ``batch_size`` sequences."""
+        return K3Cache(self.config, batch_size)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                cache: K3Cache | None = None, logits_to_keep: int = 0) -> CausalLMOutput:
+        """``logits_to_keep`` > 0 computes logits for the last that many positions only (decode)."""
+        h = self.model(input_ids, cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
+                                 f"{tuple(input_ids.shape)}")
+            if logits_to_keep:
+                raise ValueError("labels cannot be combined with logits_to_keep")
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
+        return CausalLMOutput(logits=logits, loss=loss, cache=cache)
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
