@@ -1,0 +1,248 @@
+"""Kimi Delta Attention math (SPEC §3.1): gate, L2 norm, and the gated delta rule two ways.
+
+Per head, with state S ∈ R^{K×V} (fp32) and per-token q_t, k_t ∈ R^K, v_t ∈ R^V, log-decay
+g_t ∈ R^K (g_t ≤ 0) and write strength β_t:
+
+    S ← diag(exp g_t) S
+    S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ
+    o_t = Sᵀ (scale · q_t)                     (o_t reads the updated S)
+
+`recurrent_kda` runs that loop token by token (decode). `chunk_kda` computes the same thing in
+chunks of C tokens (training, prefill). Inside a chunk, with G_i = Σ_{s≤i} g_s (cumulative
+log-decay from the chunk start, per key channel), S_0 the state entering the chunk and the
+pseudo-values u_i = β_i (v_i − S'_iᵀ k_i) (S'_i: state after token i's decay, before its write):
+
+    A_ij = Σ_d k_id k_jd e^{G_id − G_jd}   (j < i)        P_ij = Σ_d q_id k_jd e^{G_id − G_jd}   (j ≤ i)
+    (I + diag(β) A) U = diag(β) (V − (K ⊙ e^G) S_0)      (unit lower-triangular: the WY/UT form)
+    O   = (Q ⊙ e^G) S_0 + P U
+    S_C = diag(e^{G_C}) S_0 + (K ⊙ e^{G_C − G})ᵀ U
+
+Everything except the S_0 terms is independent of the state, so all chunks are solved at once and
+only S_{n+1} = M_n S_n + Z_n is scanned (T/C small matmuls).
+
+Decay factors e^{G_i − G_j} are never materialised as a [C, C, K] tensor for off-diagonal
+sub-chunk blocks: they factorise as e^{G_i − G_r} e^{G_r − G_j} around a row r with j < r ≤ i, so
+both factors are ≤ 1 (no overflow for any gate) and the block is one matmul. Diagonal sub-chunk
+blocks factorise around their middle row when the gate is bounded (|g| · sub/2 ≤ 60, true for
+K3's lb = −5); otherwise (unbounded softplus gates) they are materialised exactly. Log-decay
+differences are clamped at −80 before exp (abs. error ≤ e^−80) and denormals are flushed: decayed
+fp32 values otherwise turn into denormals and CPU matmuls slow down ~100×.
+
+Layout (fla's convention): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
+state [B, H, K, V] fp32. q, k are L2-normalised by the caller (`l2_normalize`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["l2_normalize", "kda_gate", "recurrent_kda", "chunk_kda"]
+
+torch.set_flush_denormal(True)
+
+_LOG_DECAY_FLOOR = -80.0   # e^-80 ≈ 1.8e-35: still a normal fp32 number
+_SAFE_FACTOR_SPAN = 60.0   # max |G_i − G_m| for the factorised diagonal blocks (e^60 ≈ 1e26)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σ x² + eps) over the last dim; fp32 compute, cast back to x's dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             lower_bound: float | None = -5.0) -> torch.Tensor:
+    """Per-channel log-decay g [B, T, H, D] fp32 from f [B, T, H, D], A_log [H], dt_bias [H·D].
+
+    lower_bound lb:    g = lb · sigmoid(exp(A_log[h]) · (f + dt_bias))     ∈ (lb, 0)
+    lower_bound None:  g = −exp(A_log[h]) · softplus(f + dt_bias)         ∈ (−∞, 0)
+    """
+    if f.dim() != 4:
+        raise ValueError(f"kda_gate: f must be [B, T, H, D], got shape {tuple(f.shape)}")
+    H, D = f.shape[2], f.shape[3]
+    if A_log.numel() != H:
+        raise ValueError(f"kda_gate: A_log must have H={H} elements, got shape {tuple(A_log.shape)}")
+    if dt_bias.numel() != H * D:
+        raise ValueError(f"kda_gate: dt_bias must have H*D={H * D} elements, got shape {tuple(dt_bias.shape)}")
+    a = A_log.float().reshape(H, 1).exp()
+    x = f.float() + dt_bias.float().reshape(H, D)
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def _check(q, k, v, g, beta, initial_state, name: str) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"{name}: q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    for t_name, t in (("k", k), ("g", g)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name}: {t_name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"{name}: v must be [B, T, H, V] with B, T, H = {tuple(q.shape[:3])}, "
+                         f"got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"{name}: beta must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(beta.shape)}")
+    if initial_state is not None:
+        B, _, H, K = q.shape
+        want = (B, H, K, v.shape[-1])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"{name}: initial_state must be [B, H, K, V] = {want}, "
+                             f"got {tuple(initial_state.shape)}")
+
+
+def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  scale: float | None = None, initial_state: torch.Tensor | None = None,
+                  output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA (the decode path). Shapes as in the module docstring.
+
+    Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32 or None).
+    """
+    _check(q, k, v, g, beta, initial_state, "recurrent_kda")
+    if q.is_cuda and _fla_available():
+        return _fla_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    # [B, H, T, *] so each step reads a [B, H, *] slice.
+    q32 = (q.float() * scale).transpose(1, 2)
+    k32, v32 = k.float().transpose(1, 2), v.float().transpose(1, 2)
+    decay = g.float().transpose(1, 2).exp().unsqueeze(-1)                 # [B, H, T, K, 1]
+    b32 = beta.float().transpose(1, 2).unsqueeze(-1)                      # [B, H, T, 1]
+    S = q32.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    outs = []
+    for t in range(T):
+        S = S * decay[:, :, t]
+        kt = k32[:, :, t].unsqueeze(-2)                                   # [B, H, 1, K]
+        u = b32[:, :, t].unsqueeze(-1) * (v32[:, :, t].unsqueeze(-2) - kt @ S)   # [B, H, 1, V]
+        S = S + kt.transpose(-1, -2) @ u
+        outs.append(q32[:, :, t].unsqueeze(-2) @ S)                       # [B, H, 1, V]
+    o = torch.cat(outs, dim=2).transpose(1, 2).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """exp of a log-decay difference that is ≤ 0 where it is used (clamped: no overflow, no denormals)."""
+    return torch.exp(x.clamp(min=_LOG_DECAY_FLOOR, max=0.0))
+
+
+def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int,
+                        factor_diag: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, G: [..., C, K] -> (P [..., C, C] with j ≤ i, A [..., C, C] with j < i), decays applied."""
+    C, K = q.shape[-2], q.shape[-1]
+    ns = C // sub
+    lead = q.shape[:-2]
+    x = torch.stack([q, k], dim=-3)                                       # [..., 2, C, K]
+    scores = q.new_zeros(*lead, 2, C, C)
+    # Off-diagonal blocks: row block I factorises around its first row r (all j < r ≤ i).
+    for blk in range(1, ns):
+        r = blk * sub
+        Gr = G[..., r:r + 1, :]
+        left = x[..., r:r + sub, :] * _decay(G[..., r:r + sub, :] - Gr).unsqueeze(-3)   # [..., 2, sub, K]
+        right = k[..., :r, :] * _decay(Gr - G[..., :r, :])                               # [..., r, K]
+        prod = left.reshape(*lead, 2 * sub, K) @ right.transpose(-1, -2)                 # [..., 2sub, r]
+        scores[..., r:r + sub, :r] = prod.reshape(*lead, 2, sub, r)
+    # Diagonal blocks.
+    xs = x.reshape(*lead, 2, ns, sub, K)
+    ks = k.reshape(*lead, ns, sub, K)
+    Gs = G.reshape(*lead, ns, sub, K)
+    if factor_diag:
+        # Around the middle row m: |G_i − G_m| ≤ (sub/2)·max|g| ≤ 60, so both factors stay finite.
+        m = sub // 2
+        dG = Gs - Gs[..., m:m + 1, :]
+        left = xs * torch.exp(dG).unsqueeze(-4)
+        right = ks * torch.exp(-dG)
+        diag = left @ right.transpose(-1, -2).unsqueeze(-4)                              # [..., 2, ns, sub, sub]
+    else:
+        dec = _decay(Gs.unsqueeze(-2) - Gs.unsqueeze(-3))                                # [..., ns, sub, sub, K]
+        diag = (xs.unsqueeze(-2) * (dec * ks.unsqueeze(-3)).unsqueeze(-5)).sum(-1)
+    for blk in range(ns):
+        s0 = blk * sub
+        scores[..., s0:s0 + sub, s0:s0 + sub] = diag[..., blk, :, :]
+    mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    mask = torch.stack([mask, mask.tril(-1)])                             # P keeps j = i, A does not
+    scores = scores * mask
+    return scores[..., 0, :, :], scores[..., 1, :, :]
+
+
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float | None = None, initial_state: torch.Tensor | None = None,
+              output_final_state: bool = False, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA (training / prefill); same signature and result as `recurrent_kda`.
+
+    Any T (padded internally with k = 0, g = 0, β = 0 tokens, which leave the state unchanged).
+    Differentiable w.r.t. q, k, v, g, beta and initial_state. g must be ≤ 0 (a log-decay).
+    """
+    _check(q, k, v, g, beta, initial_state, "chunk_kda")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_kda: chunk_size must be positive, got {chunk_size}")
+    if q.is_cuda and _fla_available():
+        return _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    C = chunk_size
+    sub = 16 if C % 16 == 0 else C
+    N = max(1, -(-T // C))
+    pad = N * C - T
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:                          # [B, T, H, *] -> [BH, N, C, *]
+        x = x.float().transpose(1, 2)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        return x.reshape(B * H, N, C, x.shape[-1])
+
+    qc, kc, vc, gc = chunked(q) * scale, chunked(k), chunked(v), chunked(g)
+    bc = chunked(beta.unsqueeze(-1))                                       # [BH, N, C, 1]
+    G = gc.cumsum(-2)
+    factor_diag = bool(g.numel() == 0 or g.detach().abs().amax().item() * (sub // 2) <= _SAFE_FACTOR_SPAN)
+    P, A = _intra_chunk_scores(qc, kc, G, sub, factor_diag)
+
+    # (I + diag(β) A) X = diag(β) [V | K ⊙ e^G];  X = [U0 | W] so U = U0 − W S_0.
+    rhs = bc * torch.cat([vc, kc * _decay(G)], dim=-1)
+    X = torch.linalg.solve_triangular(bc * A, rhs, upper=False, unitriangular=True)
+    Y = P @ X
+    o_intra, q_eff = Y[..., :V], qc * _decay(G) - Y[..., V:]              # O = o_intra + q_eff S_0
+    G_last = G[..., -1:, :]
+    k_tail = kc * _decay(G_last - G)                                       # k_j e^{G_C − G_j}
+    ZM = k_tail.transpose(-1, -2) @ X                                      # [BH, N, K, V + K]
+    M = torch.diag_embed(_decay(G_last.squeeze(-2))) - ZM[..., V:]         # S_{n+1} = M S_n + Z
+    M = M.transpose(0, 1).contiguous()                                     # [N, BH, K, K]
+    Z = ZM[..., :V].transpose(0, 1).contiguous()                           # [N, BH, K, V]
+
+    if initial_state is None:
+        S = qc.new_zeros(B * H, K, V)
+    else:
+        S = initial_state.float().reshape(B * H, K, V)
+    states = []
+    for n in range(N):
+        states.append(S)
+        S = torch.baddbmm(Z[n], M[n], S)
+    o = o_intra + q_eff @ torch.stack(states, dim=1)                       # [BH, N, C, V]
+    o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2).to(v.dtype)
+    return o, (S.reshape(B, H, K, V) if output_final_state else None)
+
+
+# --- fla dispatch (CUDA only) -------------------------------------------------------------------
+_FLA: object | None = None
+
+
+def _fla_available() -> bool:
+    global _FLA
+    if _FLA is None:
+        try:
+            from fla.ops import kda as fla_kda  # noqa: PLC0415
+            _FLA = fla_kda
+        except Exception:  # noqa: BLE001 - any import failure means "use the torch path"
+            _FLA = False
+    return _FLA is not False
+
+
+def _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state):
+    return _FLA.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state)
+
+
+def _fla_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state):
+    return _FLA.fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                    output_final_state=output_final_state)
