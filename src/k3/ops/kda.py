@@ -110,6 +110,8 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     decay = g.float().transpose(1, 2).exp().unsqueeze(-1)                 # [B, H, T, K, 1]
     b32 = beta.float().transpose(1, 2).unsqueeze(-1)                      # [B, H, T, 1]
     S = q32.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    if T == 0:
+        return v.new_zeros(B, 0, H, V), (S if output_final_state else None)
     outs = []
     for t in range(T):
         S = S * decay[:, :, t]
@@ -224,6 +226,13 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 
 # --- fla dispatch (CUDA only) -------------------------------------------------------------------
+# fla.ops.kda.chunk_kda / fused_recurrent_kda take the same layout and meaning as ours when called
+# with their defaults use_gate_in_kernel=False (g is the natural-log decay, already activated, as
+# returned by `kda_gate`), use_qk_l2norm_in_kernel=False (q, k already normalised) and
+# use_beta_sigmoid_in_kernel=False (beta already in (0, 1)): q, k, g [B, T, H, K], v [B, T, H, V],
+# beta [B, T, H], scale=None → K^-0.5, initial_state / final state [B, H, K, V] fp32 (K-first,
+# state_v_first=False). fla's chunk size is its own (64); the result does not depend on it. fla
+# returns o in q's dtype, so it is cast to v's dtype here like the torch path.
 _FLA: object | None = None
 
 
@@ -238,11 +247,16 @@ def _fla_available() -> bool:
     return _FLA is not False
 
 
+def _fla_call(fn, q, k, v, g, beta, scale, initial_state, output_final_state):
+    o, state = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+                  use_gate_in_kernel=False)
+    return o.to(v.dtype), (state if output_final_state else None)
+
+
 def _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state):
-    return _FLA.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                          output_final_state=output_final_state)
+    return _fla_call(_FLA.chunk_kda, q, k, v, g, beta, scale, initial_state, output_final_state)
 
 
 def _fla_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state):
-    return _FLA.fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                                    output_final_state=output_final_state)
+    return _fla_call(_FLA.fused_recurrent_kda, q, k, v, g, beta, scale, initial_state, output_final_state)

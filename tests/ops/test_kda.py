@@ -1,0 +1,243 @@
+"""KDA ops (SPEC §3.1): chunked and recurrent forms against a per-token fp64 reference written here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops import kda
+from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
+
+
+def reference_kda(q, k, v, g, beta, scale=None, initial_state=None):
+    """SPEC §3.1 token by token in fp64: S ← diag(e^g) S; S ← S + β k (v − Sᵀk)ᵀ; o = Sᵀ(scale·q)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    S = torch.zeros(B, H, K, V, dtype=torch.float64) if initial_state is None else initial_state.double()
+    o = []
+    for t in range(T):
+        S = torch.exp(g[:, t])[..., None] * S
+        pred = torch.einsum("bhkv,bhk->bhv", S, k[:, t])
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], v[:, t] - pred)
+        o.append(torch.einsum("bhkv,bhk->bhv", S, scale * q[:, t]))
+    return torch.stack(o, dim=1), S
+
+
+def rel_rms(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def make_inputs(B=2, T=37, H=3, K=16, V=8, gate="bounded", A_log=0.0, init=True, seed=0,
+                dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k = l2_normalize(rnd(B, T, H, K)), l2_normalize(rnd(B, T, H, K))
+    v = rnd(B, T, H, V)
+    f = rnd(B, T, H, K)
+    a, dt = torch.full((H,), float(A_log)), 0.5 * rnd(H * K)
+    g = kda_gate(f, a, dt, -5.0 if gate == "bounded" else None).double()
+    beta = torch.sigmoid(rnd(B, T, H))
+    s0 = 0.5 * rnd(B, H, K, V) if init else None
+    return tuple(x.to(dtype) if x is not None else None for x in (q, k, v, g, beta, s0))
+
+
+# --- l2_normalize and kda_gate -------------------------------------------------------------------
+
+def test_l2_normalize_matches_formula_and_keeps_dtype():
+    x = torch.randn(2, 5, 3, 16, dtype=torch.float64)
+    want = x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(l2_normalize(x), want)
+    xb = x.to(torch.bfloat16)
+    out = l2_normalize(xb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+    assert torch.all(l2_normalize(torch.zeros(4, 8)) == 0)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_gate_matches_formula(lower_bound):
+    B, T, H, D = 2, 7, 3, 4
+    f = torch.randn(B, T, H, D)
+    A_log = torch.randn(H)
+    dt_bias = torch.randn(H * D)
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    assert g.dtype == torch.float32 and g.shape == (B, T, H, D)
+    want = torch.empty(B, T, H, D, dtype=torch.float64)
+    for h in range(H):
+        x = f[:, :, h].double() + dt_bias[h * D:(h + 1) * D].double()
+        a = math.exp(A_log[h].item())
+        if lower_bound is None:
+            want[:, :, h] = -a * torch.log1p(torch.exp(x))
+        else:
+            want[:, :, h] = lower_bound / (1 + torch.exp(-a * x))
+    torch.testing.assert_close(g.double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.all(g < 0)
+    if lower_bound is not None:
+        assert torch.all(g > lower_bound)
+
+
+def test_kda_gate_bad_shapes_name_the_tensor():
+    f = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="A_log"):
+        kda_gate(f, torch.zeros(2), torch.zeros(12))
+    with pytest.raises(ValueError, match="dt_bias"):
+        kda_gate(f, torch.zeros(3), torch.zeros(4))
+    with pytest.raises(ValueError, match="f must"):
+        kda_gate(f[0], torch.zeros(3), torch.zeros(12))
+
+
+# --- forward: chunk vs recurrent vs reference ----------------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 37, 130])
+@pytest.mark.parametrize("init", [False, True])
+@pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 2.0)])
+def test_chunk_and_recurrent_match_reference(T, init, gate, A_log):
+    q, k, v, g, beta, s0 = make_inputs(T=T, gate=gate, A_log=A_log, init=init, seed=T)
+    o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
+    for fn in (chunk_kda, recurrent_kda):
+        o, s = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+        assert o.shape == v.shape and o.dtype == v.dtype
+        assert s.shape == s_ref.shape and s.dtype == torch.float32
+        assert rel_rms(o, o_ref) < 1e-5, fn.__name__
+        assert rel_rms(s, s_ref) < 1e-5, fn.__name__
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16, 24, 32, 128])
+def test_chunk_size_does_not_change_the_result(chunk_size):
+    q, k, v, g, beta, s0 = make_inputs(B=1, T=100, H=2, K=32, V=32, seed=3)
+    o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
+    assert rel_rms(o, o_ref) < 1e-5
+    assert rel_rms(s, s_ref) < 1e-5
+
+
+def test_explicit_scale_and_no_final_state():
+    q, k, v, g, beta, _ = make_inputs(T=20, init=False)
+    o_ref, _ = reference_kda(q, k, v, g, beta, scale=0.3)
+    for fn in (chunk_kda, recurrent_kda):
+        o, s = fn(q, k, v, g, beta, scale=0.3)
+        assert s is None
+        assert rel_rms(o, o_ref) < 1e-5
+
+
+def test_chunk_prefill_then_recurrent_decode_matches_whole_sequence():
+    q, k, v, g, beta, s0 = make_inputs(T=80, seed=5)
+    o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
+    o1, s1 = chunk_kda(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70],
+                       initial_state=s0, output_final_state=True)
+    outs, s = [o1], s1
+    for t in range(70, 80):
+        sl = slice(t, t + 1)
+        o_t, s = recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                               initial_state=s, output_final_state=True)
+        outs.append(o_t)
+    assert rel_rms(torch.cat(outs, dim=1), o_ref) < 1e-5
+    assert rel_rms(s, s_ref) < 1e-5
+
+
+def test_bf16_inputs_give_bf16_output_and_fp32_state():
+    q, k, v, g, beta, s0 = make_inputs(T=40, dtype=torch.bfloat16)
+    o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
+    for fn in (chunk_kda, recurrent_kda):
+        o, s = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+        assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+        assert rel_rms(o, o_ref) < 1e-2
+        assert rel_rms(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("A_log", [3.0, 5.0])
+def test_strong_decay_softplus_gate_stays_exact_and_finite(A_log):
+    # e^A_log · softplus(·) reaches −100s per step: decay products underflow far below fp32 range.
+    q, k, v, g, beta, s0 = make_inputs(T=70, gate="softplus", A_log=A_log, seed=7)
+    assert g.min() < -80
+    o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
+    for fn in (chunk_kda, recurrent_kda):
+        o, s = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+        assert torch.isfinite(o).all() and torch.isfinite(s).all()
+        assert rel_rms(o, o_ref) < 1e-5
+        assert rel_rms(s, s_ref) < 1e-5
+
+
+def test_tiny_state_decaying_into_denormal_range():
+    # A 1e-30 state under steady decay crosses the fp32 denormal range (< 1.2e-38) mid-sequence.
+    q, k, v, g, beta, s0 = make_inputs(T=64, init=True, seed=9)
+    k = torch.zeros_like(k)   # no writes: the output is the decayed initial state read by q
+    g = torch.full_like(g, -1.5)
+    s0 = s0 * 1e-30
+    o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    assert torch.isfinite(o).all()
+    # Exact where fp32 can represent the values; flushed to ~0 below that.
+    torch.testing.assert_close(o, o_ref, atol=1e-37, rtol=1e-4)
+    torch.testing.assert_close(s.double(), s_ref, atol=1e-37, rtol=0)
+
+
+@pytest.mark.parametrize("factor_diag", [True, False])
+def test_intra_chunk_scores_match_materialised_decays(factor_diag):
+    torch.manual_seed(0)
+    C, K = 64, 16
+    q, k = torch.randn(3, C, K), torch.randn(3, C, K)
+    G = (-5.0 * torch.rand(3, C, K)).cumsum(-2)
+    P, A = kda._intra_chunk_scores(q, k, G, 16, factor_diag)
+    dec = torch.exp(G.unsqueeze(-2) - G.unsqueeze(-3)).double()        # [.., i, j, K]
+    tril = torch.ones(C, C, dtype=torch.bool).tril()
+    P_ref = (q.double().unsqueeze(-2) * k.double().unsqueeze(-3) * dec.masked_fill(~tril[..., None], 0)).sum(-1)
+    A_ref = (k.double().unsqueeze(-2) * k.double().unsqueeze(-3) * dec.masked_fill(~tril.tril(-1)[..., None], 0)).sum(-1)
+    torch.testing.assert_close(P.double(), P_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(A.double(), A_ref, atol=1e-5, rtol=1e-4)
+
+
+# --- gradients -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 3.0)])
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+def test_gradients_match_reference(gate, A_log, fn):
+    inputs = make_inputs(B=2, T=45, H=2, K=16, V=12, gate=gate, A_log=A_log, seed=11)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(inputs[2].shape, generator=gen, dtype=torch.float64)
+    ds = torch.randn(inputs[5].shape, generator=gen, dtype=torch.float64)
+
+    def grads(f, **kw):
+        xs = [x.clone().requires_grad_(True) for x in inputs]
+        o, s = f(*xs[:5], initial_state=xs[5], **kw)
+        ((o.double() * do).sum() + (s.double() * ds).sum()).backward()
+        return [x.grad for x in xs]
+
+    want = grads(reference_kda)
+    kw = {"output_final_state": True}
+    if fn is chunk_kda:
+        kw["chunk_size"] = 16
+    got = grads(fn, **kw)
+    for name, a, b in zip(names, got, want):
+        assert torch.isfinite(a).all(), name
+        assert rel_rms(a, b) < 1e-4, name
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k, v, g, b, s: (q[0], k, v, g, b, s), "q must"),
+    (lambda q, k, v, g, b, s: (q, k[:, :, :, :8], v, g, b, s), "k must"),
+    (lambda q, k, v, g, b, s: (q, k, v[:, :3], g, b, s), "v must"),
+    (lambda q, k, v, g, b, s: (q, k, v, g[..., :3], b, s), "g must"),
+    (lambda q, k, v, g, b, s: (q, k, v, g, b[..., None], s), "beta must"),
+    (lambda q, k, v, g, b, s: (q, k, v, g, b, s[:, :, :, :2]), "initial_state must"),
+])
+def test_bad_shapes_raise_value_error_naming_the_tensor(fn, bad, match):
+    q, k, v, g, beta, s0 = bad(*make_inputs(T=5, dtype=torch.float32))
+    with pytest.raises(ValueError, match=match):
+        fn(q, k, v, g, beta, initial_state=s0)
+
+
+def test_bad_chunk_size():
+    q, k, v, g, beta, _ = make_inputs(T=5, init=False)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda(q, k, v, g, beta, chunk_size=0)
