@@ -1,0 +1,161 @@
+"""Byte-level BPE tokenizer trained with HF ``tokenizers`` on a corpus' training split.
+
+Layout of the vocabulary: the special tokens first (``<|endoftext|>`` = id 0, the small presets'
+``eos_token_id``), then the 256 byte symbols, then the learned merges up to ``vocab_size``.
+Byte-level pre-tokenization without a prefix space and the byte-level decoder make
+``decode(encode(s)) == s`` for every str that is valid Unicode (no lone surrogates).
+
+Special-token strings that occur *in data* are encoded as ordinary text (``encode_special_tokens``)
+so a corpus can never inject an EOS; pass ``allow_special=True`` to ``encode`` where a template
+means them.
+
+A trained tokenizer is cached at ``$K3_CACHE_DIR/tokenizers/<key>/tokenizer.json``
+(``K3_CACHE_DIR`` defaults to ``~/.cache/k3``), key = sha256 of (corpus fingerprint, vocab size,
+special tokens, format version), and saved beside a checkpoint as ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from k3.data.corpus import Corpus
+
+__all__ = ["Tokenizer", "train_tokenizer", "get_tokenizer", "cache_dir", "EOS_TOKEN",
+           "SPECIAL_TOKENS"]
+
+EOS_TOKEN = "<|endoftext|>"
+# Reserved for the chat template (Kimi's role markers and thinking tags); order fixes their ids.
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+                  "<|im_end|>", "<think>", "</think>")
+_FORMAT_VERSION = 1
+
+
+def cache_dir(sub: str = "") -> Path:
+    """``$K3_CACHE_DIR`` (default ``~/.cache/k3``), optionally a subfolder of it."""
+    root = Path(os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3").expanduser()
+    return root / sub if sub else root
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class Tokenizer:
+    """Thin wrapper over a HF ``tokenizers.Tokenizer`` with K3's conventions."""
+
+    def __init__(self, hf: _HFTokenizer):
+        self.hf = hf
+        self.hf.encode_special_tokens = True
+        eos = hf.token_to_id(EOS_TOKEN)
+        if eos is None:
+            raise ValueError(f"tokenizer has no {EOS_TOKEN} token")
+        self.eos_token_id = eos
+
+    # --------------------------------------------------------------------------------- io
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Load ``tokenizer.json`` (a file, or a directory that holds one)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {p}")
+        return cls(_HFTokenizer.from_file(str(p)))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``tokenizer.json`` atomically (``path`` a file name or a directory)."""
+        p = Path(path)
+        if p.is_dir() or not p.suffix:
+            p = p / "tokenizer.json"
+        _atomic_write_text(p, self.hf.to_str())
+        return p
+
+    # --------------------------------------------------------------------------- codec
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        if not allow_special:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        self.hf.encode_special_tokens = False
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        finally:
+            self.hf.encode_special_tokens = True
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.hf.id_to_token(i)
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.hf.to_str().encode("utf-8")).hexdigest()
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int,
+                    special_tokens: Sequence[str] = SPECIAL_TOKENS) -> Tokenizer:
+    """Train a byte-level BPE with at most ``vocab_size`` ids (specials included) on ``texts``.
+
+    Exactly ``vocab_size`` unless the text runs out of pairs seen twice; a model may have more
+    embedding rows than the tokenizer has ids.
+    """
+    special_tokens = list(special_tokens)
+    if not special_tokens or special_tokens[0] != EOS_TOKEN:
+        raise ValueError(f"special_tokens must start with {EOS_TOKEN} (id 0)")
+    if vocab_size < 256 + len(special_tokens):
+        raise ValueError(f"vocab_size must be >= 256 + {len(special_tokens)} special tokens, "
+                         f"got {vocab_size}")
+    hf = _HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  min_frequency=2, show_progress=False)
+    hf.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(hf)
+
+
+def get_tokenizer(corpus: Corpus, vocab_size: int, special_tokens: Sequence[str] = SPECIAL_TOKENS,
+                  cache: str | os.PathLike | None = None, verbose: bool = False) -> Tokenizer:
+    """The tokenizer for (corpus, vocab_size): from the cache, else trained on the train split."""
+    key = hashlib.sha256(
+        f"{_FORMAT_VERSION}\0{corpus.fingerprint}\0{vocab_size}\0{chr(0).join(special_tokens)}"
+        .encode("utf-8")).hexdigest()[:24]
+    path = (Path(cache) if cache is not None else cache_dir("tokenizers")) / key / "tokenizer.json"
+    if path.is_file():
+        return Tokenizer.load(path)
+    t0 = time.perf_counter()
+    tok = train_tokenizer(corpus.documents("train"), vocab_size, special_tokens)
+    if verbose:
+        print(f"trained a {vocab_size}-token BPE on {corpus.name} in "
+              f"{time.perf_counter() - t0:.1f} s -> {path}")
+    tok.save(path)
+    return tok

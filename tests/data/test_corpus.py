@@ -1,0 +1,108 @@
+import hashlib
+import json
+import os
+import sysconfig
+import warnings
+
+import pytest
+
+from k3.data.corpus import LINES_PER_BLOCK, load_corpus, stdlib_corpus
+
+
+def _val_by_formula(doc_id: str) -> bool:
+    return int(hashlib.sha256(doc_id.encode("utf-8")).hexdigest(), 16) % 100 < 2
+
+
+def test_stdlib_corpus_split_follows_sha256_rule_and_excludes_site_packages():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = load_corpus()
+    root = sysconfig.get_paths()["stdlib"]
+    expected = []
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
+        expected += [os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
+                     for f in files if f.endswith(".py")]
+    expected = sorted(expected)
+    got = c.train_ids + c.validation_ids + c.skipped
+    assert sorted(got) == expected
+    assert c.train_ids == sorted(c.train_ids) and c.validation_ids == sorted(c.validation_ids)
+    assert all(_val_by_formula(i) for i in c.validation_ids)
+    assert not any(_val_by_formula(i) for i in c.train_ids)
+    assert c.validation_ids, "2% of ~1800 stdlib files must give a validation split"
+    assert c.val_bytes == sum(len(t.encode()) for t in c.documents("validation"))
+
+
+def _write(path, data: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_non_utf8_file_is_skipped_with_warning_and_counted(tmp_path):
+    _write(tmp_path / "a.py", b"x = 1\n")
+    _write(tmp_path / "pkg" / "b.py", b"y = 2\n")
+    _write(tmp_path / "latin.py", "caf\u00e9 = 3\n".encode("latin-1"))
+    _write(tmp_path / "site-packages" / "c.py", b"z = 3\n")
+    _write(tmp_path / "notes.txt", b"not python\n")
+    with pytest.warns(UserWarning, match="1 file"):
+        c = stdlib_corpus(tmp_path)
+    assert c.skipped == ["latin.py"]
+    assert sorted(c.train_ids + c.validation_ids) == ["a.py", "pkg/b.py"]
+    assert len(c.validation_ids) == 1  # an empty validation split borrows one document
+
+
+def test_directory_with_jsonl_and_text_files(tmp_path):
+    _write(tmp_path / "d.jsonl", "\n".join(json.dumps({"text": f"doc {i}"}) for i in range(300))
+           .encode())
+    _write(tmp_path / "sub" / "t.txt", b"plain text\n")
+    _write(tmp_path / ".hidden", b"ignored\n")
+    c = load_corpus(tmp_path)
+    ids = c.train_ids + c.validation_ids
+    assert sorted(ids) == sorted([f"d.jsonl:{i + 1}" for i in range(300)] + ["sub/t.txt"])
+    assert all(_val_by_formula(i) for i in c.validation_ids)
+    assert not any(_val_by_formula(i) for i in c.train_ids)
+    texts = dict(zip(c.train_ids + c.validation_ids,
+                     list(c.documents("train")) + list(c.documents("validation"))))
+    assert texts["d.jsonl:5"] == "doc 4" and texts["sub/t.txt"] == "plain text\n"
+
+
+def test_single_text_file_is_cut_into_line_blocks(tmp_path):
+    lines = [f"line {i}\n" for i in range(LINES_PER_BLOCK * 40 + 7)]
+    _write(tmp_path / "book.txt", "".join(lines).encode())
+    c = load_corpus(tmp_path / "book.txt")
+    assert len(c.train_ids) + len(c.validation_ids) == 41
+    assert all(_val_by_formula(i) == (i in c.validation_ids) for i in c.train_ids)
+    by_id = dict(zip(c.train_ids + c.validation_ids,
+                     list(c.documents("train")) + list(c.documents("validation"))))
+    assert "".join(by_id[f"book.txt:{b}"] for b in range(41)) == "".join(lines)
+
+
+def test_missing_path_and_empty_corpus_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_corpus(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        load_corpus(tmp_path / "empty")
+    _write(tmp_path / "bad.jsonl", b'{"txt": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_corpus(tmp_path / "bad.jsonl")
+
+
+def test_hf_dataset_dir_without_datasets_gives_clear_error(tmp_path):
+    try:
+        import datasets  # noqa: F401
+        pytest.skip("datasets is installed")
+    except ImportError:
+        pass
+    _write(tmp_path / "ds" / "dataset_dict.json", b'{"splits": ["train"]}')
+    with pytest.raises(ImportError, match="datasets"):
+        load_corpus(tmp_path / "ds")
+
+
+def test_fingerprint_changes_with_content(tmp_path):
+    _write(tmp_path / "a.txt", b"one\n")
+    _write(tmp_path / "b.txt", b"two\n")
+    f1 = load_corpus(tmp_path).fingerprint
+    assert load_corpus(tmp_path).fingerprint == f1
+    _write(tmp_path / "b.txt", b"two!\n")
+    assert load_corpus(tmp_path).fingerprint != f1
