@@ -23,10 +23,12 @@ Special blocks (decisions documented here, tested in tests/ops/test_mx.py):
 - All-zero block → scale byte 0 (2^−127, what the formula gives after clamping log2(0) = −∞)
   and all-zero codes; the sign of −0.0 is kept, as in an IEEE cast.
 
-Exactness: x is widened to float64, where dividing by 2^s is exact for every E8M0 exponent and
-every input dtype up to fp32 (and unaffected by ``torch.set_flush_denormal``). The only rounding
-is one ``torch.round`` (half to even) of an exactly scaled integer-grid value, so there is no
-double rounding. Exponents are read from float64 bit fields, never from ``log2``.
+Exactness: |x| / 2^s is formed in float64, where it is exact for every E8M0 exponent and every
+input dtype up to fp32 (and unaffected by ``torch.set_flush_denormal``). Elements are then rounded
+by comparisons only (``torch.bucketize`` against the midpoints between representable values, the
+tie rule built into the boundaries), so nothing is rounded twice. Exponents are read from float64
+bit fields, never from ``log2``. (Under ``torch.set_flush_denormal(True)`` the CPU itself reads
+fp32 subnormal inputs as zero, so a block whose amax is below 2^−126 then quantizes as zero.)
 """
 
 from __future__ import annotations
@@ -103,17 +105,21 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
-def _round_to_elem(a: torch.Tensor, f: _ElemFormat) -> torch.Tensor:
-    """Magnitude codes (int64) of float64 a ≥ 0 (already saturated to max_normal), ties to even.
+def _rounding_boundaries(f: _ElemFormat, device: torch.device) -> torch.Tensor:
+    """float64 [M−1] boundaries for ``torch.bucketize`` mapping a magnitude to its nearest code.
 
-    With e = max(floor(log2 a), emin) the representable neighbours of a are multiples of
-    2^(e − mbits); n = round(a / 2^(e − mbits)) is the integer significand and the code is
-    (e − emin)·2^mbits + n. A carry (n = 2^(mbits+1)) lands on the next binade's code and
-    n ≤ 2^mbits below emin gives the subnormals, so one formula covers every case.
+    Between codes i and i+1 the decision point is the midpoint t_i. bucketize counts boundaries
+    strictly below a, so a tie a = t_i stays on code i; when code i is odd the tie must go up to
+    the even code i+1, so that boundary is moved one float64 ulp down (a ≥ t_i ⟺ a > prev(t_i),
+    exact because a is a float64). Codes are ordered by magnitude and the last one is the max
+    normal, so values beyond it saturate without a clamp.
     """
-    e = torch.clamp(_floor_log2(a), min=f.emin)
-    n = torch.round(a * _pow2(f.mbits - e))  # exact scaling, then the single rounding (half to even)
-    return (e - f.emin) * (1 << f.mbits) + n.to(torch.int64)
+    mags = _decode_table(f, device)[: f.sign_bit]
+    if f.nan_code is not None:
+        mags = mags[: f.nan_code]
+    mid = (mags[1:] + mags[:-1]) / 2  # exact: a few significant bits
+    lower_odd = torch.arange(len(mid), device=device) % 2 == 1
+    return torch.where(lower_odd, torch.nextafter(mid, torch.zeros_like(mid)), mid)
 
 
 def quantize_mx(x: torch.Tensor, fmt: str, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,15 +127,22 @@ def quantize_mx(x: torch.Tensor, fmt: str, block: int = 32) -> tuple[torch.Tenso
     f = _format(fmt)
     if not x.is_floating_point():
         raise ValueError(f"quantize_mx expects a floating-point tensor, got {x.dtype}")
-    xb = _blocks(x, block, "quantize_mx input").to(torch.float64)
-    special = (~torch.isfinite(xb)).any(dim=-1)  # NaN or ±Inf → NaN scale
-    xb = torch.where(special.unsqueeze(-1), torch.zeros((), dtype=xb.dtype, device=xb.device), xb)
-    amax = xb.abs().amax(dim=-1)
+    xb = _blocks(x, block, "quantize_mx input")
+    ax = xb.abs()
+    amax = ax.amax(dim=-1).to(torch.float64)  # NaN and Inf propagate
+    special = ~torch.isfinite(amax)  # NaN or ±Inf in the block → NaN scale
+    any_special = bool(special.any())
+    amax = amax.masked_fill(special, 0.0)
     shared = torch.clamp(_floor_log2(amax) - f.emax, -E8M0_BIAS, E8M0_BIAS)  # log2(0) → clamps to −127
-    a = torch.clamp((xb * _pow2(-shared).unsqueeze(-1)).abs(), max=f.max_normal)
-    code = _round_to_elem(a, f) | torch.where(torch.signbit(xb), f.sign_bit, 0)
+    a = ax * _pow2(-shared).unsqueeze(-1)  # promoted to float64: an exact division by 2^shared
+    if any_special:
+        a = a.masked_fill(special.unsqueeze(-1), 0.0)
+    mag = torch.bucketize(a, _rounding_boundaries(f, x.device), out_int32=True)
+    code = torch.where(torch.signbit(xb), mag + f.sign_bit, mag).to(torch.uint8)
+    if any_special:
+        code = code.masked_fill(special.unsqueeze(-1), 0)
     scales = torch.where(special, E8M0_NAN, shared + E8M0_BIAS).to(torch.uint8)
-    return code.to(torch.uint8).reshape(x.shape), scales
+    return code.reshape(x.shape), scales
 
 
 def _decode_table(f: _ElemFormat, device: torch.device) -> torch.Tensor:

