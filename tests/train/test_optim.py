@@ -14,6 +14,15 @@ from k3.train.optim import (Muon, build_optimizer, build_param_groups, classify_
 A, B_, C = 3.4445, -4.7750, 2.0315
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # matrices here are tiny: threads only add spin-wait contention on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def ref_ns(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Newton–Schulz quintic in float64 on one matrix, written out independently."""
     x = g.double()
