@@ -1,0 +1,268 @@
+"""Read any supported checkpoint directory into K3 tensors: scan, validate, then stream.
+
+Three passes, so bad input never leaves a model half-loaded:
+
+1. :func:`scan` reads ``config.json`` and every shard *header* (no tensor data);
+2. :func:`plan_load` maps each on-disk tensor to its internal name (``names.resolve``) and checks
+   the whole set against ``expected_tensors``: missing / unexpected / mis-shaped / wrong-dtype
+   tensors are all reported in one :class:`CheckpointError` naming file and tensor;
+3. :func:`stream_into` copies shard by shard with ``safe_open`` (peak memory = destination + one
+   tensor), dequantizing packed MXFP4 experts and reshaping ``A_log``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+
+from k3.checkpoint.io import CheckpointError, TensorInfo, read_header
+from k3.checkpoint.names import (TEXT_PREFIX, Target, check_file_shape, expected_tensors, keeps_fp32, resolve,
+                                 storage_dtype, to_internal)
+from k3.checkpoint.save import CONFIG_NAME, INDEX_NAME
+from k3.config import K3Config
+from k3.ops.mx import dequantize_mx, unpack_fp4
+
+__all__ = ["CheckpointFiles", "LoadPlan", "read_config", "scan", "plan_load", "stream_into",
+           "load_state_dict", "checkpoint_dtype"]
+
+log = logging.getLogger("k3.checkpoint")
+_SHARD_RE = re.compile(r"^model-.*\d{5}-of-\d{5}\.safetensors$")
+# Fields that exist only in K3; a kimi_linear config without any of them is a Kimi-Linear model,
+# whose values for them differ from K3Config's (K3) defaults.
+_KIMI_LINEAR_DEFAULTS = {"routed_expert_hidden_size": None, "latent_moe_use_norm": False,
+                         "mla_use_output_gate": False, "attn_res_block_size": None,
+                         "activation_situ_linear_beta": None, "hidden_act": "silu"}
+
+
+def _kimi_linear_defaults(d: dict[str, Any]) -> dict[str, Any]:
+    if "text_config" in d or d.get("model_type") != "kimi_linear" or any(k in d for k in _KIMI_LINEAR_DEFAULTS
+                                                                         if k != "hidden_act"):
+        return d
+    d = dict(d)
+    for k, v in _KIMI_LINEAR_DEFAULTS.items():
+        d.setdefault(k, v)
+    if "max_position_embeddings" not in d and "model_max_length" in d:  # transformers' attribute_map
+        d["max_position_embeddings"] = d.pop("model_max_length")
+    if isinstance(d.get("linear_attn_config"), dict):
+        lac = dict(d["linear_attn_config"])
+        lac.setdefault("gate_lower_bound", None)
+        lac.setdefault("use_full_rank_gate", False)
+        d["linear_attn_config"] = lac
+    return d
+
+
+def read_config(directory: str) -> K3Config:
+    path = os.path.join(directory, CONFIG_NAME)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no config.json in the checkpoint directory") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(d).__name__}")
+    try:
+        return K3Config.from_dict(_kimi_linear_defaults(d))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: invalid config: {e}") from None
+
+
+@dataclass
+class CheckpointFiles:
+    """A checkpoint directory as seen through its headers: config and on-disk tensor infos."""
+
+    directory: str
+    config: K3Config
+    tensors: dict[str, TensorInfo]
+    multimodal: bool
+
+
+def _shard_list(directory: str) -> tuple[list[str], dict[str, str] | None]:
+    index = os.path.join(directory, INDEX_NAME)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: corrupt index ({type(e).__name__}: {e})") from None
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or os.path.basename(shard) != shard:
+                raise CheckpointError(f"{index}: tensor {name!r} points to an invalid shard name {shard!r}")
+            if not os.path.isfile(os.path.join(directory, shard)):
+                raise CheckpointError(f"{index}: tensor {name!r} points to missing shard "
+                                      f"{os.path.join(directory, shard)}")
+        return sorted(set(weight_map.values())), weight_map
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        return ["model.safetensors"], None
+    orphans = [f for f in os.listdir(directory) if _SHARD_RE.match(f)]
+    if orphans:  # shards renamed but the index never committed: an interrupted save
+        raise CheckpointError(f"{directory}: shards {sorted(orphans)[:3]}... but no {INDEX_NAME} "
+                              "(an interrupted save?)")
+    raise CheckpointError(f"{directory}: no {INDEX_NAME} or model.safetensors")
+
+
+def scan(directory: str | os.PathLike) -> CheckpointFiles:
+    """Config and all shard headers of a checkpoint directory; reads no tensor data."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: not a directory")
+    config = read_config(directory)
+    shards, weight_map = _shard_list(directory)
+    tensors: dict[str, TensorInfo] = {}
+    for shard in shards:
+        for name, info in read_header(os.path.join(directory, shard)).items():
+            if name in tensors:
+                raise CheckpointError(f"{info.file}: tensor {name!r} also stored in {tensors[name].file}")
+            if weight_map is not None and weight_map.get(name) != shard:
+                raise CheckpointError(f"{info.file}: tensor {name!r} is not listed for this shard "
+                                      f"in {INDEX_NAME}")
+            tensors[name] = info
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in tensors:
+                raise CheckpointError(f"{os.path.join(directory, shard)}: tensor {name!r} listed in "
+                                      f"{INDEX_NAME} is not in the shard")
+    multimodal = any(n.startswith(TEXT_PREFIX) for n in tensors)
+    return CheckpointFiles(directory, config, tensors, multimodal)
+
+
+@dataclass
+class LoadPlan:
+    """Validated mapping: per shard file, the (target, info) pairs to copy; plus what was skipped."""
+
+    by_file: dict[str, list[tuple[Target, TensorInfo]]] = field(default_factory=lambda: defaultdict(list))
+    ignored: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _check_one(target: Target, info: TensorInfo, config: K3Config) -> str | None:
+    where = f"{info.file}: tensor {info.name!r}"
+    want = check_file_shape(target, info.shape, config)
+    if want is not None:
+        return f"{where}: shape {list(info.shape)}, expected {want} (for {target.name})"
+    if target.kind in ("packed", "scale"):
+        if info.dtype != torch.uint8:
+            return f"{where}: MXFP4 {'codes' if target.kind == 'packed' else 'scales'} must be uint8, got {info.dtype}"
+    elif not info.dtype.is_floating_point:
+        return f"{where}: expected a floating-point tensor, got {info.dtype}"
+    return None
+
+
+def plan_load(files: CheckpointFiles, config: K3Config, strict: bool = True) -> LoadPlan:
+    """Validate every on-disk tensor against ``expected_tensors(config)``; raise on any problem."""
+    expected = expected_tensors(config)
+    plan, problems = LoadPlan(), []
+    covered: dict[str, str] = {}
+    expert_kinds: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
+    for name, info in files.tensors.items():
+        target = resolve(name, config, expected, files.multimodal)
+        if target is None:
+            plan.unexpected.append(name)
+            continue
+        if target.kind == "ignored":
+            plan.ignored.append(name)
+            continue
+        bad = _check_one(target, info, config)
+        if bad:
+            problems.append(bad)
+            continue
+        if target.expert is None:
+            prev = covered.setdefault(target.name, name)
+        else:
+            prev = expert_kinds[(target.name, target.expert)].setdefault(target.kind, name)
+        if prev != name:
+            problems.append(f"{info.file}: tensor {name!r} and tensor {prev!r} both provide {target.name}"
+                            + (f" expert {target.expert}" if target.expert is not None else ""))
+            continue
+        plan.by_file[info.file].append((target, info))
+    for name, (shape, _) in expected.items():
+        if ".experts.w" not in name:
+            if name not in covered:
+                problems.append(f"{files.directory}: missing tensor {name}")
+            continue
+        for e in range(shape[0]):
+            kinds = set(expert_kinds.get((name, e), {}))
+            if kinds not in ({"plain"}, {"packed", "scale"}):
+                have = f" (found only {sorted(kinds)})" if kinds else ""
+                problems.append(f"{files.directory}: missing tensor {name.rsplit('.', 1)[0]}.{e}."
+                                f"{name.rsplit('.', 1)[1]}.weight{have}")
+    if plan.unexpected and strict:
+        problems += [f"{files.tensors[n].file}: unexpected tensor {n!r}" for n in plan.unexpected]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise CheckpointError(f"checkpoint {files.directory} does not match the model "
+                              f"({len(problems)} problem(s)):\n  " + "\n  ".join(shown))
+    if plan.unexpected:
+        log.warning("%s: ignoring %d unexpected tensor(s): %s", files.directory, len(plan.unexpected),
+                    ", ".join(plan.unexpected[:10]) + (" ..." if len(plan.unexpected) > 10 else ""))
+    if plan.ignored:
+        log.info("%s: ignoring %d vision/projector tensor(s) (k3 loads the text model)",
+                 files.directory, len(plan.ignored))
+    return plan
+
+
+def _dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 expert matrix: packed uint8 [out, in/2] + E8M0 scales [out, in/32] -> fp32 [out, in]."""
+    n = packed.shape[-1] * 2
+    return dequantize_mx(unpack_fp4(packed, n), scale, "fp4_e2m1", 32, torch.float32)
+
+
+@torch.no_grad()
+def stream_into(plan: LoadPlan, dest: Mapping[str, torch.Tensor], config: K3Config) -> None:
+    """Copy every planned tensor into ``dest[internal name]`` (cast to the destination dtype)."""
+    pending: dict[tuple[str, int], dict[str, torch.Tensor]] = defaultdict(dict)
+    for path, items in plan.by_file.items():
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for target, info in items:
+                    t = f.get_tensor(info.name)
+                    out = dest[target.name]
+                    if target.kind == "plain":
+                        t = to_internal(target, t, config)
+                        (out if target.expert is None else out[target.expert]).copy_(t)
+                        continue
+                    slot = pending[(target.name, target.expert)]
+                    slot[target.kind] = t
+                    if len(slot) == 2:
+                        out[target.expert].copy_(_dequant(slot["packed"], slot["scale"]))
+                        del pending[(target.name, target.expert)]
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors reports corrupt data as several exception types
+            raise CheckpointError(f"{path}: cannot read tensor data ({type(e).__name__}: {e})") from None
+
+
+def checkpoint_dtype(files: CheckpointFiles) -> torch.dtype:
+    """The dtype most bytes of the non-fp32-kept float tensors are stored in (fp32 if none)."""
+    nbytes: dict[torch.dtype, int] = defaultdict(int)
+    for name, info in files.tensors.items():
+        if info.dtype.is_floating_point and not keeps_fp32(name):
+            nbytes[info.dtype] += info.numel
+    return max(nbytes, key=nbytes.get) if nbytes else torch.float32
+
+
+def load_state_dict(directory: str | os.PathLike, dtype: torch.dtype | None = None, strict: bool = True,
+                    ) -> tuple[K3Config, dict[str, torch.Tensor]]:
+    """A checkpoint as ``(config, internal-name state dict)`` without building a model.
+
+    ``dtype`` None keeps the checkpoint's dtype; fp32-kept tensors are always fp32.
+    """
+    files = scan(directory)
+    config = files.config
+    plan = plan_load(files, config, strict)
+    dtype = dtype or checkpoint_dtype(files)
+    sd = {n: torch.empty(s, dtype=storage_dtype(n, dtype)) for n, (s, _) in expected_tensors(config).items()}
+    stream_into(plan, sd, config)
+    return config, sd

@@ -1,0 +1,209 @@
+"""The one place that knows checkpoint tensor names (SPEC §4, docs/INTERFACES.md).
+
+Inside k3 the state-dict names are the HF names except that routed experts are stacked
+(``block_sparse_moe.experts.w1`` [E, F, ℓ]). On disk every supported layout is mapped onto those
+internal names by :func:`resolve`:
+
+* k3 / K3 release:   ``...experts.{e}.w{1,2,3}.weight`` (one expert each), optionally prefixed
+  ``language_model.`` (multimodal release) and optionally packed MXFP4
+  (``.weight_packed`` uint8 [out, in/2] + ``.weight_scale`` uint8 [out, in/32]);
+* Kimi-Linear (Moonshot or transformers' ``save_pretrained``): the dense layer-0 MLP may sit under
+  ``block_sparse_moe.`` and ``A_log`` is stored [1, 1, nh, 1]; the K3 release pads ``A_log`` to 128.
+
+:func:`expected_tensors` is the validation source of truth for both loading and saving.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from k3.config import K3Config
+
+__all__ = ["expected_tensors", "keeps_fp32", "storage_dtype", "file_names", "resolve", "Target", "check_file_shape",
+           "to_internal", "is_stacked_expert",
+           "TEXT_PREFIX", "MX_BLOCK"]
+
+TEXT_PREFIX = "language_model."
+MX_BLOCK = 32  # OCP MX block size along the input dimension
+_VISION_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "mm_projector.", "visual.")
+# Tensors the release stores in fp32 whatever the model dtype (SPEC §4).
+_FP32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
+_DENSE_ALIAS_RE = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+
+Shape = tuple[int, ...]
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether a tensor stays fp32 in checkpoints and models whatever the requested dtype."""
+    return name.endswith(_FP32_SUFFIXES)
+
+
+def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if keeps_fp32(name) else dtype
+
+
+def _kda(cfg: K3Config) -> dict[str, Shape]:
+    lac, H = cfg.linear_attn_config, cfg.hidden_size
+    nh, d, K = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+    P = nh * d
+    t = {f"{p}_proj.weight": (P, H) for p in "qkv"}
+    t.update({f"{p}_conv1d.weight": (P, 1, K) for p in "qkv"})
+    t.update({"f_a_proj.weight": (d, H), "f_b_proj.weight": (P, d), "b_proj.weight": (nh, H),
+              "A_log": (nh,), "dt_bias": (P,), "o_norm.weight": (d,), "o_proj.weight": (H, P)})
+    if lac.use_full_rank_gate:
+        t["g_proj.weight"] = (P, H)
+    else:
+        t.update({"g_a_proj.weight": (d, H), "g_b_proj.weight": (P, d)})
+    return t
+
+
+def _mla(cfg: K3Config) -> dict[str, Shape]:
+    H, nh = cfg.hidden_size, cfg.num_attention_heads
+    t: dict[str, Shape] = {}
+    if cfg.q_lora_rank is None:
+        t["q_proj.weight"] = (nh * cfg.qk_head_dim, H)
+    else:
+        t.update({"q_a_proj.weight": (cfg.q_lora_rank, H), "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                  "q_b_proj.weight": (nh * cfg.qk_head_dim, cfg.q_lora_rank)})
+    t.update({"kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),
+              "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+              "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+              "o_proj.weight": (H, nh * cfg.v_head_dim)})
+    if cfg.mla_use_output_gate:
+        t["g_proj.weight"] = (nh * cfg.v_head_dim, H)
+    return t
+
+
+def _mlp(H: int, inter: int) -> dict[str, Shape]:
+    return {"gate_proj.weight": (inter, H), "up_proj.weight": (inter, H), "down_proj.weight": (H, inter)}
+
+
+def _moe(cfg: K3Config) -> dict[str, Shape]:
+    H, E, F, L = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_dim
+    t: dict[str, Shape] = {"gate.weight": (E, H), "gate.e_score_correction_bias": (E,),
+                           "experts.w1": (E, F, L), "experts.w3": (E, F, L), "experts.w2": (E, L, F)}
+    if cfg.uses_latent_moe:
+        t.update({"routed_expert_down_proj.weight": (L, H), "routed_expert_up_proj.weight": (H, L)})
+        if cfg.latent_moe_use_norm:
+            t["routed_expert_norm.weight"] = (L,)
+    if cfg.num_shared_experts:
+        t.update({f"shared_experts.{k}": v
+                  for k, v in _mlp(H, cfg.num_shared_experts * cfg.moe_intermediate_size).items()})
+    return t
+
+
+def expected_tensors(config: K3Config, dtype: torch.dtype = torch.float32) -> dict[str, tuple[Shape, torch.dtype]]:
+    """``{internal name: (shape, dtype)}`` of every tensor a K3 state dict holds for ``config``.
+
+    Routed experts are stacked ([E, out, in], nn.Linear layout per expert). ``dtype`` is the model
+    dtype; the tensors the release keeps in fp32 are listed as fp32. With tied embeddings
+    ``lm_head.weight`` is not listed (it is ``model.embed_tokens.weight``).
+    """
+    H = config.hidden_size
+    shapes: dict[str, Shape] = {"model.embed_tokens.weight": (config.vocab_size, H), "model.norm.weight": (H,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, H)
+    res = config.attn_res_block_size is not None
+    if res:
+        shapes.update({"model.output_attn_res_proj.weight": (1, H), "model.output_attn_res_norm.weight": (H,)})
+    for l in range(config.num_hidden_layers):
+        p = f"model.layers.{l}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if res:
+            for r in ("self_attention_res", "mlp_res"):
+                shapes.update({f"{p}{r}_proj.weight": (1, H), f"{p}{r}_norm.weight": (H,)})
+        attn = _kda(config) if config.is_kda_layer(l) else _mla(config)
+        shapes.update({f"{p}self_attn.{k}": v for k, v in attn.items()})
+        if config.is_moe_layer(l):
+            shapes.update({f"{p}block_sparse_moe.{k}": v for k, v in _moe(config).items()})
+        else:
+            shapes.update({f"{p}mlp.{k}": v for k, v in _mlp(H, config.intermediate_size).items()})
+    return {n: (s, storage_dtype(n, dtype)) for n, s in shapes.items()}
+
+
+def is_stacked_expert(name: str) -> bool:
+    return ".block_sparse_moe.experts.w" in name
+
+
+def file_names(name: str, shape: Shape) -> list[tuple[str, int | None]]:
+    """The on-disk names k3 writes for one internal tensor: ``[(file name, expert index or None)]``."""
+    if not is_stacked_expert(name):
+        return [(name, None)]
+    base, w = name.rsplit(".", 1)
+    return [(f"{base}.{e}.{w}.weight", e) for e in range(shape[0])]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one on-disk tensor goes: internal ``name``, expert slot, and how it is stored.
+
+    ``kind``: ``"plain"`` (a float tensor), ``"packed"`` / ``"scale"`` (the two halves of an MXFP4
+    expert matrix), or ``"ignored"`` (vision tensors). ``file_shape`` is the shape it must have.
+    """
+
+    name: str
+    kind: str
+    expert: int | None = None
+    file_shape: Shape | None = None
+
+
+def _accepts_a_log(shape: Shape, nh: int) -> bool:
+    # [nh] (k3), [1,1,nh,1] (Kimi-Linear), or 1-D padded beyond nh (the K3 release pads to 128).
+    return (len(shape) == 1 and shape[0] >= nh) or shape == (1, 1, nh, 1)
+
+
+def resolve(file_name: str, config: K3Config, expected: dict[str, tuple[Shape, torch.dtype]],
+            multimodal: bool) -> Target | None:
+    """Map an on-disk tensor name to its :class:`Target`, or None when k3 has no such tensor.
+
+    ``multimodal``: the checkpoint prefixes text tensors with ``language_model.``; anything
+    without the prefix is then a vision/projector tensor and ignored.
+    """
+    name = file_name
+    if name.startswith(TEXT_PREFIX):
+        name = name[len(TEXT_PREFIX):]
+    elif multimodal or name.startswith(_VISION_PREFIXES):
+        return Target(file_name, "ignored")
+    m = _EXPERT_RE.match(name)
+    if m:
+        internal = f"{m.group(1)}.{m.group(3)}"
+        if internal not in expected:
+            return None
+        E, out, inp = expected[internal][0]
+        e = int(m.group(2))
+        if e >= E:
+            return None
+        kind = {"weight": "plain", "weight_packed": "packed", "weight_scale": "scale"}[m.group(4)]
+        shape = {"plain": (out, inp), "packed": (out, inp // 2), "scale": (out, inp // MX_BLOCK)}[kind]
+        return Target(internal, kind, e, shape)
+    m = _DENSE_ALIAS_RE.match(name)
+    if m and name not in expected:
+        alias = f"model.layers.{m.group(1)}.mlp.{m.group(2)}"
+        if alias in expected:
+            name = alias
+    if name not in expected:
+        return None
+    shape = expected[name][0]
+    if name.endswith(".A_log"):
+        return Target(name, "plain", None, None)  # shape checked by check_file_shape
+    return Target(name, "plain", None, shape)
+
+
+def check_file_shape(target: Target, shape: Shape, config: K3Config) -> str | None:
+    """None if ``shape`` is acceptable on disk for ``target``, else the expected shape as text."""
+    if target.file_shape is None:  # A_log
+        nh = config.linear_attn_config.num_heads
+        return None if _accepts_a_log(shape, nh) else f"[{nh}] (or [1, 1, {nh}, 1], or 1-D padded beyond {nh})"
+    return None if tuple(shape) == tuple(target.file_shape) else str(list(target.file_shape))
+
+
+def to_internal(target: Target, t: torch.Tensor, config: K3Config) -> torch.Tensor:
+    """Reshape a plain on-disk tensor to its internal shape (only ``A_log`` differs)."""
+    if target.name.endswith(".A_log"):
+        return t.reshape(-1)[: config.linear_attn_config.num_heads]
+    return t

@@ -1,0 +1,107 @@
+"""``k3 convert`` and ``k3 inspect``: re-export any supported checkpoint, summarise one from headers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections import Counter, defaultdict
+
+import torch
+
+from k3.checkpoint.load import checkpoint_dtype, load_state_dict, plan_load, scan
+from k3.checkpoint.save import save_state_dict
+
+__all__ = ["convert", "inspect", "convert_main", "inspect_main", "DTYPE_ARGS"]
+
+DTYPE_ARGS = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+              "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: torch.dtype | None = None,
+            max_shard_size: int | str = "2GB", strict: bool = True) -> list[str]:
+    """Read ``src`` (k3, K3 release, Kimi-Linear) and write it to ``dst`` in k3's layout."""
+    if os.path.realpath(src) == os.path.realpath(dst):
+        raise ValueError("convert: source and destination are the same directory")
+    config, sd = load_state_dict(src, dtype=dtype, strict=strict)
+    return save_state_dict(sd, config, dst, max_shard_size)
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"\.(\d+)\.", lambda m: ".{e}." if "experts" in name[: m.start()] else ".{l}.", name)
+
+
+def _count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def inspect(directory: str | os.PathLike) -> str:
+    """Config summary, parameter counts and dtype/shape statistics, from config and headers only."""
+    files = scan(directory)
+    cfg = files.config
+    plan = plan_load(files, cfg, strict=False)
+    lac = cfg.linear_attn_config
+    lines = [
+        f"checkpoint {files.directory}" + (" (multimodal layout: language_model.*)" if files.multimodal else ""),
+        f"  layers {cfg.num_hidden_layers}: {len(cfg.kda_layer_ids)} KDA ({lac.num_heads}x{lac.head_dim}), "
+        f"{len(cfg.mla_layer_ids)} MLA ({cfg.num_attention_heads} heads)",
+        f"  hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, experts {cfg.num_experts} top-{cfg.num_experts_per_token}"
+        f" + {cfg.num_shared_experts} shared, expert width {cfg.moe_intermediate_size}"
+        + (f", latent {cfg.routed_expert_hidden_size}" if cfg.uses_latent_moe else "")
+        + (f", AttnRes block {cfg.attn_res_block_size}" if cfg.attn_res_block_size else ""),
+        f"  dominant dtype {str(checkpoint_dtype(files)).replace('torch.', '')}, "
+        f"{len({i.file for i in files.tensors.values()})} shard file(s)",
+    ]
+    params, routed, nbytes = 0, 0, 0
+    by_dtype: Counter = Counter()
+    groups: dict[tuple[str, str, tuple], int] = defaultdict(int)
+    text = {i.name for items in plan.by_file.values() for _, i in items}
+    for name, info in files.tensors.items():
+        size = info.numel * info.dtype.itemsize
+        nbytes += size
+        by_dtype[str(info.dtype).replace("torch.", "")] += size
+        groups[(_pattern(name), str(info.dtype).replace("torch.", ""), info.shape)] += 1
+        if name not in text:
+            continue
+        n = info.numel * (2 if name.endswith(".weight_packed") else 1)  # two FP4 codes per byte
+        if name.endswith(".weight_scale"):
+            n = 0
+        params += n
+        routed += n if ".experts." in name else 0
+    active = params - routed + (routed * cfg.num_experts_per_token // max(cfg.num_experts, 1))
+    lines += [f"  parameters {params:,} ({_count(params)}), routed experts {routed:,} ({_count(routed)}), "
+              f"activated per token ~{_count(active)} (incl. embedding)",
+              f"  tensors {len(files.tensors)}, {nbytes / 1e6:.1f} MB: "
+              + ", ".join(f"{d} {b / 1e6:.1f} MB" for d, b in by_dtype.most_common())]
+    if plan.ignored:
+        lines.append(f"  ignored (vision/projector): {len(plan.ignored)} tensors")
+    if plan.unexpected:
+        lines.append(f"  unexpected for this config: {len(plan.unexpected)} tensors, e.g. {plan.unexpected[0]}")
+    lines.append(f"  {'count':>6}  {'dtype':<9}{'shape':<20}name")
+    for (pat, dt, shape), c in sorted(groups.items()):
+        lines.append(f"  {c:>6}  {dt:<9}{str(list(shape)):<20}{pat}")
+    return "\n".join(lines)
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3 convert", description="re-export a checkpoint in k3's layout")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--dtype", choices=sorted(DTYPE_ARGS), default=None,
+                   help="model dtype (fp32-kept tensors stay fp32); default: as stored")
+    p.add_argument("--max-shard-size", default="2GB")
+    p.add_argument("--lenient", action="store_true", help="skip tensors k3 does not know instead of failing")
+    a = p.parse_args(argv)
+    names = convert(a.src, a.dst, DTYPE_ARGS[a.dtype] if a.dtype else None, a.max_shard_size, not a.lenient)
+    print(f"wrote {len(names)} shard(s) to {a.dst}")
+    return 0
+
+
+def inspect_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3 inspect", description="summarise a checkpoint without loading it")
+    p.add_argument("dir")
+    print(inspect(p.parse_args(argv).dir))
+    return 0
