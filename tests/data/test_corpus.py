@@ -106,3 +106,43 @@ def test_fingerprint_changes_with_content(tmp_path):
     assert load_corpus(tmp_path).fingerprint == f1
     _write(tmp_path / "b.txt", b"two!\n")
     assert load_corpus(tmp_path).fingerprint != f1
+
+
+class _FakeDatasets:
+    """Just enough of the `datasets` API (load_from_disk, Dataset, DatasetDict) for the loader."""
+
+    class Dataset(list):
+        pass
+
+    class DatasetDict(dict):
+        pass
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def load_from_disk(self, path):
+        return self.obj
+
+
+def _rows(texts):
+    return _FakeDatasets.Dataset({"text": t} for t in texts)
+
+
+def test_hf_dataset_dict_keeps_its_own_splits(tmp_path, monkeypatch):
+    import sys
+    dd = _FakeDatasets.DatasetDict(train=_rows(["a", "b", "c"]), validation=_rows(["v"]))
+    monkeypatch.setitem(sys.modules, "datasets", _FakeDatasets(dd))
+    _write(tmp_path / "ds" / "dataset_dict.json", b'{"splits": ["train", "validation"]}')
+    c = load_corpus(tmp_path / "ds")
+    assert list(c.documents("train")) == ["a", "b", "c"] and list(c.documents("validation")) == ["v"]
+    assert c.train_ids == ["train/0", "train/1", "train/2"] and c.val_bytes == 1
+
+
+def test_hf_plain_dataset_is_split_by_row_id_hash(tmp_path, monkeypatch):
+    import sys
+    texts = [f"row {i}" for i in range(400)]
+    monkeypatch.setitem(sys.modules, "datasets", _FakeDatasets(_rows(texts)))
+    _write(tmp_path / "ds" / "dataset_info.json", b"{}")
+    c = load_corpus(tmp_path / "ds")
+    assert c.validation_ids == [str(i) for i in range(400) if _val_by_formula(str(i))]
+    assert len(c.train_ids) + len(c.validation_ids) == 400

@@ -85,10 +85,11 @@ def build_token_stream(corpus: Corpus, tokenizer: Tokenizer, split: str = "train
         if seed is not None:
             texts = [texts[k] for k in np.random.default_rng(seed).permutation(len(texts))]
         dtype = token_dtype(tokenizer.vocab_size)
-        ids: list[list[int]] = []
-        for s in range(0, len(texts), batch_docs):
-            ids += tokenizer.encode_batch(texts[s:s + batch_docs])
-        _save_npy_atomic(path, pack_documents(ids, tokenizer.eos_token_id, dtype))
+        # pack per batch of documents: a list of Python ints would cost ~30x the array's memory
+        parts = [pack_documents(tokenizer.encode_batch(texts[s:s + batch_docs]),
+                                tokenizer.eos_token_id, dtype)
+                 for s in range(0, len(texts), batch_docs)]
+        _save_npy_atomic(path, np.concatenate(parts))
     return np.load(path, mmap_mode="r")
 
 
