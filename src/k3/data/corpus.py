@@ -21,9 +21,9 @@ another one between splits):
   and a ``validation`` (else ``test``) split is used as split; otherwise every row, id
   ``"<split>/<row index>"`` (or ``"<row index>"`` for a plain ``Dataset``), goes through the rule.
 
-If the rule leaves the validation split empty while there are at least two documents, the document
-with the smallest hash value is moved to validation (deterministic; small corpora still get a
-validation loss). Files that are not valid UTF-8 are skipped with a warning and counted in
+If the rule leaves the validation split empty while there are at least two documents, the first
+document (in id order) with the smallest ``hash % 100`` is moved to validation (deterministic; small
+corpora still get a validation loss). Files that are not valid UTF-8 are skipped with a warning and counted in
 ``Corpus.skipped``.
 """
 

@@ -58,6 +58,7 @@ def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
             np.save(f, arr)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; caches and checkpoints are shared
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

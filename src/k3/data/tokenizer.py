@@ -52,6 +52,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; caches and checkpoints are shared
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
