@@ -7,6 +7,15 @@ from k3.ops.routing import (load_stats, qb_bias_from_histogram, qb_margin_histog
                             qb_target_count, quantile_balance_update, route_topk, sign_update)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: one thread avoids oversubscription stalls on a shared 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def route_naive(logits, bias, k, activation, renormalize, scaling, groups, topk_group):
     """One token at a time, in float64."""
     ws, ids = [], []

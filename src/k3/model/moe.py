@@ -101,8 +101,9 @@ class MoEGate(nn.Module):
         bias = self.e_score_correction_bias
         super()._apply(fn, recurse)
         new = self.e_score_correction_bias
-        if new.dtype != torch.float32 and not new.is_meta:
-            self.e_score_correction_bias = bias.to(device=new.device, dtype=torch.float32)
+        if new.dtype != torch.float32:
+            keep = new.float() if bias.is_meta else bias.to(device=new.device, dtype=torch.float32)
+            self.e_score_correction_bias = keep
         return self
 
 
@@ -162,6 +163,7 @@ class LatentMoE(nn.Module):
         self.record_router_stats = False
         self.last_scores: torch.Tensor | None = None
         self.last_counts: torch.Tensor | None = None
+        self.last_dropped: torch.Tensor | None = None  # capacity path: slots dropped (0-d tensor)
         std = config.initializer_range
         self.gate = MoEGate(config)
         if self.latent:
@@ -235,6 +237,8 @@ class LatentMoE(nn.Module):
         starts = counts.cumsum(0) - counts
         pos = torch.arange(order.numel(), device=z.device) - starts.index_select(0, expert)
         keep = pos < cap
+        if self.record_router_stats:
+            self.last_dropped = (~keep).sum()
         slot = (expert * cap + pos)[keep]                                    # row in the [E·C] buffer
         token_k = token[keep]
         buf = torch.zeros(e * cap, d, dtype=z.dtype, device=z.device)
