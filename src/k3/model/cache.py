@@ -245,6 +245,8 @@ class K3Cache:
         return first._with_layers(layers, sum(c.batch_size for c in caches))
 
     def to(self, device: torch.device | str) -> "K3Cache":
+        """This cache on ``device`` (tensors already there are shared, as with ``Tensor.to``; layers
+        never write shared memory: KDA replaces its tensors, MLA regrows a full buffer)."""
         return self._with_layers([s.to(device) for s in self.layers], self.batch_size)
 
     def nbytes(self) -> int:
