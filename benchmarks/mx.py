@@ -1,7 +1,7 @@
 """MX quantization benchmark (SPEC §8): vectorised quantize_mx vs a naive per-block loop, and the
-packed MXFP4 expert footprint / decode speed of the `small` preset.
+packed MXFP4 expert footprint / decode speed (packed vs unpacked experts) of the `small` preset.
 
-    .venv/bin/python benchmarks/mx.py [--repeats 5]
+    .venv/bin/python benchmarks/mx.py [--repeats 5] [--decode-tokens 16] [--skip-model]
 
 Prints a table and appends JSON lines to benchmarks/results/mx.jsonl. Ratios only; both sides are
 measured in this process.
@@ -79,14 +79,56 @@ def bench_quantize(rows: list[dict], repeats: int) -> None:
                         value=fast, baseline=slow, ratio=fast / slow))
 
 
+def bench_experts(rows: list[dict], repeats: int, decode_tokens: int) -> None:
+    """`small` preset: packed MXFP4 expert bytes vs bf16, and decode tokens/s packed vs unpacked."""
+    import copy
+
+    from k3.config import get_preset
+    from k3.model.decoder import K3ForCausalLM
+    from k3.model.mx_experts import PackedMXFP4Experts, pack_routed_experts
+
+    cfg = get_preset("small")
+    torch.manual_seed(0)
+    plain = K3ForCausalLM(cfg).eval()
+    packed = copy.deepcopy(plain)
+    pack_routed_experts(packed)
+    moes = plain.moe_layers()
+    bf16 = sum(w.numel() * 2 for m in moes for w in (m.experts.w1, m.experts.w3, m.experts.w2))
+    pbytes = sum(m.nbytes() for m in packed.modules() if isinstance(m, PackedMXFP4Experts))
+    emit(rows, dict(bench="mx", config="small routed experts", metric="bytes packed_mxfp4 vs bf16",
+                    value=pbytes, baseline=bf16, ratio=pbytes / bf16))
+
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+
+    def decode(model):
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            tok = model(ids, cache=cache, logits_to_keep=1).logits.argmax(-1)
+            t0 = time.perf_counter()
+            for _ in range(decode_tokens):
+                tok = model(tok, cache=cache).logits[:, -1:].argmax(-1)
+            return time.perf_counter() - t0
+
+    for _ in range(1):  # warm-up both
+        decode(plain), decode(packed)
+    tp = statistics.median(decode(packed) for _ in range(repeats))
+    tu = statistics.median(decode(plain) for _ in range(repeats))
+    emit(rows, dict(bench="mx", config=f"small decode b1 {decode_tokens} tok fp32", metric="tokens_per_s packed vs unpacked",
+                    value=decode_tokens / tp, baseline=decode_tokens / tu, ratio=tu / tp))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--skip-model", action="store_true", help="quantize throughput only")
     args = ap.parse_args()
     torch.set_flush_denormal(True)
     print(f"{'config':<34} {'metric':<26} {'value':>14} {'baseline':>14} {'ratio':>10}")
     rows: list[dict] = []
     bench_quantize(rows, args.repeats)
+    if not args.skip_model:
+        bench_experts(rows, args.repeats, args.decode_tokens)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with RESULTS.open("a") as fh:
         for r in rows:
