@@ -176,6 +176,22 @@ def test_decay_parameters_stay_fp32_when_cast():
     assert m(x).dtype == torch.bfloat16
     m.half()
     assert m.A_log.dtype == torch.float32 and m.o_proj.weight.dtype == torch.float16
+    with torch.device("meta"):
+        big = KimiDeltaAttention(_cfg(heads=4), 0)
+    big = big.to(torch.bfloat16).to_empty(device="cpu")  # the meta-init → materialise route
+    assert big.A_log.dtype == torch.float32 and big.A_log.device.type == "cpu"
+
+
+def test_bf16_cached_decode_tracks_fp32_with_fp32_recurrent_state():
+    m = _layer(seed=7)
+    x = torch.randn(1, 12, m.hidden_size)
+    with torch.no_grad():
+        want = m(x)
+        m.to(torch.bfloat16)
+        st, xb = _state(m, 1), x.bfloat16()
+        got = torch.cat([m(xb[:, :8], st)] + [m(xb[:, t:t + 1], st) for t in range(8, 12)], 1)
+    assert st.recurrent.dtype == torch.float32 and st.conv.dtype == torch.bfloat16
+    assert got.dtype == torch.bfloat16 and rel(got.float(), want) < 3e-2
 
 
 def test_bad_inputs_are_named():

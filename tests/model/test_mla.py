@@ -180,3 +180,32 @@ def test_matches_transformers_kimi_linear_attention(q_lora):
         for impl in ("naive", "absorb"):
             m.attn_impl = impl
             assert rel(m(x), want) < 1e-5
+
+
+def test_auto_picks_naive_for_prefill_and_absorb_for_cached_decode(monkeypatch):
+    m = _layer(seed=7)
+    calls = []
+    for name in ("_naive", "_absorb"):
+        fn = getattr(m, name)
+        monkeypatch.setattr(m, name, lambda *a, _fn=fn, _n=name: calls.append(_n) or _fn(*a))
+    st = MLAState(1, m.kv_lora_rank, m.qk_rope_head_dim)
+    x = torch.randn(1, 10 + 2 * m.absorb_max_tokens, m.hidden_size)
+    with torch.no_grad():
+        m(x[:, :8])                                   # no cache
+        m(x[:, :8], st)                               # prefill into an empty cache
+        m(x[:, 8:9], st)                              # decode
+        m(x[:, 9:9 + m.absorb_max_tokens], st)        # short continuation
+        m(x[:, 9 + m.absorb_max_tokens:], st)         # long continuation
+    assert calls == ["_naive", "_naive", "_absorb", "_absorb", "_naive"]
+
+
+def test_bf16_decode_tracks_fp32():
+    m = _layer(seed=8)
+    x = torch.randn(2, 12, m.hidden_size)
+    with torch.no_grad():
+        want = m(x)
+        m.to(torch.bfloat16)
+        st, xb = MLAState(2, m.kv_lora_rank, m.qk_rope_head_dim), x.bfloat16()
+        got = torch.cat([m(xb[:, :8], st)] + [m(xb[:, t:t + 1], st) for t in range(8, 12)], 1)
+    assert st.c.dtype == torch.bfloat16 and got.dtype == torch.bfloat16
+    assert rel(got.float(), want) < 3e-2
