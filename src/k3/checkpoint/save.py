@@ -16,6 +16,7 @@ the config changed, and then validation rejects the pair instead of loading a mi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from typing import Mapping
@@ -91,8 +92,6 @@ def _shard_names(directory: str, n: int) -> list[str]:
 
 
 def _previous_shards(directory: str) -> set[str]:
-    import json
-
     try:
         with open(os.path.join(directory, INDEX_NAME)) as f:
             return set(json.load(f).get("weight_map", {}).values())
