@@ -134,37 +134,35 @@ def _intra_chunk_scores(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: 
     C, K = q.shape[-2], q.shape[-1]
     ns = C // sub
     lead = q.shape[:-2]
-    x = torch.stack([q, k], dim=-3)                                       # [..., 2, C, K]
-    scores = q.new_zeros(*lead, 2, C, C)
+    x = torch.stack([q, k])                                               # [2, ..., C, K]
+    scores = q.new_zeros(2, *lead, C, C)
     # Off-diagonal blocks: row block I factorises around its first row r (all j < r ≤ i).
     for blk in range(1, ns):
         r = blk * sub
         Gr = G[..., r:r + 1, :]
-        left = x[..., r:r + sub, :] * _decay(G[..., r:r + sub, :] - Gr).unsqueeze(-3)   # [..., 2, sub, K]
+        left = x[..., r:r + sub, :] * _decay(G[..., r:r + sub, :] - Gr)                 # [2, ..., sub, K]
         right = k[..., :r, :] * _decay(Gr - G[..., :r, :])                               # [..., r, K]
-        prod = left.reshape(*lead, 2 * sub, K) @ right.transpose(-1, -2)                 # [..., 2sub, r]
-        scores[..., r:r + sub, :r] = prod.reshape(*lead, 2, sub, r)
-    # Diagonal blocks.
-    xs = x.reshape(*lead, 2, ns, sub, K)
+        scores[..., r:r + sub, :r] = left @ right.transpose(-1, -2)
+    # Diagonal blocks, masked here so the rest of `scores` needs no mask.
+    xs = x.reshape(2, *lead, ns, sub, K)
     ks = k.reshape(*lead, ns, sub, K)
     Gs = G.reshape(*lead, ns, sub, K)
     if factor_diag:
         # Around the middle row m: |G_i − G_m| ≤ (sub/2)·max|g| ≤ 60, so both factors stay finite.
         m = sub // 2
         dG = Gs - Gs[..., m:m + 1, :]
-        left = xs * torch.exp(dG).unsqueeze(-4)
-        right = ks * torch.exp(-dG)
-        diag = left @ right.transpose(-1, -2).unsqueeze(-4)                              # [..., 2, ns, sub, sub]
+        left = xs * torch.exp(dG)
+        right_t = (ks * torch.exp(-dG)).transpose(-1, -2)
+        diag = torch.stack([left[0] @ right_t, left[1] @ right_t])                        # [2, ..., ns, sub, sub]
     else:
         dec = _decay(Gs.unsqueeze(-2) - Gs.unsqueeze(-3))                                # [..., ns, sub, sub, K]
-        diag = (xs.unsqueeze(-2) * (dec * ks.unsqueeze(-3)).unsqueeze(-5)).sum(-1)
+        diag = (xs.unsqueeze(-2) * (dec * ks.unsqueeze(-3))).sum(-1)
+    tril = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
+    diag = diag * torch.stack([tril, tril.tril(-1)]).reshape(2, *([1] * (len(lead) + 1)), sub, sub)
     for blk in range(ns):
         s0 = blk * sub
         scores[..., s0:s0 + sub, s0:s0 + sub] = diag[..., blk, :, :]
-    mask = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    mask = torch.stack([mask, mask.tril(-1)])                             # P keeps j = i, A does not
-    scores = scores * mask
-    return scores[..., 0, :, :], scores[..., 1, :, :]
+    return scores[0], scores[1]
 
 
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -188,29 +186,27 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     N = max(1, -(-T // C))
     pad = N * C - T
 
-    def chunked(x: torch.Tensor) -> torch.Tensor:                          # [B, T, H, *] -> [BH, N, C, *]
-        x = x.float().transpose(1, 2)
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-        return x.reshape(B * H, N, C, x.shape[-1])
+    def chunked(x: torch.Tensor) -> torch.Tensor:                          # [B, T, H, D] -> [N, BH, C, D]
+        x = F.pad(x.float(), (0, 0, 0, 0, 0, pad)) if pad else x.float()
+        return x.reshape(B, N, C, H, -1).permute(1, 0, 3, 2, 4).reshape(N, B * H, C, x.shape[-1])
 
     qc, kc, vc, gc = chunked(q) * scale, chunked(k), chunked(v), chunked(g)
-    bc = chunked(beta.unsqueeze(-1))                                       # [BH, N, C, 1]
+    bc = chunked(beta.unsqueeze(-1))                                       # [N, BH, C, 1]
     G = gc.cumsum(-2)
     factor_diag = bool(g.numel() == 0 or g.detach().abs().amax().item() * (sub // 2) <= _SAFE_FACTOR_SPAN)
     P, A = _intra_chunk_scores(qc, kc, G, sub, factor_diag)
 
     # (I + diag(β) A) X = diag(β) [V | K ⊙ e^G];  X = [U0 | W] so U = U0 − W S_0.
-    rhs = bc * torch.cat([vc, kc * _decay(G)], dim=-1)
+    decay_in = _decay(G)                                                   # e^{G_i}: chunk start -> i
+    rhs = torch.cat([vc, kc * decay_in], dim=-1) * bc
     X = torch.linalg.solve_triangular(bc * A, rhs, upper=False, unitriangular=True)
     Y = P @ X
-    o_intra, q_eff = Y[..., :V], qc * _decay(G) - Y[..., V:]              # O = o_intra + q_eff S_0
+    o_intra, q_eff = Y[..., :V], qc * decay_in - Y[..., V:]               # O = o_intra + q_eff S_0
     G_last = G[..., -1:, :]
     k_tail = kc * _decay(G_last - G)                                       # k_j e^{G_C − G_j}
-    ZM = k_tail.transpose(-1, -2) @ X                                      # [BH, N, K, V + K]
-    M = torch.diag_embed(_decay(G_last.squeeze(-2))) - ZM[..., V:]         # S_{n+1} = M S_n + Z
-    M = M.transpose(0, 1).contiguous()                                     # [N, BH, K, K]
-    Z = ZM[..., :V].transpose(0, 1).contiguous()                           # [N, BH, K, V]
+    ZM = k_tail.transpose(-1, -2) @ X                                      # [N, BH, K, V + K]
+    Z = ZM[..., :V]
+    M = torch.diag_embed(_decay(G_last.squeeze(-2))) - ZM[..., V:]         # S_{n+1} = M_n S_n + Z_n
 
     if initial_state is None:
         S = qc.new_zeros(B * H, K, V)
@@ -220,8 +216,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     for n in range(N):
         states.append(S)
         S = torch.baddbmm(Z[n], M[n], S)
-    o = o_intra + q_eff @ torch.stack(states, dim=1)                       # [BH, N, C, V]
-    o = o.reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2).to(v.dtype)
+    o = o_intra + q_eff @ torch.stack(states)                              # [N, BH, C, V]
+    o = o.reshape(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(v.dtype)
     return o, (S.reshape(B, H, K, V) if output_final_state else None)
 
 
