@@ -1,0 +1,298 @@
+"""``k3 train | sample | plot | demo``: argument parsing and the glue around the Trainer.
+
+Each ``*_main(argv)`` parses its own arguments and returns an exit status: 0 done, 2 bad input
+(message on stderr), 1 training diverged, 128 + signal number when stopped by SIGINT/SIGTERM
+(after writing a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["train_main", "sample_main", "plot_main", "demo_main", "load_run_model"]
+
+_USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+
+# flag -> (TrainConfig field, type, help); booleans become --x / --no-x
+_TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--preset", "preset", str, "model preset (nano, tiny, small, ...)"),
+    ("--model-config", "model_config", str, "model config.json (or checkpoint dir); overrides --preset"),
+    ("--data", "data", str, "local text/JSONL files or a HF datasets dir (default: Python stdlib)"),
+    ("--val-percent", "val_percent", int, "percent of documents held out for validation"),
+    ("--out", "out", str, "run directory (checkpoints, metrics, plot)"),
+    ("--steps", "steps", int, "optimizer steps"),
+    ("--batch-size", "batch_size", int, "sequences per micro-batch"),
+    ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step"),
+    ("--optimizer", "optimizer", str, "per_head | muon | adamw"),
+    ("--lr", "lr", float, "peak learning rate"),
+    ("--weight-decay", "weight_decay", float, "decoupled weight decay"),
+    ("--warmup-frac", "warmup_frac", float, "WSD warmup, fraction of steps"),
+    ("--decay-frac", "decay_frac", float, "WSD decay, fraction of steps"),
+    ("--min-lr-ratio", "min_lr_ratio", float, "lr floor at the end of the decay, x peak"),
+    ("--grad-clip", "grad_clip", float, "clip the global grad norm (0: off)"),
+    ("--max-skips", "max_skips", int, "stop after this many consecutive non-finite steps"),
+    ("--balance", "balance", str, "router balancing: quantile | sign | off"),
+    ("--balance-rate", "balance_rate", float, "step size of --balance sign"),
+    ("--qat", "qat", bool, "MXFP4 quantization-aware training of the routed experts"),
+    ("--attn-res", "attn_res", bool, "Block Attention Residuals (--no-attn-res: standard residuals)"),
+    ("--hidden-act", "hidden_act", str, "situ | silu"),
+    ("--log-interval", "log_interval", int, "steps between log lines (non-terminal output)"),
+    ("--eval-interval", "eval_interval", int, "steps between validation evals (0: only at the end)"),
+    ("--eval-batches", "eval_batches", int, "validation batches per eval (0: whole split)"),
+    ("--final-eval-batches", "final_eval_batches", int, "validation batches at the end (0: whole split)"),
+    ("--ckpt-interval", "ckpt_interval", int, "steps between checkpoints (0: only at the end)"),
+    ("--seed", "seed", int, "random seed"),
+    ("--threads", "threads", int, "torch CPU threads (0: default)"),
+    ("--device", "device", str, "cpu | cuda"),
+    ("--plot", "plot", bool, "write loss.png at the end"),
+]
+
+
+def _fail(cmd: str, e: BaseException) -> int:
+    print(f"k3 {cmd}: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _run_guarded(cmd: str, fn: Callable[[], int]) -> int:
+    try:
+        return fn()
+    except _USER_ERRORS as e:
+        return _fail(cmd, e)
+
+
+# ------------------------------------------------------------------------------------- train
+def build_train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3 train", description="Train a K3 model (SPEC §5).")
+    p.add_argument("--config", help="run.toml holding any of the options below (flags override it)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--seq-len", type=int, help="one fixed sequence length (instead of --curriculum)")
+    p.add_argument("--curriculum", help="context-length stages START:SEQ_LEN,... (START a step, or a "
+                                        "fraction of the run when it has a dot), e.g. 0:256,0.4:512")
+    for flag, name, typ, hlp in _TRAIN_FLAGS:
+        if typ is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=hlp)
+        else:
+            p.add_argument(flag, dest=name, type=typ, default=None, help=hlp)
+    return p
+
+
+def train_config_from_args(args: argparse.Namespace):
+    """TrainConfig from parsed flags: (checkpoint's config when resuming) < run.toml < flags."""
+    from k3.train.config import TrainConfig, load_toml, parse_curriculum
+    from k3.train.state import find_checkpoint, load_trainer_state
+
+    flags = {name: getattr(args, name) for _, name, _, _ in _TRAIN_FLAGS}
+    if args.seq_len is not None and args.curriculum is not None:
+        raise ValueError("pass either --seq-len or --curriculum, not both")
+    if args.seq_len is not None:
+        flags["curriculum"] = [[0, args.seq_len]]
+    elif args.curriculum is not None:
+        flags["curriculum"] = parse_curriculum(args.curriculum)
+    if not args.resume:
+        return TrainConfig.build(args.config, flags)
+    if flags.get("out") not in (None, args.resume):
+        raise ValueError("--resume continues a run in place; do not pass a different --out")
+    ckpt = find_checkpoint(args.resume)
+    if ckpt is None:
+        raise FileNotFoundError(f"nothing to resume: {args.resume} holds no complete checkpoint")
+    base = load_trainer_state(ckpt)["train_config"]
+    if args.config:
+        base.update(load_toml(args.config))
+    base.update({k: v for k, v in flags.items() if v is not None})
+    base["out"] = args.resume
+    tc = TrainConfig.from_dict(base, args.config or "options")
+    tc.validate()
+    return tc
+
+
+def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = None) -> int:
+    """``k3 train``. ``trainer_hook(trainer)`` runs before training (tests attach callbacks)."""
+    args = build_train_parser().parse_args(argv)
+
+    def run() -> int:
+        from k3.train.loop import Trainer, TrainingDiverged
+        tc = train_config_from_args(args)
+        trainer = Trainer(tc, resume=bool(args.resume))
+        if trainer_hook is not None:
+            trainer_hook(trainer)
+        print(f"{trainer.corpus.summary()}\nmodel: {tc.model_config or tc.preset}, "
+              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters; run dir {tc.out}"
+              + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
+        try:
+            res = trainer.train()
+        except TrainingDiverged as e:
+            print(f"k3 train: {e}", file=sys.stderr)
+            return 1
+        if res.status == "interrupted":
+            return 128 + int(trainer.stop_signal)
+        return 0
+
+    return _run_guarded("train", run)
+
+
+# ------------------------------------------------------------------------------------ sample
+def load_run_model(path: str | Path, device: str = "cpu"):
+    """(model, tokenizer) from a run directory, its checkpoint folder, or a model directory."""
+    import torch
+
+    from k3.data.tokenizer import Tokenizer
+    from k3.model.decoder import K3ForCausalLM
+    from k3.train.state import find_checkpoint, load_trainer_state
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no run or checkpoint at {path}")
+    ckpt = find_checkpoint(path) or (path if (path / "trainer_state.pt").is_file() else None)
+    if ckpt is not None:
+        model_dir, tok_path, qat = ckpt / "model", ckpt / "tokenizer.json", \
+            load_trainer_state(ckpt)["train_config"].get("qat", False)
+    elif (path / "config.json").is_file():
+        model_dir, tok_path, qat = path, path / "tokenizer.json", False
+    else:
+        raise FileNotFoundError(f"{path} holds no checkpoint (expected a k3 run directory)")
+    model = K3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)
+    if qat:  # the weights were trained through MXFP4 fake quantization: sample the same way
+        from k3.train.qat import enable_qat
+        enable_qat(model)
+    model.eval()
+    return model, Tokenizer.load(tok_path)
+
+
+def _stream_printer(tok, prompt_len: int, ids_so_far: list[int]):
+    printed = [""]
+
+    def on_token(nxt) -> None:
+        ids_so_far.append(int(nxt[0]))
+        text = tok.decode(ids_so_far[prompt_len:])
+        if text.endswith("\ufffd"):  # a UTF-8 sequence split across tokens: wait for the rest
+            return
+        sys.stdout.write(text[len(printed[0]):])
+        sys.stdout.flush()
+        printed[0] = text
+    return on_token
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3 sample", description="Continue a prompt with a trained model.")
+    p.add_argument("run", help="run directory (or its checkpoint folder)")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
+    args = p.parse_args(argv)
+
+    def run() -> int:
+        import torch
+
+        from k3.infer.sample import generate
+        model, tok = load_run_model(args.run, args.device)
+        ids = tok.encode(args.prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        sys.stdout.write(args.prompt)
+        out_ids: list[int] = list(ids)
+        generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k,
+                 args.top_p, args.seed, eos=None if args.no_stop else tok.eos_token_id,
+                 on_token=_stream_printer(tok, len(ids), out_ids))
+        sys.stdout.write("\n")
+        return 0
+
+    return _run_guarded("sample", run)
+
+
+# -------------------------------------------------------------------------------------- plot
+def plot_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3 plot", description="Plot a run's loss, bits per byte and load CV.")
+    p.add_argument("run", help="run directory (holds metrics.jsonl)")
+    p.add_argument("--out", help="PNG path (default RUN/loss.png)")
+    args = p.parse_args(argv)
+
+    def run() -> int:
+        from k3.train.metrics import plot_run
+        print(plot_run(args.run, args.out))
+        return 0
+
+    return _run_guarded("plot", run)
+
+
+# -------------------------------------------------------------------------------------- demo
+DEMO_PROMPTS = ("def fib(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):")
+
+
+def gzip_bits_per_byte(texts) -> float:
+    """gzip -9 of the concatenated texts, in bits per input byte (a compression baseline)."""
+    import gzip
+    data = "".join(texts).encode("utf-8")
+    return 8 * len(gzip.compress(data, 9)) / max(len(data), 1)
+
+
+def demo_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3 demo", description="Train the tiny preset on the Python "
+                                "stdlib, then print validation bits per byte and samples.")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--steps", type=int, default=DEMO_STEPS)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--samples-tokens", type=int, default=120)
+    args = p.parse_args(argv)
+
+    def run() -> int:
+        import shutil
+        import time
+
+        import torch
+
+        from k3.data.tokenizer import EOS_TOKEN
+        from k3.infer.sample import generate
+        from k3.train.config import TrainConfig
+        from k3.train.loop import Trainer
+
+        out = Path(args.out)
+        if out.exists():
+            if not (out / "DEMO").is_file():
+                raise ValueError(f"{out} exists and is not a previous demo run; pass another --out")
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        (out / "DEMO").write_text("written by k3 demo; the next k3 demo replaces this folder\n")
+        tc = TrainConfig.build(overrides={**DEMO_CONFIG, "out": str(out), "steps": args.steps,
+                                          "threads": args.threads})
+        t0 = time.perf_counter()
+        trainer = Trainer(tc)
+        print(f"{trainer.corpus.summary()}\ntiny preset: "
+              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
+              f"{tc.steps} steps of {tc.batch_size} sequences, curriculum {tc.curriculum}", flush=True)
+        res = trainer.train()
+        if res.status != "done":
+            return 128 + int(trainer.stop_signal)
+        dt = time.perf_counter() - t0
+        gz = gzip_bits_per_byte(trainer.corpus.documents("validation"))
+        train_recs = [r for r in trainer.metrics.records if r["kind"] == "train"]
+        tps = sum(r["tokens_per_s"] for r in train_recs) / max(len(train_recs), 1)
+        print(f"\nvalidation: {res.val['val_bpb']:.3f} bits per byte ({res.val['val_loss']:.3f} nats/token "
+              f"over {res.val['val_tokens']:,} tokens); gzip -9 on the same text: {gz:.3f} bits per byte")
+        print(f"time {dt / 60:.1f} min, {tps:,.0f} training tokens/s; plot: {out / 'loss.png'}")
+        model, tok = trainer.model, trainer.tokenizer
+        for i, prompt in enumerate(DEMO_PROMPTS):
+            ids = generate(model, torch.tensor(tok.encode(prompt)), args.samples_tokens, temperature=0.7,
+                           top_k=50, seed=i, eos=tok.eos_token_id)
+            text = tok.decode(ids.tolist()).replace(EOS_TOKEN, "")
+            print(f"\n--- sample {i + 1} " + "-" * 50 + f"\n{text}")
+        print(f"\ncontinue sampling with: k3 sample {out} --prompt 'def '")
+        return 0
+
+    return _run_guarded("demo", run)
+
+
+# The demo's budget: sized for <= 10 minutes on 2 CPU cores (see the report in benchmarks/).
+DEMO_STEPS = 300
+DEMO_CONFIG: dict[str, Any] = {
+    "preset": "tiny", "batch_size": 8, "curriculum": [[0, 256], [0.5, 512]], "lr": 3e-3,
+    "eval_interval": 100, "eval_batches": 4, "final_eval_batches": 0, "ckpt_interval": 100,
+    "log_interval": 10,
+}

@@ -1,0 +1,354 @@
+"""The training loop (SPEC §5): one process, CPU or one GPU.
+
+Per optimizer step s (0-based; records and checkpoints count completed steps, s + 1)::
+
+    seq_len = curriculum(s); lr = WSD(s)
+    for each of grad_accum micro-batches:          (routing uses the bias from step s − 1)
+        loss = CE(model(x), y); (loss / grad_accum).backward(); collect router stats
+    g = clip_grad_norm_(params, grad_clip)
+    if loss or g is not finite: skip the step (no update, reason logged); stop after max_skips in a row
+    else: optimizer.step(); router biases ← balance(stats of step s)
+
+Resuming from a checkpoint reproduces the uninterrupted run bit-exactly on CPU: the model (with
+its router biases), optimizer, data cursor, RNG states, step and skip counter are restored, and
+everything else (lr, seq_len) is a function of the step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from k3.config import K3Config
+from k3.data.corpus import Corpus, load_corpus
+from k3.data.packing import IGNORE_INDEX, PackedBatches, build_token_stream, eval_batches
+from k3.data.tokenizer import Tokenizer, get_tokenizer
+from k3.model.decoder import K3ForCausalLM
+from k3.train.balance import RouterBalancer
+from k3.train.config import TrainConfig, resolve_model_config
+from k3.train.metrics import MetricsLog, Progress, plot_run
+from k3.train.optim import build_optimizer
+from k3.train.state import (find_checkpoint, load_model_weights, load_trainer_state, rng_state,
+                            save_checkpoint, save_model_weights, set_rng_state)
+
+__all__ = ["Trainer", "TrainResult", "TrainingDiverged", "token_byte_lengths"]
+
+_OPTIMIZER_MODES = {"per_head": "per_head", "muon": "full", "adamw": "adamw"}
+
+
+class TrainingDiverged(RuntimeError):
+    """Raised after ``max_skips`` consecutive steps with a non-finite loss or gradient."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    status: str                      # "done" | "interrupted"
+    losses: list[float | None] = field(default_factory=list)  # per step of this process (None: skipped)
+    val: dict[str, float] | None = None
+
+
+def token_byte_lengths(tok: Tokenizer) -> torch.Tensor:
+    """UTF-8 bytes each token id stands for [V] int64 (special tokens: 0).
+
+    A byte-level BPE token string spells each byte with one character of the GPT-2 byte alphabet,
+    so its length is its byte count (decoding single tokens would mangle split UTF-8 sequences).
+    """
+    specials = {i for i in tok.hf.get_added_tokens_decoder()}
+    lens = [0 if i in specials else len(tok.id_to_token(i) or "") for i in range(tok.vocab_size)]
+    return torch.tensor(lens, dtype=torch.int64)
+
+
+def _git_commit() -> dict[str, Any]:
+    import subprocess
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit, "git_dirty": dirty if commit else None}
+
+
+class Trainer:
+    """Builds a run from a TrainConfig (fresh, or resumed from ``tc.out``) and trains it.
+
+    ``on_step_start(trainer, step)`` callbacks run before each step's first forward (tests inject
+    faults there); ``on_step_end(trainer, record)`` after the step and the bias update.
+    """
+
+    def __init__(self, tc: TrainConfig, resume: bool = False, print_fn: Callable[[str], None] = print,
+                 tty: bool | None = None):
+        self.tc, self.print = tc, print_fn
+        self.run_dir = Path(tc.out)
+        self.tty = tty
+        self.on_step_start: list[Callable[["Trainer", int], None]] = []
+        self.on_step_end: list[Callable[["Trainer", dict], None]] = []
+        self.stop_signal: int | None = None
+        self.device = torch.device(tc.device)
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        torch.set_flush_denormal(True)
+
+        ckpt = find_checkpoint(self.run_dir)
+        if resume and ckpt is None:
+            raise FileNotFoundError(f"nothing to resume: {self.run_dir} holds no complete checkpoint")
+        if not resume and ckpt is not None:
+            raise ValueError(f"{self.run_dir} already holds a checkpoint (step "
+                             f"{load_trainer_state(ckpt)['step']}); pass --resume {self.run_dir} to "
+                             "continue it or choose another --out")
+        saved = load_trainer_state(ckpt) if resume else None
+
+        self.model_config = resolve_model_config(tc)
+        if saved is not None:
+            old = K3Config.from_dict(saved["model_config"])
+            if old.fingerprint() != self.model_config.fingerprint():
+                diff = sorted(k for k, v in dict(self.model_config.fingerprint()).items()
+                              if dict(old.fingerprint()).get(k) != v)
+                raise ValueError(f"cannot resume {self.run_dir}: its checkpoint was trained with a "
+                                 f"different model config (fields that differ: {diff})")
+
+        torch.manual_seed(tc.seed)
+        self.corpus: Corpus = load_corpus(tc.data, tc.val_percent)
+        if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
+            raise ValueError(f"cannot resume {self.run_dir}: the corpus ({self.corpus.name}) differs "
+                             "from the one the checkpoint was trained on")
+        if saved is not None:
+            self.tokenizer = Tokenizer.load(ckpt / "tokenizer.json")
+        else:
+            self.tokenizer = get_tokenizer(self.corpus, self.model_config.vocab_size)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
+                             f"vocab_size is {self.model_config.vocab_size}")
+        self.train_tokens = build_token_stream(self.corpus, self.tokenizer, "train", seed=tc.seed)
+        self.val_tokens = build_token_stream(self.corpus, self.tokenizer, "validation")
+        self.token_bytes = token_byte_lengths(self.tokenizer)
+        self.curriculum = tc.context_curriculum()
+        self.schedule = tc.lr_schedule()
+        self.data = PackedBatches(self.train_tokens, tc.batch_size, self.curriculum.seq_len_at(0))
+        need = tc.batch_size * self.curriculum.max_seq_len + 1
+        if need > len(self.train_tokens):
+            raise ValueError(f"the training split has {len(self.train_tokens):,} tokens but one batch "
+                             f"of {tc.batch_size} x {self.curriculum.max_seq_len} needs {need:,}; "
+                             "use more data or lower batch_size / seq_len")
+
+        self.model = K3ForCausalLM(self.model_config)
+        if tc.qat:
+            from k3.train.qat import enable_qat
+            enable_qat(self.model)
+        self.model.to(self.device)
+        self.optimizer = build_optimizer(self.model, self.model_config, tc.lr, tc.weight_decay,
+                                         muon=_OPTIMIZER_MODES[tc.optimizer])
+        self.balancer = RouterBalancer(self.model, tc.balance, tc.balance_rate)
+        self.step, self.skips, self.tokens_seen = 0, 0, 0
+        records: list[dict] = []
+        if saved is not None:
+            load_model_weights(self.model, ckpt / "model")
+            self.optimizer.load_state_dict(
+                torch.load(ckpt / "optimizer.pt", map_location=self.device, weights_only=True))
+            self.data.load_state_dict(saved["data"])
+            self.step, self.skips = saved["step"], saved["skips"]
+            self.tokens_seen = saved["tokens_seen"]
+            records = saved["metrics"]
+            set_rng_state(saved["rng"])
+        self.metrics = MetricsLog(self.run_dir, records)
+        self._write_run_info(resumed_from=self.step if saved is not None else None)
+
+    # ---------------------------------------------------------------------------- bookkeeping
+    def _write_run_info(self, resumed_from: int | None) -> None:
+        import json
+        import platform
+        import sys
+
+        import k3
+        path = self.run_dir / "run.json"
+        info = json.loads(path.read_text()) if resumed_from is not None and path.is_file() else {}
+        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        code = {"k3_version": k3.__version__, **_git_commit(), "python": platform.python_version(),
+                "torch": torch.__version__}
+        if resumed_from is None:
+            info = {"train_config": self.tc.to_dict(), "model_config": self.model_config.to_text_dict(),
+                    "corpus": {"name": self.corpus.name, "fingerprint": self.corpus.fingerprint,
+                               "train_tokens": len(self.train_tokens), "val_tokens": len(self.val_tokens),
+                               "val_bytes": self.corpus.val_bytes},
+                    **code, "argv": sys.argv, "started": now}
+        else:
+            info.setdefault("resumes", []).append({"step": resumed_from, "time": now,
+                                                   "train_config": self.tc.to_dict(), **code})
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def save(self) -> Path:
+        """Checkpoint the current state (atomically; see k3.train.state)."""
+        def write(folder: Path) -> None:
+            save_model_weights(self.model, folder / "model")
+            self.tokenizer.save(folder / "tokenizer.json")
+            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+            torch.save({"step": self.step, "skips": self.skips, "tokens_seen": self.tokens_seen,
+                        "data": self.data.state_dict(), "rng": rng_state(),
+                        "metrics": self.metrics.records, "train_config": self.tc.to_dict(),
+                        "model_config": self.model_config.to_text_dict(),
+                        "corpus_fingerprint": self.corpus.fingerprint}, folder / "trainer_state.pt")
+        return save_checkpoint(self.run_dir, self.step, write)
+
+    # --------------------------------------------------------------------------------- step
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        logits = self.model(x.to(self.device)).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.to(self.device).flatten(),
+                               ignore_index=IGNORE_INDEX, reduction=reduction)
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns its metrics record (kind 'train' or 'skip')."""
+        tc, s = self.tc, self.step
+        for cb in self.on_step_start:
+            cb(self, s)
+        seq_len = self.curriculum.seq_len_at(s)
+        lr = self.schedule.lr_at(s)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.model.train()
+        self.balancer.recording(True)
+        self.balancer.begin_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss_sum, reason = 0.0, None
+        for micro in range(tc.grad_accum):
+            x, y = self.data.next_batch(seq_len)
+            loss = self._loss(x, y)
+            lv = loss.item()
+            if not math.isfinite(lv):
+                reason = f"non-finite loss ({lv}) in micro-batch {micro}"
+                break
+            (loss / tc.grad_accum).backward()
+            self.balancer.collect()
+            loss_sum += lv
+        grad_norm = float("nan")
+        if reason is None:
+            max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+            if not math.isfinite(grad_norm):
+                reason = f"non-finite gradient norm ({grad_norm})"
+        tokens = tc.batch_size * seq_len * tc.grad_accum
+        self.step += 1
+        self.tokens_seen += tokens
+        if reason is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.balancer.begin_step()
+            self.skips += 1
+            rec = self.metrics.log("skip", step=self.step, reason=reason, lr=lr, seq_len=seq_len)
+            if self.skips >= tc.max_skips:
+                raise TrainingDiverged(
+                    f"training stopped at step {self.step}: {self.skips} consecutive steps skipped "
+                    f"(max_skips={tc.max_skips}); last reason: {reason}. The last good checkpoint "
+                    f"is in {self.run_dir}; lower the lr or check the data")
+            return rec
+        self.optimizer.step()
+        stats = self.balancer.update()
+        self.skips = 0
+        dt = time.perf_counter() - t0
+        cv = stats["load_cv"]
+        return self.metrics.log(
+            "train", step=self.step, loss=loss_sum / tc.grad_accum, lr=lr, seq_len=seq_len,
+            tokens=self.tokens_seen, tokens_per_s=tokens / dt, grad_norm=grad_norm,
+            load_cv=sum(cv) / len(cv) if cv else None, load_cv_layers=cv,
+            load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None)
+
+    # --------------------------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self, max_batches: int = 0) -> dict[str, float]:
+        """Validation loss (nats/token) and bits per byte over the first ``max_batches`` batches
+        (0: the whole validation split), at the curriculum's longest sequence length."""
+        self.model.eval()
+        self.balancer.recording(False)
+        nats, ntok, nbytes = 0.0, 0, 0
+        try:
+            for x, y in eval_batches(self.val_tokens, self.tc.batch_size, self.curriculum.max_seq_len,
+                                     max_batches or None):
+                nats += self._loss(x, y, reduction="sum").item()
+                keep = y[y != IGNORE_INDEX]
+                ntok += keep.numel()
+                nbytes += int(self.token_bytes[keep].sum())
+        finally:
+            self.model.train()
+        if ntok == 0:
+            raise ValueError("the validation split is empty")
+        return {"val_loss": nats / ntok, "val_bpb": nats / math.log(2) / max(nbytes, 1),
+                "val_tokens": ntok, "val_bytes": nbytes}
+
+    def log_eval(self, max_batches: int) -> dict[str, float]:
+        v = self.evaluate(max_batches)
+        self.metrics.log("val", step=self.step, **v)
+        return v
+
+    # ---------------------------------------------------------------------------------- run
+    def _handle_signal(self, signum, frame) -> None:
+        if self.stop_signal is not None:
+            raise KeyboardInterrupt
+        self.stop_signal = signum
+
+    def train(self) -> TrainResult:
+        """Train to ``tc.steps``; checkpoint on the interval, at the end and at SIGINT/SIGTERM."""
+        tc = self.tc
+        handlers = {}
+        import threading
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handlers[sig] = signal.signal(sig, self._handle_signal)
+        prog = Progress(tc.steps, self.step, tc.log_interval, tty=self.tty)
+        losses: list[float | None] = []
+        val = None
+        try:
+            while self.step < tc.steps:
+                rec = self.train_step()
+                for cb in self.on_step_end:
+                    cb(self, rec)
+                if rec["kind"] == "skip":
+                    losses.append(None)
+                    prog.write(f"step {self.step}: skipped ({rec['reason']})")
+                    prog.update(self.step, None, 0.0)
+                else:
+                    losses.append(rec["loss"])
+                    extra = f"lr {rec['lr']:.2e}  T {rec['seq_len']}"
+                    if rec["load_cv"] is not None:
+                        extra += f"  load cv {rec['load_cv']:.2f}  max/mean {rec['load_max_over_mean']:.2f}"
+                    prog.update(self.step, rec["loss"], rec["tokens_per_s"], extra)
+                if self.stop_signal is not None:
+                    break
+                if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.steps:
+                    v = self.log_eval(tc.eval_batches)
+                    prog.write(f"step {self.step}: val loss {v['val_loss']:.4f}  "
+                               f"val bpb {v['val_bpb']:.4f}")
+                if tc.ckpt_interval and self.step % tc.ckpt_interval == 0 and self.step < tc.steps:
+                    self.save()
+            if self.stop_signal is None:
+                val = self.log_eval(tc.final_eval_batches)
+                prog.write(f"step {self.step}: final val loss {val['val_loss']:.4f}  "
+                           f"val bpb {val['val_bpb']:.4f} ({val['val_tokens']:,} tokens)")
+            self.save()
+        finally:
+            prog.close()
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+        if tc.plot:
+            try:
+                plot_run(self.run_dir)
+            except ValueError:
+                pass  # nothing to plot yet (stopped before the first step)
+        if self.stop_signal is not None:
+            name = signal.Signals(self.stop_signal).name
+            self.print(f"{name}: stopped at step {self.step}; checkpoint saved in {self.run_dir / 'checkpoint'}; "
+                       f"continue with: k3 train --resume {self.run_dir}")
+            return TrainResult(self.run_dir, self.step, "interrupted", losses, None)
+        return TrainResult(self.run_dir, self.step, "done", losses, val)
