@@ -32,3 +32,31 @@ def test_console_script_runs():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "total" in r.stdout
+
+
+def test_params_mxfp4_states_bits_and_checkpoint_size(capsys):
+    assert main(["params", "--preset", "k3", "--mxfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "4.25 bits per parameter" in out
+    assert "1,452.8 GiB" in out and "1,453.7 GiB in 96 shards" in out
+
+
+def test_inspect_and_convert_are_wired(tmp_path, capsys):
+    import torch
+
+    from k3.config import get_preset
+    from k3.model.decoder import K3ForCausalLM
+
+    torch.manual_seed(0)
+    K3ForCausalLM(get_preset("nano")).save_pretrained(tmp_path / "a")
+    assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--dtype", "bf16"]) == 0
+    assert main(["inspect", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16" in out
+
+
+def test_unknown_arguments_are_rejected(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["params", "--preset", "k3", "--bogus"])

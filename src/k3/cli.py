@@ -30,7 +30,36 @@ def cmd_params(args) -> int:
         print(format_breakdown(b, f"K3 parameters ({name}; {cfg.num_hidden_layers} layers, "
                                   f"{len(cfg.kda_layer_ids)} KDA + {len(cfg.mla_layer_ids)} MLA, "
                                   f"{cfg.num_experts} experts top-{cfg.num_experts_per_token})"))
+        if args.mxfp4:
+            print(mxfp4_note(b, cfg))
     return 0
+
+
+RELEASE_CHECKPOINT_GIB = 1453.7  # the released K3 checkpoint: 96 safetensors shards
+
+
+def mxfp4_note(b, cfg) -> str:
+    """Checkpoint bytes with routed experts packed as MXFP4 and the rest as released (bf16, fp32 few)."""
+    import math
+
+    import torch
+
+    from k3.checkpoint.names import expected_tensors
+    from k3.model.summary import MXFP4_BITS
+
+    total = 0.0
+    for name, (shape, dtype) in expected_tensors(cfg, torch.bfloat16).items():
+        n = math.prod(shape)
+        total += n * MXFP4_BITS / 8 if ".experts." in name else n * dtype.itemsize
+    lines = [f"MXFP4 routed experts: {MXFP4_BITS} bits per parameter (4-bit E2M1 + one E8M0 scale per 32), "
+             f"{b.routed_experts:,} parameters -> {b.routed_experts * MXFP4_BITS / 8 / 2**30:,.1f} GiB",
+             f"packed text checkpoint: {total:,.0f} bytes = {total / 2**30:,.1f} GiB ({total / 1e12:.2f} TB); "
+             "other tensors bf16, conv/A_log/dt_bias/o_norm/router bias fp32"]
+    if cfg.num_experts == 896 and cfg.hidden_size == 7168:
+        lines.append(f"release: {RELEASE_CHECKPOINT_GIB:,} GiB in 96 shards; the "
+                     f"{RELEASE_CHECKPOINT_GIB - total / 2**30:.1f} GiB difference is the vision encoder and "
+                     "projector (not part of the text model) and the padded A_log")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,12 +71,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preset", default="k3", help="preset name (default k3)")
     g.add_argument("--config", help="path to a config.json (or a checkpoint directory)")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
+    sp.add_argument("--mxfp4", action="store_true",
+                    help="also state the MXFP4 routed-expert storage (4.25 bits per parameter)")
     sp.set_defaults(func=cmd_params)
+
+    # Subcommands with their own argparse parsers: the rest of argv is passed through.
+    for name, target, help_ in _DELEGATED:
+        dp = sub.add_parser(name, help=help_, add_help=False)
+        dp.set_defaults(delegate=target)
     return p
 
 
+_DELEGATED = [
+    ("train", "k3.train.commands:train_main", "train a K3 model (k3 train --preset tiny --out runs/tiny)"),
+    ("sample", "k3.train.commands:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
+    ("plot", "k3.train.commands:plot_main", "plot a run's losses and expert load (PNG)"),
+    ("demo", "k3.train.commands:demo_main", "the main job: train tiny on the stdlib, report bits/byte, sample"),
+    ("convert", "k3.checkpoint.tools:convert_main", "re-export a checkpoint in k3's layout"),
+    ("inspect", "k3.checkpoint.tools:inspect_main", "summarise a checkpoint without materialising it"),
+    ("quantize", "k3.checkpoint.quantize:quantize_main", "write routed experts as packed MXFP4"),
+]
+
+
+def _run_delegate(target: str, argv: list[str]) -> int:
+    import importlib
+
+    mod, fn = target.split(":")
+    return getattr(importlib.import_module(mod), fn)(argv) or 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if getattr(args, "delegate", None):
+        return _run_delegate(args.delegate, rest)
+    if rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args) or 0
     except (ValueError, TypeError, FileNotFoundError) as e:
