@@ -1,0 +1,179 @@
+"""The training loop end to end on the nano preset: learning, NaN skipping, bad input, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.train.commands import sample_main, train_main
+from k3.train.config import TrainConfig
+from k3.train.loop import Trainer, TrainingDiverged
+from k3.train.metrics import read_metrics
+from k3.train.state import find_checkpoint, load_trainer_state
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def make_corpus(root: Path) -> Path:
+    """~100 KB of real Python: a few stdlib modules copied into ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("json/__init__.py", "json/decoder.py", "json/encoder.py", "json/scanner.py",
+                 "textwrap.py", "csv.py", "bisect.py", "heapq.py", "colorsys.py", "fnmatch.py"):
+        shutil.copy(STDLIB / name, root / name.replace("/", "_"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("loop")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("K3_CACHE_DIR", str(base / "cache"))
+        yield base, make_corpus(base / "data")
+
+
+def nano(base: Path, data: Path, name: str, **kw) -> TrainConfig:
+    opts = dict(preset="nano", data=str(data), out=str(base / name), steps=6, batch_size=4,
+                curriculum=[[0, 32]], threads=1, eval_interval=0, eval_batches=2,
+                final_eval_batches=2, ckpt_interval=0, log_interval=1, plot=False)
+    opts.update(kw)
+    return TrainConfig.build(overrides=opts)
+
+
+def test_nano_learns_and_writes_run_dir(env, capsys):
+    base, data = env
+    out = base / "learn"
+    rc = train_main(["--preset", "nano", "--data", str(data), "--out", str(out), "--steps", "40",
+                     "--batch-size", "8", "--seq-len", "64", "--lr", "0.01", "--threads", "1",
+                     "--eval-interval", "20", "--eval-batches", "2", "--final-eval-batches", "4",
+                     "--ckpt-interval", "20", "--log-interval", "10"])
+    assert rc == 0
+    recs = read_metrics(out)
+    losses = [r["loss"] for r in recs if r["kind"] == "train"]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    vals = [r for r in recs if r["kind"] == "val"]
+    assert [v["step"] for v in vals] == [20, 40]
+    assert vals[-1]["val_loss"] < vals[0]["val_loss"]
+    # bits per byte = nats · tokens / bytes / ln 2
+    v = vals[-1]
+    assert v["val_bpb"] == pytest.approx(v["val_loss"] * v["val_tokens"] / v["val_bytes"] / 0.6931471805599453)
+    tr = [r for r in recs if r["kind"] == "train"][-1]
+    assert tr["seq_len"] == 64 and tr["tokens_per_s"] > 0 and len(tr["load_cv_layers"]) == 3
+    info = json.loads((out / "run.json").read_text())
+    assert info["train_config"]["lr"] == 0.01 and info["model_config"]["hidden_size"] == 64
+    assert "git_commit" in info and info["k3_version"]
+    assert (out / "loss.png").stat().st_size > 1000
+    ckpt = find_checkpoint(out)
+    assert load_trainer_state(ckpt)["step"] == 40
+    assert "val bpb" in capsys.readouterr().err
+    # k3 sample on the trained run: prompt + continuation through the cache
+    assert sample_main([str(out), "--prompt", "def ", "--max-new-tokens", "12", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_toml_config_and_flags_override(env, tmp_path):
+    base, data = env
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'preset = "nano"\ndata = "{data}"\nsteps = 3\nbatch_size = 2\nlr = 0.005\n'
+                    f'curriculum = [[0, 16], [2, 32]]\nthreads = 1\nplot = false\n'
+                    f'eval_interval = 0\nfinal_eval_batches = 1\n[model_overrides]\nnum_experts = 4\n')
+    out = tmp_path / "run"
+    assert train_main(["--config", str(toml), "--out", str(out), "--lr", "0.002", "--no-attn-res"]) == 0
+    info = json.loads((out / "run.json").read_text())
+    assert info["train_config"]["lr"] == 0.002 and info["train_config"]["steps"] == 3
+    assert info["model_config"]["num_experts"] == 4
+    assert info["model_config"]["attn_res_block_size"] is None
+    assert [r["seq_len"] for r in read_metrics(out) if r["kind"] == "train"] == [16, 16, 32]
+    toml.write_text("stepz = 3\n")
+    assert train_main(["--config", str(toml), "--out", str(tmp_path / "x")]) == 2
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_non_finite_loss_and_grad_steps_are_skipped_and_logged(env):
+    base, data = env
+    t = Trainer(nano(base, data, "skip", steps=5))
+    snaps = {}
+    handles = []
+
+    def start(tr, step):
+        for h in handles:
+            h.remove()
+        handles.clear()
+        snaps[step] = _params(tr.model)
+        if step == 1:  # NaN logits -> NaN loss
+            handles.append(tr.model.lm_head.register_forward_hook(lambda m, i, o: o * float("nan")))
+        if step == 3:  # finite loss, Inf gradient
+            w = tr.model.model.embed_tokens.weight
+            handles.append(w.register_hook(lambda g: g * float("inf")))
+
+    t.on_step_start.append(start)
+    res = t.train()
+    assert res.status == "done" and t.step == 5
+    recs = [r for r in t.metrics.records if r["kind"] in ("train", "skip")]
+    assert [r["kind"] for r in recs] == ["train", "skip", "train", "skip", "train"]
+    assert "non-finite loss" in recs[1]["reason"] and "gradient norm" in recs[3]["reason"]
+    # a skipped step leaves every weight (and router bias) as it was
+    for s in (1, 3):
+        after = snaps[s + 1]
+        assert all(torch.equal(snaps[s][k], after[k]) for k in after)
+    assert not torch.equal(snaps[0]["lm_head.weight"], snaps[1]["lm_head.weight"])
+    assert res.losses[1] is None and res.losses[3] is None
+
+
+def test_training_stops_after_max_consecutive_skips(env, capsys):
+    base, data = env
+    t = Trainer(nano(base, data, "diverge", steps=20, max_skips=3))
+
+    def poison(tr, step):
+        if step == 2:
+            with torch.no_grad():
+                tr.model.model.norm.weight.fill_(float("nan"))
+
+    t.on_step_start.append(poison)
+    with pytest.raises(TrainingDiverged, match=r"3 consecutive steps skipped"):
+        t.train()
+    assert t.step == 5
+    # through the CLI: a clear message and exit status 1
+    rc = train_main(["--preset", "nano", "--data", str(data), "--out", str(base / "diverge2"),
+                     "--steps", "10", "--batch-size", "2", "--seq-len", "16", "--threads", "1",
+                     "--max-skips", "2", "--no-plot"],
+                    trainer_hook=lambda tr: tr.on_step_start.append(poison))
+    assert rc == 1
+    assert "consecutive steps skipped" in capsys.readouterr().err
+
+
+def test_bad_input_gives_clear_errors(env, tmp_path, capsys):
+    base, data = env
+    common = ["--preset", "nano", "--steps", "2", "--batch-size", "2", "--threads", "1", "--no-plot"]
+
+    def err(argv) -> str:
+        assert train_main(common + argv) == 2
+        return capsys.readouterr().err
+
+    assert "corpus path not found" in err(["--data", str(tmp_path / "missing"), "--out", str(tmp_path / "a")])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "empty" in err(["--data", str(empty), "--out", str(tmp_path / "b")])
+    assert "max_position_embeddings=2048" in err(["--data", str(data), "--seq-len", "4096",
+                                                  "--out", str(tmp_path / "c")])
+    assert "fraction" in err(["--data", str(data), "--curriculum", "0:16,1.5:32", "--out", str(tmp_path / "d")])
+    assert "no complete checkpoint" in err(["--resume", str(tmp_path / "nothing")])
+    # a finished run: training again into it needs --resume; resuming with another model is refused
+    run = tmp_path / "run"
+    assert train_main(common + ["--data", str(data), "--seq-len", "16", "--out", str(run),
+                                "--final-eval-batches", "1"]) == 0
+    assert "--resume" in err(["--data", str(data), "--seq-len", "16", "--out", str(run)])
+    msg = err(["--resume", str(run), "--preset", "tiny"])
+    assert "different model config" in msg and "hidden_size" in msg
+    assert "different model config" in err(["--resume", str(run), "--no-attn-res"])
+    other = shutil.copytree(data, tmp_path / "other")
+    (other / "extra.py").write_text("x = 1\n" * 50)
+    assert "corpus" in err(["--resume", str(run), "--data", str(other)])
