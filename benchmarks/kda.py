@@ -77,8 +77,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats, T up to 4096")
     ap.add_argument("--slice", type=int, default=256, help="tokens timed for the linear baselines")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="intra-op threads (2 per SPEC; 1 is steadier on an oversubscribed machine)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     reps = 3 if args.quick else 5
     lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
 
@@ -98,7 +100,7 @@ def main() -> None:
         inputs = make_inputs(T)
         n = min(T, args.slice)
         sliced = tuple(x[:, :n] for x in inputs)
-        base = {"B": 1, "H": 4, "D": 64, "T": T, "dtype": "float32", "threads": 2}
+        base = {"B": 1, "H": 4, "D": 64, "T": T, "dtype": "float32", "threads": args.threads}
         ext = dict(base, extrapolated_from=n) if n < T else base
 
         # The baselines cost the same per token at every T: measure them once, on the first slice.
@@ -117,7 +119,7 @@ def main() -> None:
     if 4096 in chunk_fwd_at:
         for T, c_f in chunk_fwd_at.items():
             if T > 4096:
-                cfg = {"B": 1, "H": 4, "D": 64, "T": T, "dtype": "float32", "threads": 2, "vs_T": 4096}
+                cfg = {"B": 1, "H": 4, "D": 64, "T": T, "dtype": "float32", "threads": args.threads, "vs_T": 4096}
                 r = c_f / chunk_fwd_at[4096]
                 rows.append({"bench": "kda", "config": cfg, "metric": "chunk_fwd_scaling",
                              "value": c_f, "baseline": chunk_fwd_at[4096], "ratio": r})
