@@ -7,7 +7,8 @@ Three passes, so bad input never leaves a model half-loaded:
    the whole set against ``expected_tensors``: missing / unexpected / mis-shaped / wrong-dtype
    tensors are all reported in one :class:`CheckpointError` naming file and tensor;
 3. :func:`stream_into` copies shard by shard with ``safe_open`` (peak memory = destination + one
-   tensor), dequantizing packed MXFP4 experts and reshaping ``A_log``.
+   tensor), reshaping ``A_log`` and either dequantizing packed MXFP4 experts into float experts or,
+   for a model that keeps them packed (``plan_load(..., packed=True)``), copying their bytes as-is.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 from safetensors import safe_open
 
 from k3.checkpoint.io import CheckpointError, TensorInfo, read_header
-from k3.checkpoint.names import (TEXT_PREFIX, Target, check_file_shape, expected_tensors, keeps_fp32, resolve,
-                                 storage_dtype, to_internal)
+from k3.checkpoint.names import (QUANT_CONFIG_KEY, TEXT_PREFIX, Target, check_file_shape, expected_tensors,
+                                 file_names, is_packed_buffer, keeps_fp32, resolve, storage_dtype, to_internal)
 from k3.checkpoint.save import CONFIG_NAME, INDEX_NAME
 from k3.config import K3Config
 from k3.ops.mx import dequantize_mx, unpack_fp4
@@ -78,12 +79,18 @@ def read_config(directory: str) -> K3Config:
 
 @dataclass
 class CheckpointFiles:
-    """A checkpoint directory as seen through its headers: config and on-disk tensor infos."""
+    """A checkpoint directory as seen through its headers: config and on-disk tensor infos.
+
+    ``quantization`` is config.json's ``quantization_config`` (top level or inside
+    ``text_config``), taken out of ``config``: it describes how the files store tensors, not the
+    model, so a model built from the config carries none and its saves write their own.
+    """
 
     directory: str
     config: K3Config
     tensors: dict[str, TensorInfo]
     multimodal: bool
+    quantization: dict | None = None
 
 
 def _shard_list(directory: str) -> tuple[list[str], dict[str, str] | None]:
@@ -135,7 +142,10 @@ def scan(directory: str | os.PathLike) -> CheckpointFiles:
                 raise CheckpointError(f"{os.path.join(directory, shard)}: tensor {name!r} listed in "
                                       f"{INDEX_NAME} is not in the shard")
     multimodal = any(n.startswith(TEXT_PREFIX) for n in tensors)
-    return CheckpointFiles(directory, config, tensors, multimodal)
+    quantization = config.extra.pop(QUANT_CONFIG_KEY, None)
+    if config.wrapper is not None:
+        quantization = config.wrapper.pop(QUANT_CONFIG_KEY, None) or quantization
+    return CheckpointFiles(directory, config, tensors, multimodal, quantization)
 
 
 @dataclass
@@ -160,9 +170,11 @@ def _check_one(target: Target, info: TensorInfo, config: K3Config) -> str | None
     return None
 
 
-def plan_load(files: CheckpointFiles, config: K3Config, strict: bool = True) -> LoadPlan:
-    """Validate every on-disk tensor against ``expected_tensors(config)``; raise on any problem."""
-    expected = expected_tensors(config)
+def plan_load(files: CheckpointFiles, config: K3Config, strict: bool = True, packed: bool = False) -> LoadPlan:
+    """Validate every on-disk tensor against ``expected_tensors(config, packed=packed)``; raise on
+    any problem. ``packed``: the destination keeps routed experts as MXFP4 bytes, so the checkpoint
+    must store them packed (``.weight_packed`` + ``.weight_scale``)."""
+    expected = expected_tensors(config, packed=packed)
     plan, problems = LoadPlan(), []
     covered: dict[str, str] = {}
     expert_kinds: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
@@ -192,12 +204,19 @@ def plan_load(files: CheckpointFiles, config: K3Config, strict: bool = True) -> 
             if name not in covered:
                 problems.append(f"{files.directory}: missing tensor {name}")
             continue
-        for e in range(shape[0]):
+        raw_kind = name.rsplit("_", 1)[1] if is_packed_buffer(name) else None  # "packed" / "scale"
+        for fname, e in file_names(name, shape):
             kinds = set(expert_kinds.get((name, e), {}))
-            if kinds not in ({"plain"}, {"packed", "scale"}):
+            if raw_kind is not None:
+                if kinds != {raw_kind}:
+                    problems.append(f"{files.directory}: missing tensor {fname} (experts are kept packed)")
+            elif kinds in ({"packed"}, {"scale"}):  # half of an MXFP4 pair: name the other half
+                other = "scale" if kinds == {"packed"} else "packed"
+                problems.append(f"{files.directory}: missing tensor {fname}_{other}: incomplete MXFP4 "
+                                f"{fname} (found only {sorted(kinds)})")
+            elif kinds not in ({"plain"}, {"packed", "scale"}):
                 have = f" (found only {sorted(kinds)})" if kinds else ""
-                problems.append(f"{files.directory}: missing tensor {name.rsplit('.', 1)[0]}.{e}."
-                                f"{name.rsplit('.', 1)[1]}.weight{have}")
+                problems.append(f"{files.directory}: missing tensor {fname}{have}")
     if plan.unexpected and strict:
         problems += [f"{files.tensors[n].file}: unexpected tensor {n!r}" for n in plan.unexpected]
     if problems:
@@ -242,7 +261,7 @@ def _stream(plan: LoadPlan, dest: Mapping[str, torch.Tensor], config: K3Config) 
                 for target, info in items:
                     t = f.get_tensor(info.name)
                     out = dest[target.name]
-                    if target.kind == "plain":
+                    if target.kind == "plain" or is_packed_buffer(target.name):
                         t = to_internal(target, t, config)
                         (out if target.expert is None else out[target.expert]).copy_(t)
                         continue

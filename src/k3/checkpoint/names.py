@@ -7,10 +7,14 @@ internal names by :func:`resolve`:
 * k3 / K3 release:   ``...experts.{e}.w{1,2,3}.weight`` (one expert each), optionally prefixed
   ``language_model.`` (multimodal release) and optionally packed MXFP4
   (``.weight_packed`` uint8 [out, in/2] + ``.weight_scale`` uint8 [out, in/32]);
+  a model whose experts stay packed in memory (``PackedMXFP4Experts``) holds them stacked as
+  ``experts.w{1,2,3}_packed`` [E, out, in/2] and ``experts.w{1,2,3}_scale`` [E, out, in/32];
 * Kimi-Linear (Moonshot or transformers' ``save_pretrained``): the dense layer-0 MLP may sit under
   ``block_sparse_moe.`` and ``A_log`` is stored [1, 1, nh, 1]; the K3 release pads ``A_log`` to 128.
 
-:func:`expected_tensors` is the validation source of truth for both loading and saving.
+:func:`expected_tensors` is the validation source of truth for both loading and saving;
+:func:`mxfp4_quantization_config` is the compressed-tensors ``quantization_config`` that names,
+by the same names, what a packed checkpoint quantizes (the routed experts) and what it does not.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 from k3.config import K3Config
 
 __all__ = ["expected_tensors", "keeps_fp32", "storage_dtype", "file_names", "resolve", "Target", "check_file_shape",
-           "to_internal", "is_stacked_expert",
+           "to_internal", "is_stacked_expert", "is_packed_buffer", "holds_packed_experts", "stores_packed_experts",
+           "mxfp4_quantization_config", "is_mxfp4_quantization", "MXFP4_FORMAT", "QUANT_CONFIG_KEY",
            "TEXT_PREFIX", "MX_BLOCK"]
 
 TEXT_PREFIX = "language_model."
@@ -43,6 +48,8 @@ def keeps_fp32(name: str) -> bool:
 
 
 def storage_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    if is_packed_buffer(name):
+        return torch.uint8
     return torch.float32 if keeps_fp32(name) else dtype
 
 
@@ -96,12 +103,27 @@ def _moe(cfg: K3Config) -> dict[str, Shape]:
     return t
 
 
-def expected_tensors(config: K3Config, dtype: torch.dtype = torch.float32) -> dict[str, tuple[Shape, torch.dtype]]:
+def _pack(shapes: dict[str, Shape]) -> dict[str, Shape]:
+    """Stacked float experts ``experts.wN`` [E, out, in] -> their packed MXFP4 buffers."""
+    out: dict[str, Shape] = {}
+    for name, shape in shapes.items():
+        if is_stacked_expert(name):
+            E, o, i = shape
+            out[name + "_packed"], out[name + "_scale"] = (E, o, i // 2), (E, o, i // MX_BLOCK)
+        else:
+            out[name] = shape
+    return out
+
+
+def expected_tensors(config: K3Config, dtype: torch.dtype = torch.float32,
+                     packed: bool = False) -> dict[str, tuple[Shape, torch.dtype]]:
     """``{internal name: (shape, dtype)}`` of every tensor a K3 state dict holds for ``config``.
 
-    Routed experts are stacked ([E, out, in], nn.Linear layout per expert). ``dtype`` is the model
-    dtype; the tensors the release keeps in fp32 are listed as fp32. With tied embeddings
-    ``lm_head.weight`` is not listed (it is ``model.embed_tokens.weight``).
+    Routed experts are stacked ([E, out, in], nn.Linear layout per expert), or with ``packed``
+    held as MXFP4 bytes (``experts.wN_packed`` uint8 [E, out, in/2], ``experts.wN_scale`` uint8
+    [E, out, in/32]). ``dtype`` is the model dtype; the tensors the release keeps in fp32 are
+    listed as fp32. With tied embeddings ``lm_head.weight`` is not listed (it is
+    ``model.embed_tokens.weight``).
     """
     H = config.hidden_size
     shapes: dict[str, Shape] = {"model.embed_tokens.weight": (config.vocab_size, H), "model.norm.weight": (H,)}
@@ -123,6 +145,8 @@ def expected_tensors(config: K3Config, dtype: torch.dtype = torch.float32) -> di
             shapes.update({f"{p}block_sparse_moe.{k}": v for k, v in _moe(config).items()})
         else:
             shapes.update({f"{p}mlp.{k}": v for k, v in _mlp(H, config.intermediate_size).items()})
+    if packed:
+        shapes = _pack(shapes)
     return {n: (s, storage_dtype(n, dtype)) for n, s in shapes.items()}
 
 
@@ -130,12 +154,33 @@ def is_stacked_expert(name: str) -> bool:
     return ".block_sparse_moe.experts.w" in name
 
 
+def is_packed_buffer(name: str) -> bool:
+    """``...experts.wN_packed`` / ``...experts.wN_scale``: an expert matrix held as MXFP4 bytes."""
+    return is_stacked_expert(name) and name.endswith(("_packed", "_scale"))
+
+
+def holds_packed_experts(state_dict_names) -> bool:
+    """Whether a k3 state dict holds its routed experts packed (``PackedMXFP4Experts``)."""
+    return any(is_packed_buffer(n) for n in state_dict_names)
+
+
+def stores_packed_experts(file_tensor_names) -> bool:
+    """Whether a checkpoint stores routed experts as ``.weight_packed`` / ``.weight_scale``."""
+    return any(n.endswith(".weight_packed") and _EXPERT_RE.match(n.removeprefix(TEXT_PREFIX))
+               for n in file_tensor_names)
+
+
+_FILE_SUFFIX = {"": "weight", "_packed": "weight_packed", "_scale": "weight_scale"}
+
+
 def file_names(name: str, shape: Shape) -> list[tuple[str, int | None]]:
     """The on-disk names k3 writes for one internal tensor: ``[(file name, expert index or None)]``."""
     if not is_stacked_expert(name):
         return [(name, None)]
     base, w = name.rsplit(".", 1)
-    return [(f"{base}.{e}.{w}.weight", e) for e in range(shape[0])]
+    w, _, kind = w.partition("_")
+    suffix = _FILE_SUFFIX["_" + kind if kind else ""]
+    return [(f"{base}.{e}.{w}.{suffix}", e) for e in range(shape[0])]
 
 
 @dataclass(frozen=True)
@@ -172,13 +217,17 @@ def resolve(file_name: str, config: K3Config, expected: dict[str, tuple[Shape, t
     m = _EXPERT_RE.match(name)
     if m:
         internal = f"{m.group(1)}.{m.group(3)}"
+        kind = {"weight": "plain", "weight_packed": "packed", "weight_scale": "scale"}[m.group(4)]
+        e = int(m.group(2))
+        if kind != "plain" and f"{internal}_{kind}" in expected:  # packed model: bytes kept as stored
+            internal = f"{internal}_{kind}"
+            shape = expected[internal][0]
+            return Target(internal, kind, e, shape[1:]) if e < shape[0] else None
         if internal not in expected:
             return None
         E, out, inp = expected[internal][0]
-        e = int(m.group(2))
         if e >= E:
             return None
-        kind = {"weight": "plain", "weight_packed": "packed", "weight_scale": "scale"}[m.group(4)]
         shape = {"plain": (out, inp), "packed": (out, inp // 2), "scale": (out, inp // MX_BLOCK)}[kind]
         return Target(internal, kind, e, shape)
     m = _DENSE_ALIAS_RE.match(name)
@@ -207,3 +256,56 @@ def to_internal(target: Target, t: torch.Tensor, config: K3Config) -> torch.Tens
     if target.name.endswith(".A_log"):
         return t.reshape(-1)[: config.linear_attn_config.num_heads]
     return t
+
+
+# --------------------------------------------------------------------------- quantization_config
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+QUANT_CONFIG_KEY = "quantization_config"
+
+# compressed-tensors decides per module: quantized when a config group's ``targets`` match it (a
+# class name such as "Linear", an exact module name, or "re:<regex>" applied with re.match) and no
+# ``ignore`` entry matches it. As in Moonshot's released configs the group targets every Linear and
+# the ignore list removes everything that is not a routed expert; the patterns start with ".*" so
+# they also hold under the multimodal ``language_model.`` prefix. (Embeddings and norms are not
+# Linear modules and need no entry.)
+MXFP4_IGNORE = [
+    "re:.*lm_head$",
+    r"re:.*\.self_attn\..*",  # KDA and MLA: every projection
+    r"re:.*\.shared_experts\..*",
+    r"re:.*\.mlp\.(gate|up|down)_proj$",  # dense MLP (layers < first_k_dense_replace)
+    r"re:.*\.block_sparse_moe\.gate$",  # router
+    r"re:.*\.routed_expert_(down|up)_proj$",  # latent projections
+    r"re:.*_res_proj$",  # AttnRes pseudo-queries (self_attention_res, mlp_res, output_attn_res)
+]
+
+
+def mxfp4_quantization_config() -> dict:
+    """The compressed-tensors ``quantization_config`` of a checkpoint whose routed experts are
+    packed MXFP4: FP4 E2M1 weights ("float", 4 bits), one E8M0 (uint8) scale per group of 32
+    along the input dimension, symmetric, static. ``input_activations`` is null, as a weight-only
+    (W4A16-style) group declares: readers get the weights right from it; k3's own MX experts
+    additionally run their inputs through MXFP8 (the QAT recipe of SPEC §3.7) at matmul time.
+    ``scale_dtype`` / ``zp_dtype`` are written as compressed-tensors' MXFP4 preset writes them
+    (there is no zero point: the scheme is symmetric).
+    """
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": MX_BLOCK, "strategy": "group",
+               "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
+               "observer_kwargs": {}, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": MXFP4_FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": MXFP4_FORMAT}},
+        "ignore": list(MXFP4_IGNORE),
+        "kv_cache_scheme": None,
+    }
+
+
+def is_mxfp4_quantization(qc: object) -> bool:
+    """Whether a ``quantization_config`` declares compressed-tensors ``mxfp4-pack-quantized``."""
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return False
+    groups = qc.get("config_groups") or {}
+    return qc.get("format") == MXFP4_FORMAT or any(
+        isinstance(g, dict) and g.get("format") == MXFP4_FORMAT for g in groups.values())

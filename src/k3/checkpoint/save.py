@@ -12,6 +12,11 @@ directory loadable and never a half-written one that loads):
 
 Between 3's two renames a crash leaves the new config beside the old index; that only matters if
 the config changed, and then validation rejects the pair instead of loading a mixture.
+
+A state dict whose routed experts are packed MXFP4 (``experts.wN_packed`` / ``_scale`` buffers of
+``PackedMXFP4Experts``) is written as the release stores it, ``experts.{e}.wN.weight_packed`` /
+``.weight_scale`` uint8, and ``config.json`` then carries the compressed-tensors
+``quantization_config`` (``names.mxfp4_quantization_config``); any other save drops that key.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Mapping
 import torch
 
 from k3.checkpoint.io import CheckpointError, fsync_dir, parse_size, write_json_atomic, write_safetensors
-from k3.checkpoint.names import expected_tensors, file_names, storage_dtype
+from k3.checkpoint.names import (QUANT_CONFIG_KEY, expected_tensors, file_names, holds_packed_experts,
+                                 mxfp4_quantization_config, storage_dtype)
 from k3.config import K3Config
 
 __all__ = ["save_state_dict", "INDEX_NAME", "CONFIG_NAME", "TMP_PREFIX", "CRASH_ENV"]
@@ -41,7 +47,7 @@ def _crash_point(where: str) -> None:
 
 
 def _check_state_dict(state_dict: Mapping[str, torch.Tensor], config: K3Config) -> None:
-    expected = expected_tensors(config)
+    expected = expected_tensors(config, packed=holds_packed_experts(state_dict))
     names = set(state_dict) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
     bad = [f"{n}: shape {list(state_dict[n].shape)}, expected {list(expected[n][0])}"
@@ -57,7 +63,7 @@ def _file_tensors(state_dict: Mapping[str, torch.Tensor], config: K3Config,
                   dtype: torch.dtype | None) -> list[tuple[str, torch.Tensor, torch.dtype]]:
     """(on-disk name, tensor view, storage dtype) in state-dict order, experts unstacked."""
     out = []
-    expected = expected_tensors(config)
+    expected = expected_tensors(config, packed=holds_packed_experts(state_dict))
     for name, t in state_dict.items():
         if name not in expected:  # tied lm_head
             continue
@@ -110,6 +116,10 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: K3Config, di
     _check_state_dict(state_dict, config)
     max_bytes = parse_size(max_shard_size)
     os.makedirs(directory, exist_ok=True)
+    config_json = config.to_text_dict()
+    config_json.pop(QUANT_CONFIG_KEY, None)
+    if holds_packed_experts(state_dict):
+        config_json[QUANT_CONFIG_KEY] = mxfp4_quantization_config()
     for f in os.listdir(directory):  # leftovers of an interrupted save
         if f.startswith(TMP_PREFIX):
             os.remove(os.path.join(directory, f))
@@ -128,7 +138,7 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: K3Config, di
         del tensors
         _crash_point(f"shard:{i}")
     index = {"metadata": {"total_size": total, "format": "k3"}, "weight_map": weight_map}
-    cfg_tmp = write_json_atomic(os.path.join(directory, CONFIG_NAME), config.to_text_dict(),
+    cfg_tmp = write_json_atomic(os.path.join(directory, CONFIG_NAME), config_json,
                                 os.path.join(directory, tmp + CONFIG_NAME))
     idx_tmp = write_json_atomic(os.path.join(directory, INDEX_NAME), index,
                                 os.path.join(directory, tmp + INDEX_NAME))

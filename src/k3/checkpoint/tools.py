@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-from k3.checkpoint.load import checkpoint_dtype, load_state_dict, plan_load, scan
+from k3.checkpoint.load import CheckpointFiles, checkpoint_dtype, load_state_dict, plan_load, scan
 from k3.checkpoint.save import save_state_dict
 
 __all__ = ["convert", "inspect", "convert_main", "inspect_main", "DTYPE_ARGS"]
@@ -36,6 +36,29 @@ def _count(n: float) -> str:
         if n >= div:
             return f"{n / div:.2f}{unit}"
     return str(int(n))
+
+
+def _quantization_lines(files: CheckpointFiles) -> list[str]:
+    """The declared quantization_config (if any) and the packed expert tensors actually stored."""
+    lines = []
+    qc = files.quantization
+    if isinstance(qc, dict):
+        lines.append(f"  quantization_config: {qc.get('quant_method')} {qc.get('format')}"
+                     f" (status {qc.get('quantization_status')})")
+        for gname, g in (qc.get("config_groups") or {}).items():
+            w = (g or {}).get("weights") or {}
+            lines.append(f"    {gname}: targets {g.get('targets')}, weights {w.get('type')}{w.get('num_bits')} "
+                         f"{w.get('strategy')} {w.get('group_size')} (scale {w.get('scale_dtype')}), "
+                         f"input_activations {g.get('input_activations')}")
+        lines.append(f"    ignore: {', '.join(map(str, qc.get('ignore') or [])) or '-'}")
+    elif qc is not None:
+        lines.append(f"  quantization_config: {qc!r}")
+    packed = [i for n, i in files.tensors.items() if n.endswith((".weight_packed", ".weight_scale"))]
+    if packed:
+        nb = sum(i.numel * i.dtype.itemsize for i in packed)
+        lines.append(f"  packed MXFP4 experts: {sum(i.name.endswith('_packed') for i in packed)} matrices "
+                     f"(.weight_packed + .weight_scale), {nb:,} bytes")
+    return lines
 
 
 def inspect(directory: str | os.PathLike) -> str:
@@ -76,6 +99,7 @@ def inspect(directory: str | os.PathLike) -> str:
               f"activated per token ~{_count(active)} (incl. embedding)",
               f"  tensors {len(files.tensors)}, {nbytes / 1e6:.1f} MB: "
               + ", ".join(f"{d} {b / 1e6:.1f} MB" for d, b in by_dtype.most_common())]
+    lines += _quantization_lines(files)
     if plan.ignored:
         lines.append(f"  ignored (vision/projector): {len(plan.ignored)} tensors")
     if plan.unexpected:

@@ -201,7 +201,11 @@ class K3ForCausalLM(nn.Module):
         return save_pretrained(self, directory, max_shard_size, dtype)
 
     @classmethod
-    def from_pretrained(cls, directory, dtype=None, device=None, strict=True) -> "K3ForCausalLM":
-        """Load a k3, K3-release or Kimi-Linear checkpoint directory (see k3.checkpoint)."""
+    def from_pretrained(cls, directory, dtype=None, device=None, strict=True,
+                        keep_packed=None) -> "K3ForCausalLM":
+        """Load a k3, K3-release or Kimi-Linear checkpoint directory (see k3.checkpoint).
+
+        ``keep_packed``: routed experts stay packed MXFP4 in memory; None = when config.json
+        declares ``mxfp4-pack-quantized`` (k3.checkpoint.pretrained)."""
         from k3.checkpoint import from_pretrained
-        return from_pretrained(cls, directory, dtype, device, strict)
+        return from_pretrained(cls, directory, dtype, device, strict, keep_packed)
