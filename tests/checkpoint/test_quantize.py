@@ -270,3 +270,10 @@ def test_cli_writes_packed_checkpoint_and_inspect_shows_it(tmp_path, capsys):
     assert "quantization_config" not in inspect(tmp_path / "src")
     with pytest.raises(SystemExit):
         quantize_main([str(tmp_path / "src"), str(tmp_path / "src")])
+
+
+def test_experts_that_do_not_fill_mx_blocks_are_refused(tmp_path):
+    save_pretrained(random_model("nano", moe_intermediate_size=48), tmp_path / "src")
+    with pytest.raises(ValueError, match="moe_intermediate_size F to be a multiple of 32, got 48"):
+        quantize(tmp_path / "src", tmp_path / "q")
+    assert not (tmp_path / "q").exists()

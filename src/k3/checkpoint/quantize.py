@@ -34,19 +34,19 @@ from k3.model.mx_experts import PackedMXFP4Experts
 __all__ = ["quantize", "quantize_main"]
 
 
+def _export(src, dst, dtype, max_shard_size, strict):
+    if os.path.realpath(src) == os.path.realpath(dst):
+        raise ValueError("quantize: source and destination are the same directory")
+    model = from_pretrained(K3ForCausalLM, src, strict=strict, keep_packed=True)
+    return model, save_pretrained(model, dst, max_shard_size, dtype)
+
+
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: torch.dtype | None = torch.bfloat16,
              max_shard_size: int | str = "2GB", strict: bool = True) -> list[str]:
     """Read ``src`` (k3, K3 release or Kimi-Linear layout) and write it to ``dst`` with packed MXFP4
     routed experts; return the shard file names. ``dtype`` is the storage dtype of the unquantized
     tensors (None: as stored in ``src``)."""
-    if os.path.realpath(src) == os.path.realpath(dst):
-        raise ValueError("quantize: source and destination are the same directory")
-    model = from_pretrained(K3ForCausalLM, src, strict=strict, keep_packed=True)
-    return save_pretrained(model, dst, max_shard_size, dtype)
-
-
-def _packed_bytes(model) -> int:
-    return sum(m.nbytes() for m in model.modules() if isinstance(m, PackedMXFP4Experts))
+    return _export(src, dst, dtype, max_shard_size, strict)[1]
 
 
 def quantize_main(argv: list[str] | None = None) -> int:
@@ -63,9 +63,9 @@ def quantize_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if os.path.realpath(a.src) == os.path.realpath(a.dst):
         p.error("SRC and DST must be different directories")
-    model = from_pretrained(K3ForCausalLM, a.src, strict=not a.lenient, keep_packed=True)
-    names = save_pretrained(model, a.dst, a.max_shard_size, None if a.dtype == "keep" else DTYPE_ARGS[a.dtype])
-    n_exp = sum(m.num_experts * 3 for m in model.modules() if isinstance(m, PackedMXFP4Experts))
-    print(f"wrote {len(names)} shard(s) to {a.dst}: {n_exp} routed-expert matrices packed as MXFP4 "
-          f"({_packed_bytes(model):,} bytes)")
+    dtype = None if a.dtype == "keep" else DTYPE_ARGS[a.dtype]
+    model, names = _export(a.src, a.dst, dtype, a.max_shard_size, not a.lenient)
+    packed = [m for m in model.modules() if isinstance(m, PackedMXFP4Experts)]
+    print(f"wrote {len(names)} shard(s) to {a.dst}: {sum(3 * m.num_experts for m in packed)} routed-expert "
+          f"matrices packed as MXFP4 ({sum(m.nbytes() for m in packed):,} bytes)")
     return 0
