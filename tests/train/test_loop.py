@@ -177,3 +177,19 @@ def test_bad_input_gives_clear_errors(env, tmp_path, capsys):
     other = shutil.copytree(data, tmp_path / "other")
     (other / "extra.py").write_text("x = 1\n" * 50)
     assert "corpus" in err(["--resume", str(run), "--data", str(other)])
+
+
+def test_qat_flag_trains_through_fake_quantized_experts_and_samples(env, capsys):
+    from k3.train.qat import FakeQuantMXExperts
+
+    base, data = env
+    out = base / "qat"
+    seen = []
+    rc = train_main(["--preset", "nano", "--data", str(data), "--out", str(out), "--steps", "2",
+                     "--batch-size", "2", "--seq-len", "32", "--threads", "1", "--qat", "--no-plot",
+                     "--final-eval-batches", "1"],
+                    trainer_hook=lambda tr: seen.extend(type(m.experts) for m in tr.model.moe_layers()))
+    assert rc == 0 and seen and all(t is FakeQuantMXExperts for t in seen)
+    capsys.readouterr()
+    assert sample_main([str(out), "--prompt", "x = ", "--max-new-tokens", "4", "--seed", "0"]) == 0
+    assert capsys.readouterr().out.startswith("x = ")
