@@ -101,3 +101,18 @@ def test_linear_attn_config_dict_is_converted():
     assert isinstance(c.linear_attn_config, LinearAttnConfig)
     c2 = c.replace(linear_attn_config=c.linear_attn_config.to_dict())
     assert c2.to_dict() == c.to_dict()
+
+
+def test_kimi_linear_config_without_k3_fields_gets_kimi_linear_values():
+    d = {"model_type": "kimi_linear", "vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 4,
+         "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2,
+                                "head_dim": 16},
+         "num_attention_heads": 2, "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 16,
+         "intermediate_size": 64, "kv_lora_rank": 16, "q_lora_rank": None, "model_max_length": 4096}
+    c = K3Config.from_dict(d)
+    assert c.hidden_act == "silu" and c.routed_expert_hidden_size is None and c.attn_res_block_size is None
+    assert not c.mla_use_output_gate and c.linear_attn_config.gate_lower_bound is None
+    assert c.max_position_embeddings == 4096 and c.latent_norm_eps == 1e-6
+    # a k3-written kimi_linear config carries every field and keeps its values
+    k3 = get_preset("tiny")
+    assert K3Config.from_dict(k3.to_dict()).to_dict() == k3.to_dict()

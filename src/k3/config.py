@@ -290,6 +290,9 @@ class K3Config:
                             ("n_group", "num_expert_group")):
             if alias in d and name not in d:
                 d[name] = d.pop(alias)
+        if "max_position_embeddings" not in d and "model_max_length" in d:  # transformers' attribute_map
+            d["max_position_embeddings"] = d.pop("model_max_length")
+        d = _kimi_linear_defaults(d)
         if "linear_attn_config" not in d and "layer_types" in d:
             d["linear_attn_config"] = _linear_cfg_from_transformers(d)
             if "mla_latent_norm_eps" not in d:
@@ -346,6 +349,24 @@ class K3Config:
     def fingerprint(self) -> tuple:
         """What a cache or checkpoint must agree with to be used with this config."""
         return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in self.to_text_dict().items()))
+
+
+# Fields that exist only in K3. A kimi_linear config holding none of them is a Kimi-Linear model,
+# whose values for them differ from K3Config's (K3) defaults.
+_KIMI_LINEAR_DEFAULTS = {"routed_expert_hidden_size": None, "latent_moe_use_norm": False,
+                         "mla_use_output_gate": False, "attn_res_block_size": None,
+                         "activation_situ_linear_beta": None, "hidden_act": "silu"}
+
+
+def _kimi_linear_defaults(d: dict[str, Any]) -> dict[str, Any]:
+    if d.get("model_type") != "kimi_linear" or any(k in d for k in _KIMI_LINEAR_DEFAULTS if k != "hidden_act"):
+        return d
+    for k, v in _KIMI_LINEAR_DEFAULTS.items():
+        d.setdefault(k, v)
+    if isinstance(d.get("linear_attn_config"), dict):
+        d["linear_attn_config"] = {"gate_lower_bound": None, "use_full_rank_gate": False,
+                                   **d["linear_attn_config"]}
+    return d
 
 
 def _linear_cfg_from_transformers(d: dict[str, Any]) -> dict[str, Any]:

@@ -36,30 +36,6 @@ __all__ = ["CheckpointFiles", "LoadPlan", "read_config", "scan", "plan_load", "s
 
 log = logging.getLogger("k3.checkpoint")
 _SHARD_RE = re.compile(r"^model-.*\d{5}-of-\d{5}\.safetensors$")
-# Fields that exist only in K3; a kimi_linear config without any of them is a Kimi-Linear model,
-# whose values for them differ from K3Config's (K3) defaults.
-_KIMI_LINEAR_DEFAULTS = {"routed_expert_hidden_size": None, "latent_moe_use_norm": False,
-                         "mla_use_output_gate": False, "attn_res_block_size": None,
-                         "activation_situ_linear_beta": None, "hidden_act": "silu"}
-
-
-def _kimi_linear_defaults(d: dict[str, Any]) -> dict[str, Any]:
-    if "text_config" in d or d.get("model_type") != "kimi_linear" or any(k in d for k in _KIMI_LINEAR_DEFAULTS
-                                                                         if k != "hidden_act"):
-        return d
-    d = dict(d)
-    for k, v in _KIMI_LINEAR_DEFAULTS.items():
-        d.setdefault(k, v)
-    if "max_position_embeddings" not in d and "model_max_length" in d:  # transformers' attribute_map
-        d["max_position_embeddings"] = d.pop("model_max_length")
-    if isinstance(d.get("linear_attn_config"), dict):
-        lac = dict(d["linear_attn_config"])
-        lac.setdefault("gate_lower_bound", None)
-        lac.setdefault("use_full_rank_gate", False)
-        d["linear_attn_config"] = lac
-    return d
-
-
 def read_config(directory: str) -> K3Config:
     path = os.path.join(directory, CONFIG_NAME)
     try:
@@ -72,7 +48,7 @@ def read_config(directory: str) -> K3Config:
     if not isinstance(d, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(d).__name__}")
     try:
-        return K3Config.from_dict(_kimi_linear_defaults(d))
+        return K3Config.from_dict(d)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: invalid config: {e}") from None
 
