@@ -294,7 +294,7 @@ def demo_main(argv: list[str] | None = None) -> int:
 # The demo's budget: sized for <= 10 minutes on 2 CPU cores (see the report in benchmarks/).
 DEMO_STEPS = 200
 DEMO_CONFIG: dict[str, Any] = {
-    "preset": "tiny", "batch_size": 8, "curriculum": [[0, 256]], "lr": 6e-3, "warmup_frac": 0.05,
+    "preset": "tiny", "batch_size": 8, "curriculum": [[0, 256]], "lr": 5e-3, "warmup_frac": 0.1,
     "decay_frac": 0.4, "eval_interval": 50, "eval_batches": 4, "final_eval_batches": 16,
     "ckpt_interval": 100, "log_interval": 10,
 }
