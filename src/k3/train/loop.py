@@ -129,48 +129,12 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         torch.set_flush_denormal(True)
 
-        ckpt = find_checkpoint(self.run_dir)
-        if resume and ckpt is None:
-            raise FileNotFoundError(f"nothing to resume: {self.run_dir} holds no complete checkpoint")
-        if not resume and ckpt is not None:
-            raise ValueError(f"{self.run_dir} already holds a checkpoint (step "
-                             f"{load_trainer_state(ckpt)['step']}); pass --resume {self.run_dir} to "
-                             "continue it or choose another --out")
-        saved = load_trainer_state(ckpt) if resume else None
-
+        ckpt, saved = self._checkpoint_to_resume(resume)
         self.model_config = resolve_model_config(tc)
         if saved is not None:
-            old = K3Config.from_dict(saved["model_config"])
-            if old.fingerprint() != self.model_config.fingerprint():
-                diff = sorted(k for k, v in dict(self.model_config.fingerprint()).items()
-                              if dict(old.fingerprint()).get(k) != v)
-                raise ValueError(f"cannot resume {self.run_dir}: its checkpoint was trained with a "
-                                 f"different model config (fields that differ: {diff})")
-
+            self._check_same_model(K3Config.from_dict(saved["model_config"]))
         torch.manual_seed(tc.seed)
-        self.corpus: Corpus = load_corpus(tc.data, tc.val_percent)
-        if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
-            raise ValueError(f"cannot resume {self.run_dir}: the corpus ({self.corpus.name}) differs "
-                             "from the one the checkpoint was trained on")
-        if saved is not None:
-            self.tokenizer = Tokenizer.load(ckpt / "tokenizer.json")
-        else:
-            self.tokenizer = get_tokenizer(self.corpus, self.model_config.vocab_size)
-        if self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
-                             f"vocab_size is {self.model_config.vocab_size}")
-        self.train_tokens = build_token_stream(self.corpus, self.tokenizer, "train", seed=tc.seed)
-        self.val_tokens = build_token_stream(self.corpus, self.tokenizer, "validation")
-        self.token_bytes = token_byte_lengths(self.tokenizer)
-        self.curriculum = tc.context_curriculum()
-        self.schedule = tc.lr_schedule()
-        self.data = StridedBatches(self.train_tokens, tc.batch_size, self.curriculum.seq_len_at(0))
-        need = tc.batch_size * self.curriculum.max_seq_len + 1
-        if need > len(self.train_tokens):
-            raise ValueError(f"the training split has {len(self.train_tokens):,} tokens but one batch "
-                             f"of {tc.batch_size} x {self.curriculum.max_seq_len} needs {need:,}; "
-                             "use more data or lower batch_size / seq_len")
-
+        self._build_data(ckpt, saved)
         self.model = K3ForCausalLM(self.model_config)
         if tc.qat:
             from k3.train.qat import enable_qat
@@ -189,9 +153,53 @@ class Trainer:
             self.step, self.skips = saved["step"], saved["skips"]
             self.tokens_seen = saved["tokens_seen"]
             records = saved["metrics"]
-            set_rng_state(saved["rng"])
+            set_rng_state(saved["rng"])  # last: building the model above consumed random numbers
         self.metrics = MetricsLog(self.run_dir, records)
         self._write_run_info(resumed_from=self.step if saved is not None else None)
+
+    # -------------------------------------------------------------------------------- setup
+    def _checkpoint_to_resume(self, resume: bool) -> tuple[Path | None, dict | None]:
+        ckpt = find_checkpoint(self.run_dir)
+        if resume and ckpt is None:
+            raise FileNotFoundError(f"nothing to resume: {self.run_dir} holds no complete checkpoint")
+        if not resume and ckpt is not None:
+            raise ValueError(f"{self.run_dir} already holds a checkpoint (step "
+                             f"{load_trainer_state(ckpt)['step']}); pass --resume {self.run_dir} to "
+                             "continue it or choose another --out")
+        return (ckpt, load_trainer_state(ckpt)) if resume else (None, None)
+
+    def _check_same_model(self, old: K3Config) -> None:
+        new_fp, old_fp = dict(self.model_config.fingerprint()), dict(old.fingerprint())
+        diff = sorted(k for k in set(new_fp) | set(old_fp) if new_fp.get(k) != old_fp.get(k))
+        if diff:
+            raise ValueError(f"cannot resume {self.run_dir}: its checkpoint was trained with a "
+                             f"different model config (fields that differ: {diff})")
+
+    def _build_data(self, ckpt: Path | None, saved: dict | None) -> None:
+        """Corpus, tokenizer (the checkpoint's when resuming), token streams, batches, schedules."""
+        tc = self.tc
+        self.corpus: Corpus = load_corpus(tc.data, tc.val_percent)
+        if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
+            raise ValueError(f"cannot resume {self.run_dir}: the corpus ({self.corpus.name}) differs "
+                             "from the one the checkpoint was trained on")
+        if saved is not None:
+            self.tokenizer = Tokenizer.load(ckpt / "tokenizer.json")
+        else:
+            self.tokenizer = get_tokenizer(self.corpus, self.model_config.vocab_size)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
+                             f"vocab_size is {self.model_config.vocab_size}")
+        self.train_tokens = build_token_stream(self.corpus, self.tokenizer, "train", seed=tc.seed)
+        self.val_tokens = build_token_stream(self.corpus, self.tokenizer, "validation")
+        self.token_bytes = token_byte_lengths(self.tokenizer)
+        self.curriculum = tc.context_curriculum()
+        self.schedule = tc.lr_schedule()
+        need = tc.batch_size * self.curriculum.max_seq_len + 1
+        if need > len(self.train_tokens):
+            raise ValueError(f"the training split has {len(self.train_tokens):,} tokens but one batch "
+                             f"of {tc.batch_size} x {self.curriculum.max_seq_len} needs {need:,}; "
+                             "use more data or lower batch_size / seq_len")
+        self.data = StridedBatches(self.train_tokens, tc.batch_size, self.curriculum.seq_len_at(0))
 
     # ---------------------------------------------------------------------------- bookkeeping
     def _write_run_info(self, resumed_from: int | None) -> None:
