@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from k3.ops import kda
 from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
