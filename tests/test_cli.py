@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from k3.cli import main
 
 
@@ -27,6 +29,7 @@ def test_params_bad_config_is_a_clear_error(tmp_path, capsys):
     assert "hidden_size must be > 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "k3.cli", "params", "--preset", "nano"],
                        capture_output=True, text=True, timeout=120)

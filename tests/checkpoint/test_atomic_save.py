@@ -6,12 +6,11 @@ import sys
 
 import pytest
 import torch
+from conftest import random_model
 
 from k3.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from k3.checkpoint.save import CRASH_ENV, TMP_PREFIX
 from k3.model.decoder import K3ForCausalLM
-
-from conftest import random_model
 
 _SAVE = """
 import sys, torch
@@ -35,6 +34,7 @@ def _same(model, directory):
     return all(torch.equal(t, ref[n]) for n, t in loaded.state_dict().items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["shard:2", "commit"])
 def test_killed_save_keeps_previous_checkpoint(tmp_path, where):
     old = random_model("nano", seed=7)
@@ -49,6 +49,7 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path, where):
     assert _same(new, tmp_path)
 
 
+@pytest.mark.slow
 def test_killed_first_save_leaves_nothing_loadable(tmp_path):
     _killed_save(tmp_path, "commit")  # every shard and config.json renamed, index not yet
     assert any(f.startswith("model-") for f in os.listdir(tmp_path))

@@ -4,12 +4,11 @@ import logging
 
 import pytest
 import torch
+from conftest import random_model
 from safetensors.torch import load_file, save_file
 
 from k3.checkpoint import CheckpointError, from_pretrained, load_checkpoint, save_pretrained
 from k3.model.decoder import K3ForCausalLM
-
-from conftest import random_model
 
 INDEX = "model.safetensors.index.json"
 

@@ -4,8 +4,6 @@ import json
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 from k3.checkpoint import from_pretrained, inspect, load_state_dict, save_pretrained  # noqa: E402

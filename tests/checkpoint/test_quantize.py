@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from conftest import random_model
 from safetensors.torch import load_file, save_file
 
 from k3.checkpoint import CheckpointError, inspect, save_pretrained
@@ -18,8 +19,6 @@ from k3.model.decoder import K3ForCausalLM
 from k3.model.moe import RoutedExperts
 from k3.model.mx_experts import PackedMXFP4Experts
 from k3.train.qat import enable_qat
-
-from conftest import random_model
 
 INDEX = "model.safetensors.index.json"
 EXPERT_FILE_RE = re.compile(r"\.experts\.\d+\.w[123]\.weight(_packed|_scale)?$")
@@ -247,7 +246,6 @@ def test_release_layout_bytes_are_carried_over_unchanged(tmp_path):
 
 
 def test_kimi_linear_checkpoint_quantizes(tmp_path):
-    pytest.importorskip("transformers")
     from test_kimi_linear_interop import _hf_model
     _hf_model(None).save_pretrained(tmp_path / "hf")
     quantize(tmp_path / "hf", tmp_path / "q", dtype=None)

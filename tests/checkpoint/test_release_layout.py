@@ -4,12 +4,11 @@ import json
 import logging
 
 import torch
+from conftest import random_model
 from safetensors.torch import save_file
 
 from k3.checkpoint import from_pretrained, inspect
 from k3.model.decoder import K3ForCausalLM
-
-from conftest import random_model
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 

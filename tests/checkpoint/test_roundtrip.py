@@ -3,13 +3,20 @@ import os
 
 import pytest
 import torch
+from conftest import random_model
 
-from k3.checkpoint import (expected_tensors, from_pretrained, inspect, keeps_fp32, load_checkpoint,
-                           load_state_dict, convert, save_pretrained)
+from k3.checkpoint import (
+    convert,
+    expected_tensors,
+    from_pretrained,
+    inspect,
+    keeps_fp32,
+    load_checkpoint,
+    load_state_dict,
+    save_pretrained,
+)
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-
-from conftest import random_model
 
 
 @pytest.mark.parametrize("preset", ["nano", "tiny", "small", "kimi-linear-48b", "k3"])

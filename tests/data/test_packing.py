@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from k3.data.corpus import Corpus
-from k3.data.packing import (IGNORE_INDEX, PackedBatches, build_token_stream, eval_batches,
-                             pack_documents, token_dtype)
+from k3.data.packing import IGNORE_INDEX, PackedBatches, build_token_stream, eval_batches, pack_documents, token_dtype
 from k3.data.tokenizer import train_tokenizer
 
 

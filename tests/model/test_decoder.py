@@ -172,6 +172,7 @@ def test_bad_inputs_are_named():
         m(torch.tensor([[1, 2]]), cache={})
 
 
+@pytest.mark.slow
 def test_nano_loss_falls_on_real_text():
     root = Path(sysconfig.get_paths()["stdlib"])
     text = (root / "textwrap.py").read_bytes() + (root / "fnmatch.py").read_bytes()

@@ -77,8 +77,8 @@ def test_kda_gate_matches_formula(lower_bound):
             want[:, :, h] = lower_bound / (1 + torch.exp(-a * x))
     torch.testing.assert_close(g.double(), want, atol=1e-5, rtol=1e-5)
     assert torch.all(g < 0)
-    if lower_bound is not None:
-        assert torch.all(g > lower_bound)
+    if lower_bound is not None:  # (lb, 0) in exact math; fp32 sigmoid saturates to 1, so lb is reachable
+        assert torch.all(g >= lower_bound)
 
 
 def test_kda_gate_bad_shapes_name_the_tensor():

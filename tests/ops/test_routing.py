@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from k3.ops.routing import (load_stats, qb_bias_from_histogram, qb_margin_histogram, qb_margins,
-                            qb_target_count, quantile_balance_update, route_topk, sign_update)
+from k3.ops.routing import (
+    load_stats,
+    qb_bias_from_histogram,
+    qb_margin_histogram,
+    qb_margins,
+    qb_target_count,
+    quantile_balance_update,
+    route_topk,
+    sign_update,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
 
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-from k3.ops.routing import load_stats, quantile_balance_update, sign_update
+from k3.ops.routing import quantile_balance_update, sign_update
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
-from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
 
 
 @pytest.fixture(scope="module")

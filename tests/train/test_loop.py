@@ -44,6 +44,7 @@ def nano(base: Path, data: Path, name: str, **kw) -> TrainConfig:
     return TrainConfig.build(overrides=opts)
 
 
+@pytest.mark.slow
 def test_nano_learns_and_writes_run_dir(env, capsys):
     base, data = env
     out = base / "learn"

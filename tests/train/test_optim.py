@@ -7,9 +7,15 @@ import torch
 from torch import nn
 
 from k3.config import get_preset
-from k3.train.optim import (Muon, build_optimizer, build_param_groups, classify_param,
-                            describe_param_groups, qk_clip_,
-                            zeropower_via_newtonschulz5)
+from k3.train.optim import (
+    Muon,
+    build_optimizer,
+    build_param_groups,
+    classify_param,
+    describe_param_groups,
+    qk_clip_,
+    zeropower_via_newtonschulz5,
+)
 
 A, B_, C = 3.4445, -4.7750, 2.0315
 

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
 
 from k3.train.commands import train_main
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
 from k3.train.metrics import read_metrics
-from k3.train.state import (CKPT_NAME, CheckpointCorrupt, find_checkpoint, load_trainer_state,
-                            verify_checkpoint)
-from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
+from k3.train.state import CKPT_NAME, CheckpointCorrupt, find_checkpoint, load_trainer_state, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,6 +83,7 @@ def _wait_for(pred, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_resume_finishes(env):
     base, data = env
     run = base / "sig"
