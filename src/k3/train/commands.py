@@ -291,8 +291,10 @@ def demo_main(argv: list[str] | None = None) -> int:
     return _run_guarded("demo", run)
 
 
-# The demo's budget: sized for <= 10 minutes on 2 CPU cores (see the report in benchmarks/).
-DEMO_STEPS = 200
+# The demo's budget, sized for <= 10 minutes on 2 free CPU cores: tiny trains at ~770 tokens/s with
+# 2 threads there, so 160 steps x 8 x 256 tokens take ~7 minutes, plus ~1.5 minutes to train the
+# tokenizer and tokenize the stdlib on the first run (cached afterwards) and ~15 s of evaluation.
+DEMO_STEPS = 160
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny", "batch_size": 8, "curriculum": [[0, 256]], "lr": 5e-3, "warmup_frac": 0.1,
     "decay_frac": 0.4, "eval_interval": 50, "eval_batches": 4, "final_eval_batches": 16,

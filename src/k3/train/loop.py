@@ -49,7 +49,8 @@ class StridedBatches:
 
     ``PackedBatches`` cuts a batch from one contiguous B·T span, which on a code corpus is mostly a
     single file; rows from B distant places make each step's gradient an average over B documents
-    (on the tiny demo it removes loss spikes of several nats). Row r starts at r·len/B and walks
+    (with contiguous batches the tiny demo's loss jumped by several nats between steps, as the
+    batch moved from a data table to ordinary code). Row r starts at r·len/B and walks
     like its own ``PackedBatches`` (wrapping independently); the state is the B cursors.
     """
 
