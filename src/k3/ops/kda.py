@@ -214,10 +214,12 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         S = qc.new_zeros(B * H, K, V)
     else:
         S = initial_state.float().reshape(B * H, K, V)
+    # unbind, not Z[n] / M[n]: each indexed view's backward would allocate a full-size zero gradient
+    # (quadratic in N); unbind's backward stacks the N slice gradients once.
     states = []
-    for n in range(N):
+    for Zn, Mn in zip(Z.unbind(0), M.unbind(0)):
         states.append(S)
-        S = torch.baddbmm(Z[n], M[n], S)
+        S = torch.baddbmm(Zn, Mn, S)
     o = o_intra + q_eff @ torch.stack(states)                              # [N, BH, C, V]
     o = o.reshape(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(v.dtype)
     return o, (S.reshape(B, H, K, V) if output_final_state else None)
