@@ -159,11 +159,11 @@ def _score_blocks(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int, f
     tril = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
     diag = diag * torch.stack([tril, tril.tril(-1)]).to(diag.dtype)
     # Off-diagonal blocks: row block I factorises around its first row r (all j < r ≤ i).
+    # split / unbind rather than indexing: an indexed view's backward zero-fills a full-size gradient.
     off = []
-    for blk in range(1, ns):
+    for blk, lb in enumerate(left.flatten(-3, -2).unbind(-3)[1:], start=1):     # lb [..., 2·sub, K]
         r = blk * sub
         right = k[..., :r, :] * _decay(G[..., r:r + 1, :] - G[..., :r, :])          # [..., r, K]
-        lb = left[..., blk, :, :, :].flatten(-3, -2)                               # [..., 2·sub, K]
         off.append((lb @ right.transpose(-1, -2)).unflatten(-2, (2, sub)))
     return diag, off
 
@@ -173,9 +173,9 @@ def _assemble(diag: torch.Tensor, off: list[torch.Tensor], which: int) -> torch.
     ns, sub = diag.shape[-4], diag.shape[-1]
     C = ns * sub
     rows = []
-    for blk in range(ns):
-        parts = [] if blk == 0 else [off[blk - 1][..., which, :, :]]
-        parts.append(diag[..., blk, which, :, :])
+    for blk, d in enumerate(diag.unbind(-3)[which].unbind(-3)):
+        parts = [] if blk == 0 else [off[blk - 1].unbind(-3)[which]]
+        parts.append(d)
         if blk < ns - 1:
             parts.append(diag.new_zeros(*diag.shape[:-4], sub, C - (blk + 1) * sub))
         rows.append(torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])
@@ -204,11 +204,10 @@ def _unit_lower_solve(diag_a: torch.Tensor, off_a: list[torch.Tensor], beta: tor
     inv = torch.linalg.solve_triangular(bs * diag_a + eye, eye.expand(*lead, ns, sub, sub),
                                         upper=False, unitriangular=True)          # [..., ns, sub, sub]
     xs = []
-    for blk in range(ns):
-        r_blk = rhs[..., blk * sub:(blk + 1) * sub, :]
+    for blk, (r_blk, b_blk, inv_blk) in enumerate(zip(rhs.split(sub, dim=-2), bs.unbind(-3), inv.unbind(-3))):
         if blk:
-            r_blk = r_blk - (bs[..., blk, :, :] * off_a[blk - 1]) @ torch.cat(xs, dim=-2)
-        xs.append(inv[..., blk, :, :] @ r_blk)
+            r_blk = r_blk - (b_blk * off_a[blk - 1]) @ torch.cat(xs, dim=-2)
+        xs.append(inv_blk @ r_blk)
     return torch.cat(xs, dim=-2)
 
 
@@ -247,15 +246,13 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     # (I + diag(β) A) [U0 | W] = diag(β) [V | K ⊙ e^G], so U = U0 − W S_0: one blockwise solve.
     decay_in = _decay(G)                                                   # e^{G_i}: chunk start -> i
     rhs = torch.cat([vc, kc * decay_in], dim=-1) * bc
-    UW = _unit_lower_solve(diag[..., 1, :, :], [o[..., 1, :, :] for o in off], bc, rhs)
-    PUW = P @ UW
-    o_intra, PW = PUW[..., :V], PUW[..., V:]                               # O = o_intra + q_eff S_0
+    UW = _unit_lower_solve(diag.unbind(-3)[1], [o.unbind(-3)[1] for o in off], bc, rhs)
+    o_intra, PW = (P @ UW).split([V, K], dim=-1)                                # O = o_intra + q_eff S_0
     q_eff = qc * decay_in - PW
     G_last = G[..., -1:, :]
     k_tail_t = (kc * _decay(G_last - G)).transpose(-1, -2)                 # k_j e^{G_C − G_j}, [.., K, C]
-    ZW = k_tail_t @ UW
-    Z = ZW[..., :V]                                                        # S_{n+1} = M_n S_n + Z_n
-    M = torch.diag_embed(_decay(G_last.squeeze(-2))) - ZW[..., V:]
+    Z, KW = (k_tail_t @ UW).split([V, K], dim=-1)                               # S_{n+1} = M_n S_n + Z_n
+    M = torch.diag_embed(_decay(G_last.squeeze(-2))) - KW
 
     if initial_state is None:
         S = qc.new_zeros(B * H, K, V)
