@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from k3.ops.mx import dequantize_mx, fake_quant_mx, pack_fp4, quantize_mx, unpack_fp4
+from k3.ops.mx import dequantize_fp4_packed, dequantize_mx, fake_quant_mx, pack_fp4, quantize_mx, unpack_fp4
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # magnitude of codes 0..7 (OCP MX v1.0 table)
 FMTS = ["fp4_e2m1", "fp8_e4m3"]
@@ -265,3 +265,20 @@ def test_clear_errors():
         unpack_fp4(pack_fp4(codes), 70)
     with pytest.raises(ValueError, match="4-bit"):
         pack_fp4(torch.tensor([16], dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(3, 64), (2, 5, 96)])
+def test_packed_fp4_dequantize_equals_unpack_then_dequantize(shape):
+    n = shape[-1]
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (*shape[:-1], n // 2), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 160, (*shape[:-1], n // 32), dtype=torch.uint8, generator=g)
+    scales.view(-1)[0] = 0xFF  # a NaN block
+    for s in (scales, scales.clone().fill_(3), scales.clone().fill_(250)):  # fast path and both fallbacks
+        for dtype in (torch.float32, torch.bfloat16):
+            want = dequantize_mx(unpack_fp4(packed, n), s, "fp4_e2m1", dtype=dtype)
+            got = dequantize_fp4_packed(packed, s, n, dtype=dtype)
+            assert got.dtype == dtype and bool(got.isnan().any()) == bool((s == 0xFF).any())
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize_fp4_packed(packed.float(), scales, n)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from k3.model.moe import RoutedExperts, grouped_linear
-from k3.ops.mx import dequantize_mx, fake_quant_mx, pack_fp4, quantize_mx, unpack_fp4
+from k3.ops.mx import dequantize_fp4_packed, fake_quant_mx, pack_fp4, quantize_mx
 
 __all__ = ["MXExperts", "PackedMXFP4Experts", "pack_routed_experts", "WEIGHT_FMT", "ACT_FMT", "MX_BLOCK"]
 
@@ -114,8 +114,7 @@ class PackedMXFP4Experts(MXExperts):
             packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
             if experts is not None:
                 packed, scale = packed.index_select(0, experts), scale.index_select(0, experts)
-            out.append(dequantize_mx(unpack_fp4(packed, in_f), scale, WEIGHT_FMT, MX_BLOCK,
-                                     dtype=dtype or torch.float32))
+            out.append(dequantize_fp4_packed(packed, scale, in_f, MX_BLOCK, dtype=dtype or torch.float32))
         return tuple(out)
 
     def nbytes(self) -> int:

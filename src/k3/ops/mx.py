@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "dequantize_fp4_packed",
     "MX_FORMATS",
     "quantize_mx",
     "dequantize_mx",
@@ -227,3 +228,41 @@ def unpack_fp4(packed: torch.Tensor, n: int) -> torch.Tensor:
         )
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1)
     return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp4_pair_table(device: torch.device) -> torch.Tensor:
+    """float32 [256, 2]: the two E2M1 values held by each packed byte (low nibble first)."""
+    t = _PAIR_TABLES.get(device)
+    if t is None:
+        vals = _decode_table(_format("fp4_e2m1"), device).float()
+        byte = torch.arange(256, device=device)
+        t = _PAIR_TABLES[device] = torch.stack([vals[byte & 0xF], vals[byte >> 4]], dim=-1)
+    return t
+
+
+def dequantize_fp4_packed(packed: torch.Tensor, scales: torch.Tensor, n: int, block: int = 32,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed MXFP4 straight to values: packed uint8 [..., n/2], scales uint8 [..., n/block] -> [..., n].
+
+    Equal to ``dequantize_mx(unpack_fp4(packed, n), scales, "fp4_e2m1", block, dtype)``, but one
+    byte-indexed lookup of both nibbles replaces unpacking and the per-code table walk (the decode
+    path of packed experts runs this for every active expert at every step). Falls back to that
+    composition where the fast path's exactness argument does not hold (scales far from 2^0).
+    """
+    if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"packed codes and scales must be uint8, got {packed.dtype} and {scales.dtype}")
+    if n % block or n % 2 or packed.shape[-1] != n // 2 or tuple(scales.shape) != (*packed.shape[:-1], n // block):
+        return dequantize_mx(unpack_fp4(packed, n), scales, "fp4_e2m1", block, dtype)
+    s = scales.to(torch.int32)
+    finite = torch.where(s == E8M0_NAN, E8M0_BIAS, s)
+    if s.numel() and (int(finite.min()) < E8M0_BIAS - 100 or int(finite.max()) > E8M0_BIAS + 100):
+        return dequantize_mx(unpack_fp4(packed, n), scales, "fp4_e2m1", block, dtype)
+    # |E2M1| ≤ 6 times 2^±100 (or NaN): the float32 product is exact, as in dequantize_mx.
+    scale = torch.where(s == E8M0_NAN, float("nan"), torch.exp2((s - E8M0_BIAS).float()))
+    vals = _fp4_pair_table(packed.device)[packed.long()]                    # [..., n/2, 2]
+    vals = vals.reshape(*packed.shape[:-1], n // block, block) * scale.unsqueeze(-1)
+    return vals.reshape(*packed.shape[:-1], n).to(dtype)
+
