@@ -262,7 +262,8 @@ def dequantize_fp4_packed(packed: torch.Tensor, scales: torch.Tensor, n: int, bl
         return dequantize_mx(unpack_fp4(packed, n), scales, "fp4_e2m1", block, dtype)
     # |E2M1| ≤ 6 times 2^±100 (or NaN): the float32 product is exact, as in dequantize_mx.
     scale = torch.where(s == E8M0_NAN, float("nan"), torch.exp2((s - E8M0_BIAS).float()))
-    vals = _fp4_pair_table(packed.device)[packed.long()]                    # [..., n/2, 2]
+    # embedding is a row gather: ~8x faster on CPU than advanced indexing with int64 indices
+    vals = torch.nn.functional.embedding(packed.int(), _fp4_pair_table(packed.device))   # [..., n/2, 2]
     vals = vals.reshape(*packed.shape[:-1], n // block, block) * scale.unsqueeze(-1)
     return vals.reshape(*packed.shape[:-1], n).to(dtype)
 
