@@ -2,8 +2,9 @@
 
 Both sides handle the same state dict in the same process and write to the same temp directory;
 save includes fsync on both sides (k3 fsyncs by design, so torch.save is followed by an fsync too);
-load of k3 is `from_pretrained` (model build + validation + streaming copy), of torch `torch.load`
-of the state dict then `load_state_dict` into a built model. Medians of repeated runs; ratios > 1
+load is measured twice: into an existing model (k3 `load_checkpoint`: validation + streaming copy;
+torch: `torch.load` + `load_state_dict`), and building a fresh model from the files (k3
+`from_pretrained`; torch: construct the model, then the same load). Medians of repeated runs; ratios > 1
 mean k3 is faster. Appends JSON lines to benchmarks/results/checkpoint.jsonl.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint import from_pretrained, save_pretrained
+from k3.checkpoint import from_pretrained, load_checkpoint, save_pretrained
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 
@@ -63,20 +64,25 @@ def main() -> None:
         k3_dir, pt = tmp / "k3", tmp / "model.pt"
         t_save_k3 = _median(lambda: save_pretrained(model, k3_dir, max_shard_size="2GB"), args.repeats)
         t_save_pt = _median(lambda: _torch_save(sd, pt), args.repeats)
-        t_load_k3 = _median(lambda: from_pretrained(K3ForCausalLM, k3_dir), args.repeats)
+        # into an existing model (the same `target` for both), and a fresh model from files
+        t_load_k3 = _median(lambda: load_checkpoint(target, k3_dir), args.repeats)
         t_load_pt = _median(lambda: _torch_load(pt, target), args.repeats)
+        t_new_k3 = _median(lambda: from_pretrained(K3ForCausalLM, k3_dir), args.repeats)
+        t_new_pt = _median(lambda: _torch_load(pt, K3ForCausalLM(get_preset(args.preset)).to(dtype)),
+                           args.repeats)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     config = f"{args.preset}/{args.dtype}"
     rows = []
-    for metric, k3_t, pt_t in (("save_MBps", t_save_k3, t_save_pt), ("load_MBps", t_load_k3, t_load_pt)):
+    for metric, k3_t, pt_t in (("save_MBps", t_save_k3, t_save_pt), ("load_MBps", t_load_k3, t_load_pt),
+                               ("build_and_load_MBps", t_new_k3, t_new_pt)):
         rows.append({"bench": "checkpoint", "config": config, "metric": metric, "value": round(mb / k3_t, 1),
                      "baseline": round(mb / pt_t, 1), "baseline_name": "torch.save/torch.load",
                      "ratio": round(pt_t / k3_t, 3), "size_MB": round(mb, 1), "repeats": args.repeats})
     print(f"checkpoint throughput, {config}, {mb:.1f} MB, median of {args.repeats}")
-    print(f"{'metric':<12}{'k3 MB/s':>10}{'torch MB/s':>12}{'ratio':>8}")
+    print(f"{'metric':<22}{'k3 MB/s':>10}{'torch MB/s':>12}{'ratio':>8}")
     for r in rows:
-        print(f"{r['metric']:<12}{r['value']:>10}{r['baseline']:>12}{r['ratio']:>8}")
+        print(f"{r['metric']:<22}{r['value']:>10}{r['baseline']:>12}{r['ratio']:>8}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as fh:
         for r in rows:
