@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -29,6 +28,7 @@ import torch
 
 from k3.data.corpus import Corpus
 from k3.data.tokenizer import Tokenizer, cache_dir
+from k3.fsutil import atomic_write
 
 __all__ = ["pack_documents", "token_dtype", "build_token_stream", "PackedBatches",
            "eval_batches", "IGNORE_INDEX"]
@@ -48,22 +48,6 @@ def pack_documents(docs: Iterable[Sequence[int]], eos_id: int, dtype=np.uint32) 
         parts.append(np.asarray(d, dtype=dtype))
         parts.append(eos)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-
-
-def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, arr)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; caches and checkpoints are shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def build_token_stream(corpus: Corpus, tokenizer: Tokenizer, split: str = "train", seed: int = 0,
@@ -90,7 +74,8 @@ def build_token_stream(corpus: Corpus, tokenizer: Tokenizer, split: str = "train
         parts = [pack_documents(tokenizer.encode_batch(texts[s:s + batch_docs]),
                                 tokenizer.eos_token_id, dtype)
                  for s in range(0, len(texts), batch_docs)]
-        _save_npy_atomic(path, np.concatenate(parts))
+        arr = np.concatenate(parts)
+        atomic_write(path, lambda f: np.save(f, arr), binary=True)
     return np.load(path, mmap_mode="r")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -27,6 +26,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from k3.data.corpus import Corpus
+from k3.fsutil import atomic_write
 
 __all__ = ["Tokenizer", "train_tokenizer", "get_tokenizer", "cache_dir", "EOS_TOKEN",
            "SPECIAL_TOKENS"]
@@ -42,22 +42,6 @@ def cache_dir(sub: str = "") -> Path:
     """``$K3_CACHE_DIR`` (default ``~/.cache/k3``), optionally a subfolder of it."""
     root = Path(os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3").expanduser()
     return root / sub if sub else root
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; caches and checkpoints are shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class Tokenizer:
@@ -87,7 +71,8 @@ class Tokenizer:
         p = Path(path)
         if p.is_dir() or not p.suffix:
             p = p / "tokenizer.json"
-        _atomic_write_text(p, self.hf.to_str())
+        text = self.hf.to_str()
+        atomic_write(p, lambda f: f.write(text))
         return p
 
     # --------------------------------------------------------------------------- codec

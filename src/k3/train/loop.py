@@ -17,7 +17,6 @@ everything else (lr, seq_len) is a function of the step.
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -31,13 +30,21 @@ from k3.config import K3Config
 from k3.data.corpus import Corpus, load_corpus
 from k3.data.packing import IGNORE_INDEX, PackedBatches, build_token_stream, eval_batches
 from k3.data.tokenizer import Tokenizer, get_tokenizer
+from k3.fsutil import atomic_write
 from k3.model.decoder import K3ForCausalLM
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.metrics import MetricsLog, Progress, plot_run
 from k3.train.optim import build_optimizer
-from k3.train.state import (find_checkpoint, load_model_weights, load_trainer_state, rng_state,
-                            save_checkpoint, save_model_weights, set_rng_state)
+from k3.train.state import (
+    find_checkpoint,
+    load_model_weights,
+    load_trainer_state,
+    rng_state,
+    save_checkpoint,
+    save_model_weights,
+    set_rng_state,
+)
 
 __all__ = ["Trainer", "TrainResult", "TrainingDiverged", "StridedBatches", "token_byte_lengths"]
 
@@ -223,9 +230,7 @@ class Trainer:
         else:
             info.setdefault("resumes", []).append({"step": resumed_from, "time": now,
                                                    "train_config": self.tc.to_dict(), **code})
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: f.write(json.dumps(info, indent=2) + "\n"))
 
     def save(self) -> Path:
         """Checkpoint the current state (atomically; see k3.train.state)."""
