@@ -14,27 +14,17 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from _timing import median_time  # benchmarks/ is on sys.path when run as a script
 
 from k3.checkpoint import from_pretrained, load_checkpoint, save_pretrained
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.jsonl"
-
-
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _torch_save(sd, path):
@@ -62,14 +52,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="k3bench-"))
     try:
         k3_dir, pt = tmp / "k3", tmp / "model.pt"
-        t_save_k3 = _median(lambda: save_pretrained(model, k3_dir, max_shard_size="2GB"), args.repeats)
-        t_save_pt = _median(lambda: _torch_save(sd, pt), args.repeats)
+        t_save_k3 = median_time(lambda: save_pretrained(model, k3_dir, max_shard_size="2GB"), args.repeats, warmup=0)
+        t_save_pt = median_time(lambda: _torch_save(sd, pt), args.repeats, warmup=0)
         # into an existing model (the same `target` for both), and a fresh model from files
-        t_load_k3 = _median(lambda: load_checkpoint(target, k3_dir), args.repeats)
-        t_load_pt = _median(lambda: _torch_load(pt, target), args.repeats)
-        t_new_k3 = _median(lambda: from_pretrained(K3ForCausalLM, k3_dir), args.repeats)
-        t_new_pt = _median(lambda: _torch_load(pt, K3ForCausalLM(get_preset(args.preset)).to(dtype)),
-                           args.repeats)
+        t_load_k3 = median_time(lambda: load_checkpoint(target, k3_dir), args.repeats, warmup=0)
+        t_load_pt = median_time(lambda: _torch_load(pt, target), args.repeats, warmup=0)
+        t_new_k3 = median_time(lambda: from_pretrained(K3ForCausalLM, k3_dir), args.repeats, warmup=0)
+        t_new_pt = median_time(lambda: _torch_load(pt, K3ForCausalLM(get_preset(args.preset)).to(dtype)),
+                           args.repeats, warmup=0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     config = f"{args.preset}/{args.dtype}"

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from _timing import median_time  # benchmarks/ is on sys.path when run as a script
 
 from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
 
@@ -49,17 +48,6 @@ def make_inputs(T, B=1, H=4, D=64, seed=0):
     g = kda_gate(torch.randn(B, T, H, D, generator=gen), torch.zeros(H), torch.zeros(H * D), -5.0)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
     return q, k, v, g, beta
-
-
-def median_time(fn, repeats, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def fwd(f, inputs):

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import median_time  # benchmarks/ is on sys.path when run as a script
 
 from k3.ops.mx import MX_FORMATS, quantize_mx
 
@@ -51,15 +52,6 @@ def _grid(f):
         e, mant = m >> f.mbits, m & ((1 << f.mbits) - 1)
         yield mant * 2.0 ** (f.emin - f.mbits) if e == 0 else (mant + (1 << f.mbits)) * 2.0 ** (e - f.bias - f.mbits)
 
-
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def emit(rows: list[dict], row: dict) -> None:
