@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Callable
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "fsync_path"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False) -> None:
@@ -31,3 +31,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: b
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file, or a directory (so renames inside it are durable). Platforms that cannot
+    open a directory skip the directory case."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if os.path.isdir(path):
+            return
+        raise
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

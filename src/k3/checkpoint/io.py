@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 
 __all__ = ["CheckpointError", "TensorInfo", "read_header", "write_safetensors", "write_json_atomic",
-           "fsync_dir", "parse_size", "DTYPES", "DTYPE_NAMES"]
+           "parse_size", "DTYPES", "DTYPE_NAMES"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -137,14 +137,6 @@ def write_json_atomic(path: str, obj: object, tmp_path: str | None = None) -> st
         f.flush()
         os.fsync(f.fileno())
     return tmp
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)

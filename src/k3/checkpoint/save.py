@@ -28,10 +28,17 @@ from typing import Mapping
 
 import torch
 
-from k3.checkpoint.io import CheckpointError, fsync_dir, parse_size, write_json_atomic, write_safetensors
-from k3.checkpoint.names import (QUANT_CONFIG_KEY, expected_tensors, file_names, holds_packed_experts,
-                                 mxfp4_quantization_config, storage_dtype)
+from k3.checkpoint.io import CheckpointError, parse_size, write_json_atomic, write_safetensors
+from k3.checkpoint.names import (
+    QUANT_CONFIG_KEY,
+    expected_tensors,
+    file_names,
+    holds_packed_experts,
+    mxfp4_quantization_config,
+    storage_dtype,
+)
 from k3.config import K3Config
+from k3.fsutil import fsync_path
 
 __all__ = ["save_state_dict", "INDEX_NAME", "CONFIG_NAME", "TMP_PREFIX", "CRASH_ENV"]
 
@@ -144,11 +151,11 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: K3Config, di
                                 os.path.join(directory, tmp + INDEX_NAME))
     for fname in names:
         os.replace(os.path.join(directory, tmp + fname), os.path.join(directory, fname))
-    fsync_dir(directory)
+    fsync_path(directory)
     os.replace(cfg_tmp, os.path.join(directory, CONFIG_NAME))
     _crash_point("commit")
     os.replace(idx_tmp, os.path.join(directory, INDEX_NAME))
-    fsync_dir(directory)
+    fsync_path(directory)
     for old in previous - set(names):
         path = os.path.join(directory, old)
         if os.path.basename(old) == old and os.path.isfile(path):

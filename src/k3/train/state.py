@@ -31,6 +31,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from k3.fsutil import fsync_path
+
 __all__ = ["save_checkpoint", "find_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
            "save_model_weights", "load_model_weights", "CheckpointCorrupt", "CKPT_NAME"]
 
@@ -83,26 +85,6 @@ def set_rng_state(st: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
-
-
-# --------------------------------------------------------------------------------- fsync
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -177,13 +159,13 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, write: Callable[[Path
         write(tmp)
         _write_manifest(tmp, step)
         for p in _files(tmp):
-            _fsync_file(p)
+            fsync_path(p)
         for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}):
-            _fsync_dir(d)
+            fsync_path(d)
         if final.exists():
             os.rename(final, prev)
         os.rename(tmp, final)
-        _fsync_dir(run_dir)
+        fsync_path(run_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if prev.exists() and not final.exists():
