@@ -23,7 +23,7 @@ import torch
 
 from k3.config import K3Config
 
-__all__ = ["KDAState", "MLAState", "K3Cache"]
+__all__ = ["KDAState", "MLAState", "K3Cache", "check_layer_call"]
 
 
 def _map(t: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -32,6 +32,26 @@ def _map(t: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> 
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def check_layer_call(layer, x: torch.Tensor, state, state_type: type, geometry: tuple[str, ...]) -> None:
+    """The checks every token-mixer layer makes on ``forward(x, state)``, errors naming the layer.
+
+    ``geometry`` names attributes that the state and the layer must agree on (same names on both).
+    """
+    name = f"{type(layer).__name__} layer {layer.layer_idx}"
+    if x.dim() != 3 or x.shape[-1] != layer.hidden_size:
+        raise ValueError(f"{name}: x must be [B, T, hidden_size={layer.hidden_size}], got shape {tuple(x.shape)}")
+    if state is None:
+        return
+    if not isinstance(state, state_type):
+        raise TypeError(f"{name}: state must be a {state_type.__name__}, got {type(state).__name__}")
+    if state.batch_size != x.shape[0]:
+        raise ValueError(f"{name}: state holds batch_size={state.batch_size}, x has batch {x.shape[0]}")
+    have = tuple(getattr(state, f) for f in geometry)
+    want = tuple(getattr(layer, f) for f in geometry)
+    if have != want:
+        raise ValueError(f"{name}: state is for ({', '.join(geometry)})={have}, layer has {want}")
 
 
 class KDAState:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import KDAState
+from k3.model.cache import KDAState, check_layer_call
 from k3.model.norm import RMSNorm
 from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
 
@@ -99,20 +99,7 @@ class KimiDeltaAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _check(self, x: torch.Tensor, state: KDAState | None) -> None:
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"KDA layer {self.layer_idx}: x must be [B, T, hidden_size={self.hidden_size}], "
-                             f"got shape {tuple(x.shape)}")
-        if state is None:
-            return
-        if not isinstance(state, KDAState):
-            raise TypeError(f"KDA layer {self.layer_idx}: state must be a KDAState, got {type(state).__name__}")
-        if state.batch_size != x.shape[0]:
-            raise ValueError(f"KDA layer {self.layer_idx}: state holds batch_size={state.batch_size}, "
-                             f"x has batch {x.shape[0]}")
-        geom = (state.num_heads, state.head_dim, state.conv_kernel_size)
-        if geom != (self.num_heads, self.head_dim, self.conv_kernel_size):
-            raise ValueError(f"KDA layer {self.layer_idx}: state is for (num_heads, head_dim, kernel)={geom}, "
-                             f"layer has {(self.num_heads, self.head_dim, self.conv_kernel_size)}")
+        check_layer_call(self, x, state, KDAState, ("num_heads", "head_dim", "conv_kernel_size"))
 
     def _short_conv(self, qkv: torch.Tensor, state: KDAState | None) -> torch.Tensor:
         """SiLU(depthwise causal conv) of qkv [B,T,3P] (channels q|k|v) -> [B,T,3P].

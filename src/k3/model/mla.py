@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.cache import MLAState
+from k3.model.cache import MLAState, check_layer_call
 from k3.model.norm import RMSNorm
 
 __all__ = ["GatedMLA", "ATTN_IMPLS"]
@@ -92,20 +92,7 @@ class GatedMLA(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def _check(self, x: torch.Tensor, state: MLAState | None) -> None:
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"MLA layer {self.layer_idx}: x must be [B, T, hidden_size={self.hidden_size}], "
-                             f"got shape {tuple(x.shape)}")
-        if state is None:
-            return
-        if not isinstance(state, MLAState):
-            raise TypeError(f"MLA layer {self.layer_idx}: state must be an MLAState, got {type(state).__name__}")
-        if state.batch_size != x.shape[0]:
-            raise ValueError(f"MLA layer {self.layer_idx}: state holds batch_size={state.batch_size}, "
-                             f"x has batch {x.shape[0]}")
-        if (state.kv_lora_rank, state.qk_rope_head_dim) != (self.kv_lora_rank, self.qk_rope_head_dim):
-            raise ValueError(f"MLA layer {self.layer_idx}: state is for (kv_lora_rank, qk_rope_head_dim)="
-                             f"{(state.kv_lora_rank, state.qk_rope_head_dim)}, layer has "
-                             f"{(self.kv_lora_rank, self.qk_rope_head_dim)}")
+        check_layer_call(self, x, state, MLAState, ("kv_lora_rank", "qk_rope_head_dim"))
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,T,H] -> q [B,T,nh,n+p]."""
