@@ -19,6 +19,8 @@ from typing import Iterable
 
 import torch
 
+from k3.errors import CheckpointError  # re-exported as k3.checkpoint.io.CheckpointError
+
 __all__ = ["CheckpointError", "TensorInfo", "read_header", "write_safetensors", "write_json_atomic",
            "parse_size", "DTYPES", "DTYPE_NAMES"]
 
@@ -31,8 +33,6 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not match the model; the message names the file."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from k3.errors import CheckpointError
 from k3.fsutil import fsync_path
 
 __all__ = ["save_checkpoint", "find_checkpoint", "load_trainer_state", "rng_state", "set_rng_state",
@@ -42,7 +43,7 @@ _TMP_PREFIX = ".checkpoint-tmp-"
 MANIFEST = "manifest.json"
 
 
-class CheckpointCorrupt(ValueError):
+class CheckpointCorrupt(CheckpointError):
     """A checkpoint folder that is incomplete or whose files do not match its manifest."""
 
 
