@@ -101,17 +101,15 @@ def _run_delegate(target: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    from k3.cliutil import guarded, pop_debug_flag
+
+    argv = pop_debug_flag(sys.argv[1:] if argv is None else list(argv))
     args, rest = build_parser().parse_known_args(argv)
     if getattr(args, "delegate", None):
-        return _run_delegate(args.delegate, rest)
+        return guarded(args.cmd, lambda: _run_delegate(args.delegate, rest))
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
-    try:
-        return args.func(args) or 0
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"k3 {args.cmd}: error: {e}", file=sys.stderr)
-        return 2
+    return guarded(args.cmd, lambda: args.func(args))
 
 
 if __name__ == "__main__":

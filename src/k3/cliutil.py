@@ -1,0 +1,85 @@
+"""One place that turns errors into the CLI's one-line messages (exit 2) instead of tracebacks.
+
+Every ``k3`` subcommand runs under :func:`guarded`: a :class:`k3.errors.K3Error`, an ``OSError``
+(missing path, a file where a directory is expected, read-only filesystem, no space left) or a
+torch/safetensors I/O failure becomes ``k3 CMD: error: <path>: <cause>`` on stderr and exit code 2.
+``--debug`` (anywhere on the command line) or ``K3_DEBUG=1`` re-raises so the traceback shows.
+Ctrl-C outside a training loop exits 130 without a traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from typing import Callable
+
+from k3.errors import K3Error
+
+__all__ = ["guarded", "describe_error", "pop_debug_flag", "debug_enabled"]
+
+_ERRNO_TEXT = {
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "not a directory (a file is in the way)",
+    errno.EISDIR: "is a directory (expected a file)",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only filesystem",
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EEXIST: "already exists",
+    errno.ENOTEMPTY: "directory not empty",
+}
+
+_debug = False
+
+
+def pop_debug_flag(argv: list[str]) -> list[str]:
+    """Remove ``--debug`` from ``argv`` (any position) and remember it; returns the rest."""
+    global _debug
+    if "--debug" in argv:
+        _debug = True
+        argv = [a for a in argv if a != "--debug"]
+    return argv
+
+
+def debug_enabled() -> bool:
+    return _debug or os.environ.get("K3_DEBUG", "") not in ("", "0")
+
+
+def describe_error(e: BaseException) -> str | None:
+    """One line for an error the user can act on, or None for a genuine bug (keep the traceback)."""
+    if isinstance(e, (K3Error, ValueError)):  # ValueError: older raise sites not yet moved to K3Error
+        return str(e)
+    if isinstance(e, OSError):
+        cause = _ERRNO_TEXT.get(e.errno or 0) or e.strerror or str(e)
+        where = e.filename if e.filename is not None else ""
+        if e.filename2 is not None:
+            where = f"{where} -> {e.filename2}"
+        return f"{where}: {cause}" if where else cause
+    if isinstance(e, RuntimeError):
+        # torch's zip writer / safetensors report ENOSPC and friends as RuntimeError text.
+        text = str(e)
+        for needle, cause in (("No space left", "no space left on device"),
+                              ("Read-only file system", "read-only filesystem"),
+                              ("Permission denied", "permission denied")):
+            if needle in text:
+                return cause
+    return None
+
+
+def guarded(cmd: str, fn: Callable[[], int]) -> int:
+    """Run ``fn()``; map user-facing errors to one stderr line and exit 2 (see module docstring)."""
+    try:
+        return fn() or 0
+    except KeyboardInterrupt:
+        if debug_enabled():
+            raise
+        print(f"k3 {cmd}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - classified below; bugs are re-raised
+        line = describe_error(e)
+        if line is None or debug_enabled():
+            raise
+        print(f"k3 {cmd}: error: {line}", file=sys.stderr)
+        return 2
