@@ -57,7 +57,7 @@ def main() -> None:
         # into an existing model (the same `target` for both), and a fresh model from files
         t_load_k3 = median_time(lambda: load_checkpoint(target, k3_dir), args.repeats, warmup=0)
         t_load_pt = median_time(lambda: _torch_load(pt, target), args.repeats, warmup=0)
-        t_new_k3 = median_time(lambda: from_pretrained(K3ForCausalLM, k3_dir), args.repeats, warmup=0)
+        t_new_k3 = median_time(lambda: from_pretrained(k3_dir), args.repeats, warmup=0)
         t_new_pt = median_time(lambda: _torch_load(pt, K3ForCausalLM(get_preset(args.preset)).to(dtype)),
                            args.repeats, warmup=0)
     finally:

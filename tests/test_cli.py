@@ -47,11 +47,12 @@ def test_params_mxfp4_states_bits_and_checkpoint_size(capsys):
 def test_inspect_and_convert_are_wired(tmp_path, capsys):
     import torch
 
+    from k3.checkpoint import save_pretrained
     from k3.config import get_preset
     from k3.model.decoder import K3ForCausalLM
 
     torch.manual_seed(0)
-    K3ForCausalLM(get_preset("nano")).save_pretrained(tmp_path / "a")
+    save_pretrained(K3ForCausalLM(get_preset("nano")), tmp_path / "a")
     assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--dtype", "bf16"]) == 0
     assert main(["inspect", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out

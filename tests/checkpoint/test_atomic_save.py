@@ -10,15 +10,15 @@ from conftest import random_model
 
 from k3.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from k3.checkpoint.save import CRASH_ENV, TMP_PREFIX
-from k3.model.decoder import K3ForCausalLM
 
 _SAVE = """
 import sys, torch
 from k3.config import get_preset
+from k3.checkpoint import save_pretrained
 from k3.model.decoder import K3ForCausalLM
 torch.manual_seed(123)
 model = K3ForCausalLM(get_preset("nano"))
-model.save_pretrained(sys.argv[1], max_shard_size="200KB")
+save_pretrained(model, sys.argv[1], max_shard_size="200KB")
 """
 
 
@@ -29,7 +29,7 @@ def _killed_save(directory, where):
 
 
 def _same(model, directory):
-    loaded = from_pretrained(K3ForCausalLM, directory)
+    loaded = from_pretrained(directory)
     ref = model.state_dict()
     return all(torch.equal(t, ref[n]) for n, t in loaded.state_dict().items())
 
@@ -54,4 +54,4 @@ def test_killed_first_save_leaves_nothing_loadable(tmp_path):
     _killed_save(tmp_path, "commit")  # every shard and config.json renamed, index not yet
     assert any(f.startswith("model-") for f in os.listdir(tmp_path))
     with pytest.raises(CheckpointError, match="interrupted save"):
-        from_pretrained(K3ForCausalLM, tmp_path)
+        from_pretrained(tmp_path)

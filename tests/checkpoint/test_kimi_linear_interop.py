@@ -7,7 +7,6 @@ import torch
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 from k3.checkpoint import from_pretrained, inspect, load_state_dict, save_pretrained  # noqa: E402
-from k3.model.decoder import K3ForCausalLM  # noqa: E402
 
 
 def _hf_model(q_lora_rank):
@@ -36,7 +35,7 @@ def test_transformers_checkpoint_gives_transformers_logits(tmp_path, q_lora_rank
     hf.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert "layer_types" in saved and "linear_attn_config" not in saved  # the layout under test
-    model = from_pretrained(K3ForCausalLM, tmp_path, dtype=torch.float32).eval()
+    model = from_pretrained(tmp_path, dtype=torch.float32).eval()
     cfg = model.config
     assert cfg.kda_layer_ids == [0, 1, 2] and cfg.mla_layer_ids == [3]
     assert cfg.routed_expert_hidden_size is None and cfg.attn_res_block_size is None
@@ -60,9 +59,9 @@ def test_transformers_checkpoint_reexports_in_k3_layout(tmp_path):
     gate_up = hf.model.layers[1].mlp.experts.gate_up_proj  # transformers' fused runtime layout
     assert torch.equal(sd["model.layers.1.block_sparse_moe.experts.w1"], gate_up[:, :F])
     assert torch.equal(sd["model.layers.1.block_sparse_moe.experts.w3"], gate_up[:, F:])
-    model = from_pretrained(K3ForCausalLM, tmp_path / "hf")
+    model = from_pretrained(tmp_path / "hf")
     save_pretrained(model, tmp_path / "k3")
     assert "3 KDA" in inspect(tmp_path / "k3")
-    again = from_pretrained(K3ForCausalLM, tmp_path / "k3")
+    again = from_pretrained(tmp_path / "k3")
     for n, t in model.state_dict().items():
         assert torch.equal(t, again.state_dict()[n]), n

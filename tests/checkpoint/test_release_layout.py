@@ -8,7 +8,6 @@ from conftest import random_model
 from safetensors.torch import save_file
 
 from k3.checkpoint import from_pretrained, inspect
-from k3.model.decoder import K3ForCausalLM
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -67,7 +66,7 @@ def test_release_layout_loads_dequantizes_and_runs(tmp_path, caplog):
     src = random_model("nano")
     experts = _write_release(tmp_path, src)
     with caplog.at_level(logging.INFO, logger="k3.checkpoint"):
-        model = from_pretrained(K3ForCausalLM, tmp_path)
+        model = from_pretrained(tmp_path)
     assert "ignoring 2 vision/projector tensor(s)" in caplog.text
     sd = model.state_dict()
     assert sd["lm_head.weight"].dtype == torch.bfloat16  # the checkpoint's dtype

@@ -6,6 +6,7 @@ import torch
 from conftest import random_model
 
 from k3.checkpoint import (
+    CheckpointError,
     convert,
     expected_tensors,
     from_pretrained,
@@ -36,7 +37,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, preset, dtype):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # really sharded
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in index["weight_map"]
-    loaded = from_pretrained(K3ForCausalLM, tmp_path)
+    loaded = from_pretrained(tmp_path)
     ref = model.state_dict()
     for name, t in loaded.state_dict().items():
         want = torch.float32 if keeps_fp32(name) else dtype
@@ -76,10 +77,12 @@ def test_meta_device_load_reads_no_tensor_data(tmp_path, nano_model):
         n = int.from_bytes(raw[:8], "little")
         raw[8 + n:] = b"\xff" * (len(raw) - 8 - n)
         f.write_bytes(bytes(raw))
-    model = from_pretrained(K3ForCausalLM, tmp_path, device="meta")
+    model = from_pretrained(tmp_path, device="meta")
     assert all(t.is_meta for t in model.state_dict().values())
     assert model.config.fingerprint() == nano_model.config.fingerprint()
-    loaded = from_pretrained(K3ForCausalLM, tmp_path)  # a real load does read the data
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):  # a real load verifies the data
+        from_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path, verify=False)  # and without verification reads it
     assert torch.isnan(loaded.model.norm.weight).all()
 
 
@@ -90,7 +93,7 @@ def test_resave_into_same_directory_replaces_and_cleans_old_shards(tmp_path):
     save_pretrained(b, tmp_path, max_shard_size="200KB")
     second = set(os.listdir(tmp_path))
     assert not (first & second) - {"config.json", "model.safetensors.index.json"}  # fresh shard names
-    loaded = from_pretrained(K3ForCausalLM, tmp_path)
+    loaded = from_pretrained(tmp_path)
     assert torch.equal(loaded.lm_head.weight, b.lm_head.weight)
 
 

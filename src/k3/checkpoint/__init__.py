@@ -4,8 +4,14 @@
 - ``io``:         safetensors headers (checked), streaming writer, atomic file replacement
 - ``save``:       atomic sharded save of a state dict
 - ``load``:       scan headers → validate everything → stream shard by shard
-- ``pretrained``: ``save_pretrained`` / ``load_checkpoint`` / ``from_pretrained`` for a model
-- ``tools``:      ``k3 convert`` and ``k3 inspect``
+- ``pretrained``: ``save_pretrained(model, dir)`` / ``load_checkpoint(model, dir)`` /
+                  ``from_pretrained(dir)`` -- the user entry points (``k3.model`` never imports this
+                  package: these replace the former ``K3ForCausalLM`` methods)
+- ``kimi_linear``: what a Kimi-Linear-mode save writes so transformers loads it
+- ``tools``:      ``k3 convert`` and ``k3 inspect``; ``quantize``: ``k3 quantize``
+
+Every k3-written checkpoint carries per-shard sha256 in its index and every load verifies it
+(``verify=False`` / ``--no-verify`` to skip).
 """
 
 from k3.checkpoint.io import CheckpointError

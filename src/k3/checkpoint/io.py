@@ -9,6 +9,7 @@ shapes and dtypes without touching tensor data (``k3 inspect``, meta-device load
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import torch
 from k3.errors import CheckpointError  # re-exported as k3.checkpoint.io.CheckpointError
 
 __all__ = ["CheckpointError", "TensorInfo", "read_header", "write_safetensors", "write_json_atomic",
-           "parse_size", "DTYPES", "DTYPE_NAMES"]
+           "parse_size", "sha256_file", "DTYPES", "DTYPE_NAMES"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -31,9 +32,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-
+_HASH_CHUNK = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -99,10 +98,12 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 def write_safetensors(path: str, tensors: Iterable[tuple[str, torch.Tensor]],
-                      metadata: dict[str, str] | None = None) -> int:
-    """Stream ``(name, tensor)`` pairs into a safetensors file, fsync it; return bytes written.
+                      metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """Stream ``(name, tensor)`` pairs into a safetensors file, fsync it; return (bytes written,
+    sha256 hex digest of the whole file, computed from the bytes as they are written).
 
-    Tensors are written one at a time from their own storage (no whole-shard copy in memory).
+    Tensors are written one at a time from their own storage (no whole-shard copy in memory). An
+    OSError while writing (ENOSPC, EROFS, ...) carries ``path``.
     """
     items = [(n, t.detach()) for n, t in tensors]
     header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
@@ -114,15 +115,33 @@ def write_safetensors(path: str, tensors: Iterable[tuple[str, torch.Tensor]],
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data start aligned to 8 bytes, as the safetensors writer does
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, t in items:
-            if t.numel():
-                f.write(memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    return 8 + len(raw) + offset
+    digest = hashlib.sha256()
+    try:
+        with open(path, "wb") as f:
+            for chunk in (struct.pack("<Q", len(raw)), raw):
+                f.write(chunk)
+                digest.update(chunk)
+            for _, t in items:
+                if t.numel():
+                    view = memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+                    f.write(view)
+                    digest.update(view)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
+    return 8 + len(raw) + offset, digest.hexdigest()
+
+
+def sha256_file(path: str) -> str:
+    """sha256 hex digest of a file, read in 8 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_json_atomic(path: str, obj: object, tmp_path: str | None = None) -> str:

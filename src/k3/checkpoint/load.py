@@ -2,7 +2,11 @@
 
 Three passes, so bad input never leaves a model half-loaded:
 
-1. :func:`scan` reads ``config.json`` and every shard *header* (no tensor data);
+1. :func:`scan` reads ``config.json`` and every shard *header*, and (``verify=True``, the
+   default) checks every shard's sha256 against the index metadata k3 writes
+   (``metadata.sha256``): a flipped bit, a NaN or zeroed block fails naming the file. A checkpoint
+   without hashes (not written by k3) loads after a one-line notice (logged once per directory);
+   ``verify=False`` skips the check (huge trusted checkpoints);
 2. :func:`plan_load` maps each on-disk tensor to its internal name (``names.resolve``) and checks
    the whole set against ``expected_tensors``: missing / unexpected / mis-shaped / wrong-dtype
    tensors are all reported in one :class:`CheckpointError` naming file and tensor;
@@ -24,18 +28,21 @@ from typing import Mapping
 import torch
 from safetensors import safe_open
 
-from k3.checkpoint.io import CheckpointError, TensorInfo, read_header
+from k3.checkpoint.io import CheckpointError, TensorInfo, read_header, sha256_file
 from k3.checkpoint.names import (QUANT_CONFIG_KEY, TEXT_PREFIX, Target, check_file_shape, expected_tensors,
                                  file_names, is_packed_buffer, keeps_fp32, resolve, storage_dtype, to_internal)
-from k3.checkpoint.save import CONFIG_NAME, INDEX_NAME
+from k3.checkpoint.save import CONFIG_NAME, INDEX_FORMAT, INDEX_NAME, SHA256_KEY
 from k3.config import K3Config
 from k3.ops.mx import dequantize_mx, unpack_fp4
 
 __all__ = ["CheckpointFiles", "LoadPlan", "read_config", "scan", "plan_load", "stream_into",
-           "load_state_dict", "checkpoint_dtype"]
+           "load_state_dict", "checkpoint_dtype", "verify_files"]
 
 log = logging.getLogger("k3.checkpoint")
 _SHARD_RE = re.compile(r"^model-.*\d{5}-of-\d{5}\.safetensors$")
+_NOTICED: set[str] = set()  # directories already given the "no hashes" notice in this process
+
+
 def read_config(directory: str) -> K3Config:
     path = os.path.join(directory, CONFIG_NAME)
     try:
@@ -69,26 +76,35 @@ class CheckpointFiles:
     quantization: dict | None = None
 
 
-def _shard_list(directory: str) -> tuple[list[str], dict[str, str] | None]:
+def _read_index(index: str) -> dict:
+    try:
+        with open(index) as f:
+            d = json.load(f)
+        if not isinstance(d, dict) or not isinstance(d.get("weight_map"), dict):
+            raise TypeError("weight_map is not an object")
+        if not isinstance(d.get("metadata", {}), dict):
+            raise TypeError("metadata is not an object")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: corrupt index ({type(e).__name__}: {e})") from None
+    return d
+
+
+def _shard_list(directory: str) -> tuple[list[str], dict[str, str] | None, dict | None]:
+    """(shard file names, index weight_map or None, index metadata or None)."""
     index = os.path.join(directory, INDEX_NAME)
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: corrupt index ({type(e).__name__}: {e})") from None
+        d = _read_index(index)
+        weight_map = d["weight_map"]
         for name, shard in weight_map.items():
             if not isinstance(shard, str) or os.path.basename(shard) != shard:
                 raise CheckpointError(f"{index}: tensor {name!r} points to an invalid shard name {shard!r}")
             if not os.path.isfile(os.path.join(directory, shard)):
                 raise CheckpointError(f"{index}: tensor {name!r} points to missing shard "
                                       f"{os.path.join(directory, shard)}")
-        return sorted(set(weight_map.values())), weight_map
+        return sorted(set(weight_map.values())), weight_map, d.get("metadata", {})
     single = os.path.join(directory, "model.safetensors")
     if os.path.isfile(single):
-        return ["model.safetensors"], None
+        return ["model.safetensors"], None, None
     orphans = [f for f in os.listdir(directory) if _SHARD_RE.match(f)]
     if orphans:  # shards renamed but the index never committed: an interrupted save
         raise CheckpointError(f"{directory}: shards {sorted(orphans)[:3]}... but no {INDEX_NAME} "
@@ -96,13 +112,45 @@ def _shard_list(directory: str) -> tuple[list[str], dict[str, str] | None]:
     raise CheckpointError(f"{directory}: no {INDEX_NAME} or model.safetensors")
 
 
-def scan(directory: str | os.PathLike) -> CheckpointFiles:
-    """Config and all shard headers of a checkpoint directory; reads no tensor data."""
+def verify_files(directory: str, shards: list[str], metadata: dict | None) -> bool:
+    """Check each shard's sha256 against ``metadata["sha256"]``; return False (after a one-line
+    notice, once per directory) when the checkpoint carries no hashes. Raises naming the file."""
+    hashes = (metadata or {}).get(SHA256_KEY)
+    index = os.path.join(directory, INDEX_NAME)
+    if hashes is None:
+        key = os.path.realpath(directory)
+        if key not in _NOTICED:
+            _NOTICED.add(key)
+            origin = "written by an older k3" if (metadata or {}).get("format") == INDEX_FORMAT \
+                else "not written by k3"
+            log.warning("k3: %s carries no sha256 hashes (%s); loading without verifying its bytes",
+                        directory, origin)
+        return False
+    if not isinstance(hashes, dict):
+        raise CheckpointError(f"{index}: metadata.{SHA256_KEY} is not an object")
+    for shard in shards:
+        path = os.path.join(directory, shard)
+        want = hashes.get(shard)
+        if not isinstance(want, str):
+            raise CheckpointError(f"{path}: no sha256 for this shard in {index}")
+        got = sha256_file(path)
+        if got != want:
+            raise CheckpointError(f"{path}: sha256 mismatch, the file changed after it was written "
+                                  f"(corrupt?); expected {want[:16]}..., got {got[:16]}... "
+                                  "(verify=False / --no-verify loads it anyway)")
+    return True
+
+
+def scan(directory: str | os.PathLike, verify: bool = True) -> CheckpointFiles:
+    """Config and all shard headers of a checkpoint directory; with ``verify`` also every shard's
+    sha256 (reads each file once); without it no tensor data is read."""
     directory = os.fspath(directory)
+    if not os.path.exists(directory):
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: not a directory")
+        raise CheckpointError(f"{directory}: not a directory (expected a checkpoint directory)")
     config = read_config(directory)
-    shards, weight_map = _shard_list(directory)
+    shards, weight_map, metadata = _shard_list(directory)
     tensors: dict[str, TensorInfo] = {}
     for shard in shards:
         for name, info in read_header(os.path.join(directory, shard)).items():
@@ -117,6 +165,8 @@ def scan(directory: str | os.PathLike) -> CheckpointFiles:
             if name not in tensors:
                 raise CheckpointError(f"{os.path.join(directory, shard)}: tensor {name!r} listed in "
                                       f"{INDEX_NAME} is not in the shard")
+    if verify:  # after the headers: a truncated or malformed file gets the more precise message
+        verify_files(directory, shards, metadata)
     multimodal = any(n.startswith(TEXT_PREFIX) for n in tensors)
     quantization = config.extra.pop(QUANT_CONFIG_KEY, None)
     if config.wrapper is not None:
@@ -262,12 +312,13 @@ def checkpoint_dtype(files: CheckpointFiles) -> torch.dtype:
 
 
 def load_state_dict(directory: str | os.PathLike, dtype: torch.dtype | None = None, strict: bool = True,
-                    ) -> tuple[K3Config, dict[str, torch.Tensor]]:
+                    verify: bool = True) -> tuple[K3Config, dict[str, torch.Tensor]]:
     """A checkpoint as ``(config, internal-name state dict)`` without building a model.
 
-    ``dtype`` None keeps the checkpoint's dtype; fp32-kept tensors are always fp32.
+    ``dtype`` None keeps the checkpoint's dtype; fp32-kept tensors are always fp32. ``verify``:
+    check the shards' sha256 first (see :func:`scan`).
     """
-    files = scan(directory)
+    files = scan(directory, verify)
     config = files.config
     plan = plan_load(files, config, strict)
     dtype = dtype or checkpoint_dtype(files)

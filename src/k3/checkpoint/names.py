@@ -25,10 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from k3.config import K3Config
+from k3.errors import CheckpointError
 
 __all__ = ["expected_tensors", "keeps_fp32", "storage_dtype", "file_names", "resolve", "Target", "check_file_shape",
            "to_internal", "is_stacked_expert", "is_packed_buffer", "holds_packed_experts", "stores_packed_experts",
-           "mxfp4_quantization_config", "is_mxfp4_quantization", "MXFP4_FORMAT", "QUANT_CONFIG_KEY",
+           "mxfp4_quantization_config", "is_mxfp4_quantization", "declared_act_fmt", "MXFP4_FORMAT",
+           "MXFP8_INPUT_ACTIVATIONS", "ACT_FMT", "QUANT_CONFIG_KEY",
            "TEXT_PREFIX", "MX_BLOCK"]
 
 TEXT_PREFIX = "language_model."
@@ -279,27 +281,77 @@ MXFP4_IGNORE = [
 ]
 
 
-def mxfp4_quantization_config() -> dict:
+ACT_FMT = "fp8_e4m3"  # k3.model.mx_experts.ACT_FMT: the one MX activation format k3 runs
+
+# compressed-tensors' group-32 float8 scheme: MXFP8 (E4M3 elements, one E8M0 scale per 32 along the
+# feature dim), computed at run time from each matmul input (dynamic).
+MXFP8_INPUT_ACTIVATIONS = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": MX_BLOCK,
+                           "strategy": "group", "block_structure": None, "dynamic": True, "actorder": None,
+                           "observer": None, "observer_kwargs": {}, "scale_dtype": "torch.uint8",
+                           "zp_dtype": "torch.uint8"}
+_MXFP8_KEYS = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": MX_BLOCK}
+
+
+def mxfp4_quantization_config(act_fmt: str | None = None) -> dict:
     """The compressed-tensors ``quantization_config`` of a checkpoint whose routed experts are
     packed MXFP4: FP4 E2M1 weights ("float", 4 bits), one E8M0 (uint8) scale per group of 32
-    along the input dimension, symmetric, static. ``input_activations`` is null, as a weight-only
-    (W4A16-style) group declares: readers get the weights right from it; k3's own MX experts
-    additionally run their inputs through MXFP8 (the QAT recipe of SPEC §3.7) at matmul time.
+    along the input dimension, symmetric, static. ``input_activations``: null for ``act_fmt``
+    None (weight-only, as the release declares: activations stay in the compute dtype), the
+    MXFP8 group-32 float8 scheme for ``act_fmt`` "fp8_e4m3" (a model trained with MXFP8
+    activation QAT, SPEC §3.7). Loaders apply exactly what is declared (``declared_act_fmt``).
     ``scale_dtype`` / ``zp_dtype`` are written as compressed-tensors' MXFP4 preset writes them
     (there is no zero point: the scheme is symmetric).
     """
+    if act_fmt not in (None, ACT_FMT):
+        raise ValueError(f"act_fmt must be None or {ACT_FMT!r}, got {act_fmt!r}")
     weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": MX_BLOCK, "strategy": "group",
                "block_structure": None, "dynamic": False, "actorder": None, "observer": "minmax",
                "observer_kwargs": {}, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
+    acts = dict(MXFP8_INPUT_ACTIVATIONS) if act_fmt else None
     return {
         "quant_method": "compressed-tensors",
         "format": MXFP4_FORMAT,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                       "output_activations": None, "format": MXFP4_FORMAT}},
         "ignore": list(MXFP4_IGNORE),
         "kv_cache_scheme": None,
     }
+
+
+def declared_act_fmt(qc: object, where: str) -> str | None:
+    """The expert activation format a ``quantization_config`` declares: None (no config, or
+    ``input_activations`` null) or "fp8_e4m3" (the MXFP8 group-32 float8 scheme). Anything else,
+    including a non-MXFP4 quantization, is refused naming the field (``where``: the config path)."""
+    if qc is None:
+        return None
+    if not is_mxfp4_quantization(qc):
+        raise CheckpointError(f"{where}: quantization_config {_short(qc)} is not compressed-tensors "
+                              f"{MXFP4_FORMAT}, the only quantization k3 loads")
+    fmts = set()
+    for gname, g in (qc.get("config_groups") or {}).items():
+        field = f"{where}: quantization_config.config_groups.{gname}"
+        if not isinstance(g, dict):
+            raise CheckpointError(f"{field}: expected an object, got {_short(g)}")
+        if g.get("output_activations") is not None:
+            raise CheckpointError(f"{field}.output_activations: k3 does not quantize outputs, got "
+                                  f"{_short(g['output_activations'])}")
+        acts = g.get("input_activations")
+        if acts is None:
+            fmts.add(None)
+        elif isinstance(acts, dict) and all(acts.get(k) == v for k, v in _MXFP8_KEYS.items()):
+            fmts.add(ACT_FMT)
+        else:
+            raise CheckpointError(f"{field}.input_activations: only null (weights-only) or MXFP8 "
+                                  f"{_MXFP8_KEYS} are supported, got {_short(acts)}")
+    if len(fmts) > 1:
+        raise CheckpointError(f"{where}: quantization_config groups declare different input_activations")
+    return fmts.pop() if fmts else None
+
+
+def _short(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def is_mxfp4_quantization(qc: object) -> bool:

@@ -1,4 +1,12 @@
-"""Model-level checkpoint calls: save a K3ForCausalLM, load into one, build one from a directory.
+"""Model-level checkpoint calls, the user entry points: ``save_pretrained(model, dir)``,
+``load_checkpoint(model, dir)`` (in place) and ``from_pretrained(dir)`` (builds a K3ForCausalLM).
+
+They live here, not as methods of ``K3ForCausalLM``, so ``k3.model`` never imports
+``k3.checkpoint`` (the model knows nothing of files). ``k3.checkpoint.from_pretrained`` and
+``k3.checkpoint.save_pretrained`` replace the former ``K3ForCausalLM.from_pretrained`` /
+``model.save_pretrained`` methods.
+
+Every load verifies the shards' sha256 first (``verify=False`` skips it; see ``load.scan``).
 
 Packed MXFP4 inference (SPEC §3.7): ``from_pretrained(..., keep_packed=True)`` builds the model
 with ``PackedMXFP4Experts`` in place of every ``RoutedExperts`` and copies the checkpoint's
@@ -6,9 +14,16 @@ with ``PackedMXFP4Experts`` in place of every ``RoutedExperts`` and copies the c
 experts stay at 4.25 bits per weight in memory). The default, ``keep_packed=None``, keeps them
 packed exactly when config.json declares compressed-tensors ``mxfp4-pack-quantized`` (what
 ``k3 quantize`` writes and the release ships); a checkpoint with packed tensors but no such
-declaration is dequantized, as before. ``keep_packed=False`` always dequantizes into float experts;
+declaration is dequantized. ``keep_packed=False`` always dequantizes into float experts;
 ``keep_packed=True`` on a float checkpoint loads it and quantizes the experts once, from the
 stored precision.
+
+Activations follow the declaration (``quantization_config...input_activations``), in both
+layouts: null (the release: weights-only) runs expert inputs in the compute dtype; the MXFP8
+group-32 scheme (a ``k3 quantize`` of a QAT model) fake-quantizes them, packed
+(``PackedMXFP4Experts(act_fmt=...)``) or dequantized (``FakeQuantMXExperts`` over the dequantized
+weights, which re-quantize to themselves). So ``keep_packed=True`` and ``False`` give identical
+logits for every checkpoint.
 """
 
 from __future__ import annotations
@@ -21,24 +36,37 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from k3.checkpoint.load import CheckpointFiles, checkpoint_dtype, plan_load, scan, stream_into
-from k3.checkpoint.names import (expected_tensors, holds_packed_experts, is_mxfp4_quantization, storage_dtype,
-                                 stores_packed_experts)
-from k3.checkpoint.save import save_state_dict
+from k3.checkpoint.names import (declared_act_fmt, expected_tensors, holds_packed_experts, is_mxfp4_quantization,
+                                 storage_dtype, stores_packed_experts)
+from k3.checkpoint.save import CONFIG_NAME, save_state_dict
 from k3.config import K3Config
+from k3.errors import CheckpointError
 from k3.model.moe import RoutedExperts
-from k3.model.mx_experts import PackedMXFP4Experts, pack_routed_experts
+from k3.model.mx_experts import FakeQuantMXExperts, PackedMXFP4Experts, pack_routed_experts, swap_modules
 
-__all__ = ["save_pretrained", "load_checkpoint", "from_pretrained"]
+__all__ = ["save_pretrained", "load_checkpoint", "from_pretrained", "model_act_fmt"]
 
 log = logging.getLogger("k3.checkpoint")
 
 
+def model_act_fmt(model: nn.Module) -> str | None:
+    """The activation format of ``model``'s packed experts (None without packed experts); all
+    packed modules must agree, since one checkpoint declares one."""
+    fmts = {m.act_fmt for m in model.modules() if isinstance(m, PackedMXFP4Experts)}
+    if len(fmts) > 1:
+        raise CheckpointError(f"packed experts disagree on the activation format: {sorted(map(str, fmts))}")
+    return fmts.pop() if fmts else None
+
+
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, max_shard_size: int | str = "2GB",
                     dtype: torch.dtype | None = None) -> list[str]:
-    """Save ``model`` (a K3ForCausalLM) in k3's layout; see :func:`k3.checkpoint.save.save_state_dict`."""
+    """Save ``model`` (a K3ForCausalLM) in k3's layout (HF-named safetensors shards + index with
+    sha256 + config.json, atomically); see :func:`k3.checkpoint.save.save_state_dict`. Packed
+    experts declare their activation format in ``quantization_config``."""
     if any(t.is_meta for t in model.state_dict().values()):
-        raise ValueError("cannot save a model whose tensors are on the meta device")
-    return save_state_dict(model.state_dict(), model.config, directory, max_shard_size, dtype)
+        raise CheckpointError("cannot save a model whose tensors are on the meta device")
+    return save_state_dict(model.state_dict(), model.config, directory, max_shard_size, dtype,
+                           act_fmt=model_act_fmt(model))
 
 
 def _destinations(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -50,13 +78,16 @@ def _destinations(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: sd[n] for n in expected}
 
 
-def load_checkpoint(model: nn.Module, directory: str | os.PathLike, strict: bool = True) -> list[str]:
+def load_checkpoint(model: nn.Module, directory: str | os.PathLike, strict: bool = True,
+                    verify: bool = True) -> list[str]:
     """Load a checkpoint into ``model`` in place; return the unexpected tensor names (lenient mode).
 
-    Everything is validated against the model before the first byte is copied. A model on the
-    meta device is only validated (no tensor data is read).
+    Everything is validated against the model before the first byte is copied (``verify``: the
+    sha256 of every shard too). A model on the meta device is only validated from headers (no
+    tensor data is read, so nothing is hashed).
     """
-    files = scan(directory)
+    meta = any(t.is_meta for t in model.state_dict().values())
+    files = scan(directory, verify and not meta)
     config: K3Config = model.config
     if files.config.fingerprint() != config.fingerprint():
         log.info("%s: config.json differs from the model's config; loading by tensor shapes",
@@ -99,16 +130,10 @@ def _empty_model(cls: type, config: K3Config, dtype: torch.dtype, device: torch.
     return model
 
 
-def _with_empty_packed_experts(model: nn.Module) -> nn.Module:
+def _with_empty_packed_experts(model: nn.Module, act_fmt: str | None) -> list[str]:
     """Swap every RoutedExperts for a PackedMXFP4Experts of the same shape (zero bytes, to be filled
     from a checkpoint); the float expert storage is released."""
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, RoutedExperts):
-                with torch.device(child.w1.device):
-                    packed = PackedMXFP4Experts(child.num_experts, child.dim, child.intermediate, child.act)
-                setattr(parent, child_name, packed)
-    return model
+    return swap_modules(model, (RoutedExperts,), lambda m: PackedMXFP4Experts.empty_like(m, act_fmt))
 
 
 def declares_packed(files: CheckpointFiles) -> bool:
@@ -116,31 +141,44 @@ def declares_packed(files: CheckpointFiles) -> bool:
     return is_mxfp4_quantization(files.quantization)
 
 
-def from_pretrained(cls: type, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+def _default_class() -> type:
+    from k3.model.decoder import K3ForCausalLM
+    return K3ForCausalLM
+
+
+def from_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None,
                     device: str | torch.device | None = None, strict: bool = True,
-                    keep_packed: bool | None = None) -> nn.Module:
-    """Build ``cls`` (K3ForCausalLM) from a checkpoint directory of any supported layout.
+                    keep_packed: bool | None = None, verify: bool = True, model_class: type | None = None,
+                    ) -> nn.Module:
+    """Build a K3ForCausalLM (or ``model_class``) from a checkpoint directory of any supported layout.
 
     ``dtype`` None keeps the checkpoint's dtype (fp32-kept tensors stay fp32); ``device="meta"``
-    validates the checkpoint and returns a shape-only model without reading tensor data.
-    ``keep_packed``: routed experts as ``PackedMXFP4Experts`` (see the module docstring); None =
-    whether config.json declares ``mxfp4-pack-quantized``.
+    validates the checkpoint from its headers and returns a shape-only model without reading tensor
+    data (so without hashing). ``keep_packed``: routed experts as ``PackedMXFP4Experts`` (see the
+    module docstring); None = whether config.json declares ``mxfp4-pack-quantized``. ``verify``:
+    check every shard's sha256 first.
     """
-    files = scan(directory)
+    if isinstance(directory, type):
+        raise TypeError("from_pretrained(directory, ...) takes the directory first; the model class, "
+                        "if not K3ForCausalLM, goes in model_class=")
     device = torch.device(device or "cpu")
+    files = scan(directory, verify and device.type != "meta")
+    act_fmt = declared_act_fmt(files.quantization, os.path.join(files.directory, CONFIG_NAME))
     dtype = dtype or checkpoint_dtype(files)
     if keep_packed is None:
         keep_packed = declares_packed(files)
     direct = keep_packed and stores_packed_experts(files.tensors)  # bytes copied as stored
     plan = plan_load(files, files.config, strict, packed=direct)  # fail before allocating anything
-    model = _empty_model(cls, files.config, dtype, device)
+    model = _empty_model(model_class or _default_class(), files.config, dtype, device)
     if direct:
-        _with_empty_packed_experts(model)
+        _with_empty_packed_experts(model, act_fmt)
     if device.type != "meta":
         stream_into(plan, {n: t.data for n, t in _destinations(model).items()}, files.config)
     if keep_packed and not direct:
         if device.type == "meta":
-            _with_empty_packed_experts(model)
+            _with_empty_packed_experts(model, act_fmt)
         else:
-            pack_routed_experts(model)  # quantize the float experts just loaded
+            pack_routed_experts(model, act_fmt)  # quantize the float experts just loaded
+    elif not keep_packed and act_fmt is not None:  # dequantized weights, declared MXFP8 inputs
+        swap_modules(model, (RoutedExperts,), lambda m: FakeQuantMXExperts(m, act_fmt))
     return model

@@ -12,9 +12,16 @@ What is written is the released K3 format:
   groups of 32, an ignore list of everything that is not a routed expert); its one definition is
   ``k3.checkpoint.names.mxfp4_quantization_config``.
 
+Activations: ``--activations`` ``auto`` (default), ``none`` or ``mxfp8``. ``auto`` follows the
+source: a k3 run directory (or its ``checkpoint/model``) whose ``run.json`` train config says
+``qat`` declares MXFP8 ``input_activations`` (compressed-tensors group-32 float8), so the packed
+model reproduces the QAT model exactly; a packed source keeps its declaration; anything else is
+weights-only (``input_activations`` null). An explicit choice that contradicts the run record or
+the source's declaration is refused.
+
 The experts are quantized from the source's stored precision (an fp32 checkpoint is not rounded
 to bf16 first), with the same ``quantize_mx`` as QAT's fake quantization, so the packed model
-reproduces ``enable_qat``'s logits exactly. A source that already stores packed experts (the
+reproduces ``enable_qat``'s logits exactly (with MXFP8 activations declared). A source that already stores packed experts (the
 release) has its bytes carried over unchanged. The source model is held in memory once (float
 experts for a float source) while the packed copy is made.
 """
@@ -22,31 +29,94 @@ experts for a float source) while the packed copy is made.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
 
-from k3.checkpoint.pretrained import from_pretrained, save_pretrained
+from k3.checkpoint.load import scan
+from k3.checkpoint.names import ACT_FMT, declared_act_fmt
+from k3.checkpoint.pretrained import from_pretrained, model_act_fmt, save_pretrained
+from k3.checkpoint.save import CONFIG_NAME
 from k3.checkpoint.tools import DTYPE_ARGS
-from k3.model.decoder import K3ForCausalLM
+from k3.errors import CheckpointError
 from k3.model.mx_experts import PackedMXFP4Experts
 
-__all__ = ["quantize", "quantize_main"]
+__all__ = ["quantize", "quantize_main", "resolve_source", "ACTIVATIONS"]
+
+ACTIVATIONS = {"none": None, "mxfp8": ACT_FMT}
+RUN_INFO = "run.json"
 
 
-def _export(src, dst, dtype, max_shard_size, strict):
-    if os.path.realpath(src) == os.path.realpath(dst):
-        raise ValueError("quantize: source and destination are the same directory")
-    model = from_pretrained(K3ForCausalLM, src, strict=strict, keep_packed=True)
+def _run_qat(run_json: str) -> bool:
+    try:
+        with open(run_json) as f:
+            tc = json.load(f).get("train_config", {})
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{run_json}: unreadable run record ({e})") from None
+    qat = tc.get("qat", False) if isinstance(tc, dict) else False
+    if not isinstance(qat, bool):
+        raise CheckpointError(f"{run_json}: train_config.qat must be true or false, got {qat!r}")
+    return qat
+
+
+def resolve_source(src: str | os.PathLike) -> tuple[str, bool | None]:
+    """(model directory, whether it was trained with QAT or None when unknown) for a checkpoint
+    directory, a k3 run directory (its ``checkpoint/model``) or a run's ``checkpoint/model``."""
+    src = os.fspath(src)
+    if os.path.isfile(os.path.join(src, RUN_INFO)):
+        model_dir = os.path.join(src, "checkpoint", "model")
+        if not os.path.isdir(model_dir):
+            raise CheckpointError(f"{src}: a k3 run directory without a complete checkpoint ({model_dir})")
+        return model_dir, _run_qat(os.path.join(src, RUN_INFO))
+    run_json = os.path.join(src, os.pardir, os.pardir, RUN_INFO)
+    if os.path.basename(os.path.normpath(src)) == "model" and os.path.isfile(run_json):
+        return src, _run_qat(run_json)
+    return src, None
+
+
+def choose_act_fmt(requested: str, run_qat: bool | None, source_fmt: str | None, source_packed: bool,
+                   where: str) -> str | None:
+    """The activation format to declare; refuses a request that contradicts the source."""
+    if requested != "auto" and requested not in ACTIVATIONS:
+        raise CheckpointError(f"--activations must be auto, none or mxfp8, got {requested!r}")
+    recorded = ACT_FMT if run_qat else None
+    if requested == "auto":
+        return source_fmt if source_packed else recorded
+    want = ACTIVATIONS[requested]
+    if run_qat is not None and want != recorded:
+        raise CheckpointError(f"{where}: --activations {requested} contradicts the run record "
+                              f"(train_config.qat = {str(run_qat).lower()})")
+    if source_packed and want != source_fmt:
+        raise CheckpointError(f"{where}: --activations {requested} contradicts the source's "
+                              f"quantization_config (input_activations {'MXFP8' if source_fmt else 'null'})")
+    return want
+
+
+def _export(src, dst, dtype, max_shard_size, strict, activations="auto", verify=True):
+    model_dir, run_qat = resolve_source(src)
+    if os.path.realpath(model_dir) == os.path.realpath(dst) or os.path.realpath(src) == os.path.realpath(dst):
+        raise CheckpointError(f"{dst}: quantize: source and destination are the same directory")
+    files = scan(model_dir, verify=False)  # headers only: what the source declares
+    source_fmt = declared_act_fmt(files.quantization, os.path.join(model_dir, CONFIG_NAME))
+    source_packed = files.quantization is not None
+    act_fmt = choose_act_fmt(activations, run_qat, source_fmt, source_packed, model_dir)
+    model = from_pretrained(model_dir, strict=strict, keep_packed=True, verify=verify)
+    for m in model.modules():
+        if isinstance(m, PackedMXFP4Experts):
+            m.act_fmt = act_fmt
+    assert model_act_fmt(model) == act_fmt
     return model, save_pretrained(model, dst, max_shard_size, dtype)
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: torch.dtype | None = torch.bfloat16,
-             max_shard_size: int | str = "2GB", strict: bool = True) -> list[str]:
-    """Read ``src`` (k3, K3 release or Kimi-Linear layout) and write it to ``dst`` with packed MXFP4
-    routed experts; return the shard file names. ``dtype`` is the storage dtype of the unquantized
-    tensors (None: as stored in ``src``)."""
-    return _export(src, dst, dtype, max_shard_size, strict)[1]
+             max_shard_size: int | str = "2GB", strict: bool = True, activations: str = "auto",
+             verify: bool = True) -> list[str]:
+    """Read ``src`` (k3, K3 release or Kimi-Linear layout, or a k3 run directory) and write it to
+    ``dst`` with packed MXFP4 routed experts; return the shard file names. ``dtype`` is the storage
+    dtype of the unquantized tensors (None: as stored in ``src``). ``activations``: "auto", "none"
+    or "mxfp8" (module docstring). ``verify``: check the source's sha256 first."""
+    return _export(src, dst, dtype, max_shard_size, strict, activations, verify)[1]
 
 
 def quantize_main(argv: list[str] | None = None) -> int:
@@ -54,18 +124,23 @@ def quantize_main(argv: list[str] | None = None) -> int:
         prog="k3 quantize",
         description="write a checkpoint whose routed experts are packed MXFP4 (compressed-tensors "
                     "mxfp4-pack-quantized, group 32); everything else is saved as by k3 convert")
-    p.add_argument("src", help="checkpoint directory (k3, K3 release or Kimi-Linear layout)")
+    p.add_argument("src", help="checkpoint directory (k3, K3 release or Kimi-Linear layout) or k3 run directory")
     p.add_argument("dst", help="output directory")
     p.add_argument("--dtype", choices=sorted(DTYPE_ARGS) + ["keep"], default="bf16",
                    help="dtype of the unquantized tensors (fp32-kept tensors stay fp32); 'keep': as stored")
+    p.add_argument("--activations", choices=["auto", *ACTIVATIONS], default="auto",
+                   help="declared expert input activations: auto = mxfp8 for a run trained with --qat, "
+                        "else as the source declares (weights-only for a float source)")
     p.add_argument("--max-shard-size", default="2GB")
     p.add_argument("--lenient", action="store_true", help="skip tensors k3 does not know instead of failing")
+    p.add_argument("--no-verify", action="store_true", help="do not check the source's sha256 hashes")
     a = p.parse_args(argv)
     if os.path.realpath(a.src) == os.path.realpath(a.dst):
         p.error("SRC and DST must be different directories")
     dtype = None if a.dtype == "keep" else DTYPE_ARGS[a.dtype]
-    model, names = _export(a.src, a.dst, dtype, a.max_shard_size, not a.lenient)
+    model, names = _export(a.src, a.dst, dtype, a.max_shard_size, not a.lenient, a.activations, not a.no_verify)
     packed = [m for m in model.modules() if isinstance(m, PackedMXFP4Experts)]
+    acts = "MXFP8 activations" if model_act_fmt(model) else "weights-only"
     print(f"wrote {len(names)} shard(s) to {a.dst}: {sum(3 * m.num_experts for m in packed)} routed-expert "
-          f"matrices packed as MXFP4 ({sum(m.nbytes() for m in packed):,} bytes)")
+          f"matrices packed as MXFP4 ({sum(m.nbytes() for m in packed):,} bytes), {acts}")
     return 0

@@ -13,6 +13,13 @@ directory loadable and never a half-written one that loads):
 Between 3's two renames a crash leaves the new config beside the old index; that only matters if
 the config changed, and then validation rejects the pair instead of loading a mixture.
 
+Integrity: each shard's sha256 is computed from the bytes as they are written and stored in the
+index, ``metadata.sha256 = {shard file: hex digest}`` (``metadata.format = "k3"``); every load
+path checks it (``k3.checkpoint.load.scan``). Step 4 removes only files the previous *k3* index
+lists under k3's own shard names: a foreign or stale index never makes k3 delete a file it did not
+write. Before the first byte, the checkpoint's size is compared with the free space of the
+directory's filesystem (refused with how much is needed).
+
 A state dict whose routed experts are packed MXFP4 (``experts.wN_packed`` / ``_scale`` buffers of
 ``PackedMXFP4Experts``) is written as the release stores it, ``experts.{e}.wN.weight_packed`` /
 ``.weight_scale`` uint8, and ``config.json`` then carries the compressed-tensors
@@ -23,12 +30,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 from typing import Mapping
 
 import torch
 
 from k3.checkpoint.io import CheckpointError, parse_size, write_json_atomic, write_safetensors
+from k3.checkpoint.kimi_linear import a_log_file_shape, is_kimi_linear_mode, kimi_linear_config_fields
 from k3.checkpoint.names import (
     QUANT_CONFIG_KEY,
     expected_tensors,
@@ -40,12 +50,17 @@ from k3.checkpoint.names import (
 from k3.config import K3Config
 from k3.fsutil import fsync_path
 
-__all__ = ["save_state_dict", "INDEX_NAME", "CONFIG_NAME", "TMP_PREFIX", "CRASH_ENV"]
+__all__ = ["save_state_dict", "INDEX_NAME", "CONFIG_NAME", "TMP_PREFIX", "CRASH_ENV", "INDEX_FORMAT",
+           "SHA256_KEY", "K3_SHARD_RE", "check_free_space"]
 
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 TMP_PREFIX = ".k3tmp-"
 CRASH_ENV = "K3_CHECKPOINT_CRASH_AT"  # test hook: "shard:N" or "commit" -> SIGKILL self there
+INDEX_FORMAT = "k3"  # index metadata "format" of a k3-written checkpoint
+SHA256_KEY = "sha256"  # index metadata key: {shard file name: sha256 hex}
+K3_SHARD_RE = re.compile(r"^model-(?:g\d+-)?\d{5}-of-\d{5}\.safetensors$")  # names _shard_names makes
+_HEADER_SLACK = 1 << 20  # headers, config.json and index: generous upper bound in bytes
 
 
 def _crash_point(where: str) -> None:
@@ -75,6 +90,8 @@ def _file_tensors(state_dict: Mapping[str, torch.Tensor], config: K3Config,
         if name not in expected:  # tied lm_head
             continue
         want = storage_dtype(name, dtype or t.dtype)
+        if name.endswith(".A_log"):
+            t = a_log_file_shape(config, t)
         for fname, e in file_names(name, tuple(t.shape)):
             out.append((fname, t if e is None else t[e], want))
     return out
@@ -105,46 +122,106 @@ def _shard_names(directory: str, n: int) -> list[str]:
 
 
 def _previous_shards(directory: str) -> set[str]:
+    """Shards of the previous checkpoint that k3 wrote (k3 index format, k3 shard names); a
+    foreign or unreadable index gives none, so nothing it lists is ever deleted."""
     try:
         with open(os.path.join(directory, INDEX_NAME)) as f:
-            return set(json.load(f).get("weight_map", {}).values())
+            index = json.load(f)
+        if index.get("metadata", {}).get("format") != INDEX_FORMAT:
+            return set()
+        return {s for s in index.get("weight_map", {}).values()
+                if isinstance(s, str) and K3_SHARD_RE.match(s)}
     except (OSError, ValueError, AttributeError):
         return set()
 
 
+def check_free_space(directory: str, needed: int) -> None:
+    """Refuse (naming the directory and both sizes) when its filesystem has under ``needed`` bytes free."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise CheckpointError(f"{directory}: not enough free space for the checkpoint: needs "
+                              f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB free")
+
+
+def _config_json(state_dict: Mapping[str, torch.Tensor], config: K3Config, act_fmt: str | None) -> dict:
+    config_json = config.to_text_dict()
+    config_json.pop(QUANT_CONFIG_KEY, None)
+    if holds_packed_experts(state_dict):
+        config_json[QUANT_CONFIG_KEY] = mxfp4_quantization_config(act_fmt)
+    elif act_fmt is not None:
+        raise CheckpointError(f"activation format {act_fmt!r} is declared only for packed MXFP4 experts")
+    if is_kimi_linear_mode(config):
+        for k, v in kimi_linear_config_fields(config).items():
+            config_json.setdefault(k, v)
+    return config_json
+
+
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: K3Config, directory: str | os.PathLike,
-                    max_shard_size: int | str = "2GB", dtype: torch.dtype | None = None) -> list[str]:
+                    max_shard_size: int | str = "2GB", dtype: torch.dtype | None = None,
+                    act_fmt: str | None = None) -> list[str]:
     """Save a K3 state dict (internal names) in k3's layout; return the shard file names.
 
     ``dtype`` casts every tensor except the fp32-kept ones (conv weights, ``A_log``, ``dt_bias``,
-    ``o_norm``, ``e_score_correction_bias``); None keeps each tensor's dtype.
+    ``o_norm``, ``e_score_correction_bias``); None keeps each tensor's dtype. ``act_fmt``
+    (packed experts only): the declared ``input_activations``, None or "fp8_e4m3" (MXFP8).
     """
     directory = os.fspath(directory)
     _check_state_dict(state_dict, config)
     max_bytes = parse_size(max_shard_size)
+    config_json = _config_json(state_dict, config, act_fmt)
+    items = _file_tensors(state_dict, config, dtype)
+    shards = _plan_shards(items, max_bytes)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: not a directory (a file is in the way)")
     os.makedirs(directory, exist_ok=True)
-    config_json = config.to_text_dict()
-    config_json.pop(QUANT_CONFIG_KEY, None)
-    if holds_packed_experts(state_dict):
-        config_json[QUANT_CONFIG_KEY] = mxfp4_quantization_config()
+    check_free_space(directory, sum(t.numel() * torch.empty((), dtype=d).element_size() for _, t, d in items)
+                     + _HEADER_SLACK)
     for f in os.listdir(directory):  # leftovers of an interrupted save
         if f.startswith(TMP_PREFIX):
             os.remove(os.path.join(directory, f))
     previous = _previous_shards(directory)
-    shards = _plan_shards(_file_tensors(state_dict, config, dtype), max_bytes)
     names = _shard_names(directory, len(shards))
     tmp = f"{TMP_PREFIX}{os.getpid()}-"
+    try:
+        weight_map, hashes, total = _write_shards(shards, names, directory, tmp)
+        index = {"metadata": {"total_size": total, "format": INDEX_FORMAT, SHA256_KEY: hashes},
+                 "weight_map": weight_map}
+        _commit(directory, tmp, names, config_json, index)
+    except BaseException:
+        _remove_temps(directory, tmp)  # free the space a failed save took (ENOSPC)
+        raise
+    for old in previous - set(names):
+        path = os.path.join(directory, old)
+        if os.path.isfile(path):
+            os.remove(path)
+    return names
+
+
+def _write_shards(shards: list[list], names: list[str], directory: str, tmp: str):
     weight_map: dict[str, str] = {}
+    hashes: dict[str, str] = {}
     total = 0
     for i, (shard, fname) in enumerate(zip(shards, names), 1):
         with torch.no_grad():
             tensors = [(n, t.to(d)) for n, t, d in shard]
         total += sum(t.numel() * t.element_size() for _, t in tensors)
-        write_safetensors(os.path.join(directory, tmp + fname), tensors)
+        _, hashes[fname] = write_safetensors(os.path.join(directory, tmp + fname), tensors)
         weight_map.update({n: fname for n, _ in tensors})
         del tensors
         _crash_point(f"shard:{i}")
-    index = {"metadata": {"total_size": total, "format": "k3"}, "weight_map": weight_map}
+    return weight_map, hashes, total
+
+
+def _remove_temps(directory: str, tmp: str) -> None:
+    for f in os.listdir(directory):
+        if f.startswith(tmp):
+            try:
+                os.remove(os.path.join(directory, f))
+            except OSError:
+                pass
+
+
+def _commit(directory: str, tmp: str, names: list[str], config_json: dict, index: dict) -> None:
     cfg_tmp = write_json_atomic(os.path.join(directory, CONFIG_NAME), config_json,
                                 os.path.join(directory, tmp + CONFIG_NAME))
     idx_tmp = write_json_atomic(os.path.join(directory, INDEX_NAME), index,
@@ -156,8 +233,3 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: K3Config, di
     _crash_point("commit")
     os.replace(idx_tmp, os.path.join(directory, INDEX_NAME))
     fsync_path(directory)
-    for old in previous - set(names):
-        path = os.path.join(directory, old)
-        if os.path.basename(old) == old and os.path.isfile(path):
-            os.remove(path)
-    return names

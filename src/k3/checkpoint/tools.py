@@ -11,6 +11,7 @@ import torch
 
 from k3.checkpoint.load import CheckpointFiles, checkpoint_dtype, load_state_dict, plan_load, scan
 from k3.checkpoint.save import save_state_dict
+from k3.errors import CheckpointError
 
 __all__ = ["convert", "inspect", "convert_main", "inspect_main", "DTYPE_ARGS"]
 
@@ -19,11 +20,13 @@ DTYPE_ARGS = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfl
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, dtype: torch.dtype | None = None,
-            max_shard_size: int | str = "2GB", strict: bool = True) -> list[str]:
-    """Read ``src`` (k3, K3 release, Kimi-Linear) and write it to ``dst`` in k3's layout."""
+            max_shard_size: int | str = "2GB", strict: bool = True, verify: bool = True) -> list[str]:
+    """Read ``src`` (k3, K3 release, Kimi-Linear) and write it to ``dst`` in k3's layout.
+
+    ``verify``: check the source's sha256 hashes first; the output carries its own."""
     if os.path.realpath(src) == os.path.realpath(dst):
-        raise ValueError("convert: source and destination are the same directory")
-    config, sd = load_state_dict(src, dtype=dtype, strict=strict)
+        raise CheckpointError(f"{dst}: convert: source and destination are the same directory")
+    config, sd = load_state_dict(src, dtype=dtype, strict=strict, verify=verify)
     return save_state_dict(sd, config, dst, max_shard_size)
 
 
@@ -61,9 +64,10 @@ def _quantization_lines(files: CheckpointFiles) -> list[str]:
     return lines
 
 
-def inspect(directory: str | os.PathLike) -> str:
-    """Config summary, parameter counts and dtype/shape statistics, from config and headers only."""
-    files = scan(directory)
+def inspect(directory: str | os.PathLike, verify: bool = True) -> str:
+    """Config summary, parameter counts and dtype/shape statistics, from config and headers (and,
+    with ``verify``, the shards' sha256 check, which reads every byte once)."""
+    files = scan(directory, verify)
     cfg = files.config
     plan = plan_load(files, cfg, strict=False)
     lac = cfg.linear_attn_config
@@ -118,8 +122,10 @@ def convert_main(argv: list[str] | None = None) -> int:
                    help="model dtype (fp32-kept tensors stay fp32); default: as stored")
     p.add_argument("--max-shard-size", default="2GB")
     p.add_argument("--lenient", action="store_true", help="skip tensors k3 does not know instead of failing")
+    p.add_argument("--no-verify", action="store_true", help="do not check the source's sha256 hashes")
     a = p.parse_args(argv)
-    names = convert(a.src, a.dst, DTYPE_ARGS[a.dtype] if a.dtype else None, a.max_shard_size, not a.lenient)
+    names = convert(a.src, a.dst, DTYPE_ARGS[a.dtype] if a.dtype else None, a.max_shard_size, not a.lenient,
+                    not a.no_verify)
     print(f"wrote {len(names)} shard(s) to {a.dst}")
     return 0
 
@@ -127,5 +133,7 @@ def convert_main(argv: list[str] | None = None) -> int:
 def inspect_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3 inspect", description="summarise a checkpoint without loading it")
     p.add_argument("dir")
-    print(inspect(p.parse_args(argv).dir))
+    p.add_argument("--no-verify", action="store_true", help="read headers only, skip the sha256 check")
+    a = p.parse_args(argv)
+    print(inspect(a.dir, not a.no_verify))
     return 0

@@ -194,18 +194,3 @@ class K3ForCausalLM(nn.Module):
 
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
-
-    def save_pretrained(self, directory, max_shard_size="2GB", dtype=None) -> list[str]:
-        """HF-named safetensors shards + index + config.json, written atomically (k3.checkpoint)."""
-        from k3.checkpoint import save_pretrained
-        return save_pretrained(self, directory, max_shard_size, dtype)
-
-    @classmethod
-    def from_pretrained(cls, directory, dtype=None, device=None, strict=True,
-                        keep_packed=None) -> "K3ForCausalLM":
-        """Load a k3, K3-release or Kimi-Linear checkpoint directory (see k3.checkpoint).
-
-        ``keep_packed``: routed experts stay packed MXFP4 in memory; None = when config.json
-        declares ``mxfp4-pack-quantized`` (k3.checkpoint.pretrained)."""
-        from k3.checkpoint import from_pretrained
-        return from_pretrained(cls, directory, dtype, device, strict, keep_packed)

@@ -138,8 +138,8 @@ def load_run_model(path: str | Path, device: str = "cpu"):
     """(model, tokenizer) from a run directory, its checkpoint folder, or a model directory."""
     import torch
 
+    from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import Tokenizer
-    from k3.model.decoder import K3ForCausalLM
     from k3.train.state import find_checkpoint, load_trainer_state
 
     path = Path(path)
@@ -153,7 +153,7 @@ def load_run_model(path: str | Path, device: str = "cpu"):
         model_dir, tok_path, qat = path, path / "tokenizer.json", False
     else:
         raise FileNotFoundError(f"{path} holds no checkpoint (expected a k3 run directory)")
-    model = K3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device=device)
+    model = from_pretrained(model_dir, dtype=torch.float32, device=device)
     if qat:  # the weights were trained through MXFP4 fake quantization: sample the same way
         from k3.train.qat import enable_qat
         enable_qat(model)
