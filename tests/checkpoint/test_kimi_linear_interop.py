@@ -4,9 +4,12 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 from k3.checkpoint import from_pretrained, inspect, load_state_dict, save_pretrained  # noqa: E402
+from k3.config import get_preset
+from k3.model.decoder import K3ForCausalLM
 
 
 def _hf_model(q_lora_rank):
@@ -65,3 +68,69 @@ def test_transformers_checkpoint_reexports_in_k3_layout(tmp_path):
     again = from_pretrained(tmp_path / "k3")
     for n, t in model.state_dict().items():
         assert torch.equal(t, again.state_dict()[n]), n
+
+
+def _ids():
+    return torch.randint(3, 128, (2, 19), generator=torch.Generator().manual_seed(1))
+
+
+def _load_in_transformers(directory):
+    """transformers' own loader; any missing / unexpected / mis-shaped tensor fails the test."""
+    hf, info = KimiLinearForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    return hf.eval()
+
+
+def _k3_kimi_linear_model(seed=0):
+    """A Kimi-Linear-mode model built by k3 from its preset (not from a transformers config), every
+    tensor random so nothing can be silently dropped or reinitialised."""
+    cfg = get_preset(
+        "kimi-linear-48b", vocab_size=128, hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_token=2, num_attention_heads=2,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+        linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 2, "head_dim": 16,
+                            "short_conv_kernel_size": 4, "gate_lower_bound": None, "use_full_rank_gate": False})
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            scale = 0.3 if name.endswith(("A_log", "dt_bias")) else 0.05
+            t.add_(torch.randn_like(t) * scale)
+    return model
+
+
+def test_k3_saved_kimi_linear_loads_in_transformers_with_equal_logits(tmp_path):
+    model = _k3_kimi_linear_model()
+    assert model.config.model_type == "kimi_linear"
+    save_pretrained(model, tmp_path)
+    with safe_open(str(next(tmp_path.glob("model-*.safetensors"))), "pt") as f:
+        assert list(f.get_slice("model.layers.0.self_attn.A_log").get_shape()) == [1, 1, 2, 1]
+        assert list(f.get_slice("model.layers.0.self_attn.dt_bias").get_shape()) == [2 * 16]
+    hf = _load_in_transformers(tmp_path)
+    with torch.no_grad():
+        ref, got = hf(_ids()).logits, model(_ids()).logits
+    rel = (got - ref).norm() / ref.norm()
+    assert rel <= 1e-5, f"relative error {rel:.3g}"
+    again = from_pretrained(tmp_path)  # and k3 reads its own Kimi-Linear layout back exactly
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, again.state_dict()[n]), n
+
+
+def test_transformers_to_k3_to_transformers_gives_equal_logits(tmp_path):
+    hf = _hf_model(24)
+    hf.save_pretrained(tmp_path / "hf")
+    model = from_pretrained(tmp_path / "hf")
+    save_pretrained(model, tmp_path / "k3")
+    back = _load_in_transformers(tmp_path / "k3")
+    with torch.no_grad():
+        assert torch.equal(back(_ids()).logits, hf(_ids()).logits)
+    for n, t in hf.state_dict().items():
+        assert torch.equal(t, back.state_dict()[n]), n
+
+
+def test_k3_mode_models_keep_the_k3_a_log_layout(tmp_path):
+    from conftest import random_model
+    save_pretrained(random_model("nano"), tmp_path)  # latent MoE, AttnRes: not a Kimi-Linear model
+    with safe_open(str(next(tmp_path.glob("model-*.safetensors"))), "pt") as f:
+        assert list(f.get_slice("model.layers.0.self_attn.A_log").get_shape()) == [2]
