@@ -1,0 +1,82 @@
+"""Which activations a packed checkpoint declares and applies (SPEC §3.7): `k3 quantize` of a QAT
+run declares MXFP8 `input_activations` and reproduces the QAT model in both load layouts; a plain
+run is weights-only; contradictory requests and undeclarable schemes are refused."""
+import json
+
+import pytest
+import torch
+from conftest import random_model
+from test_quantize import _experts, _logits, _one_thread, packed_ckpt  # noqa: F401 (fixtures)
+
+from k3.checkpoint import CheckpointError, from_pretrained, save_pretrained
+from k3.checkpoint.quantize import quantize, quantize_main
+from k3.train.qat import enable_qat
+
+
+def _run_dir(tmp_path, qat, seed=11):
+    """A k3 run directory as the trainer lays it out: run.json (train config) + checkpoint/model."""
+    run = tmp_path / f"run-{qat}"
+    model = random_model("nano", seed=seed)
+    save_pretrained(model, run / "checkpoint" / "model")
+    (run / "run.json").write_text(json.dumps({"train_config": {"qat": qat, "steps": 10}}))
+    return run, model
+
+
+def _declared_acts(d):
+    return json.loads((d / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "input_activations"]
+
+
+@pytest.mark.parametrize("src_form", ["run", "model"])
+def test_quantize_of_a_qat_run_declares_mxfp8_and_reproduces_the_qat_model(tmp_path, src_form):
+    run, model = _run_dir(tmp_path, qat=True)
+    src = run if src_form == "run" else run / "checkpoint" / "model"
+    quantize(src, tmp_path / "q", dtype=torch.float32)
+    assert _declared_acts(tmp_path / "q")["num_bits"] == 8
+    enable_qat(model)
+    assert torch.equal(_logits(from_pretrained(tmp_path / "q")), _logits(model))
+    assert torch.equal(_logits(from_pretrained(tmp_path / "q", keep_packed=False)), _logits(model))
+
+
+def test_quantize_of_a_plain_run_is_weights_only(tmp_path):
+    run, _ = _run_dir(tmp_path, qat=False)
+    quantize(run, tmp_path / "q")
+    assert _declared_acts(tmp_path / "q") is None
+
+
+@pytest.mark.parametrize("qat, flag", [(True, "none"), (False, "mxfp8")])
+def test_activations_flag_contradicting_the_run_is_refused(tmp_path, capsys, qat, flag):
+    run, _ = _run_dir(tmp_path, qat=qat)
+    agreeing = "mxfp8" if qat else "none"
+    assert quantize_main([str(run), str(tmp_path / "ok"), "--activations", agreeing]) == 0  # positive control
+    from k3.cli import main
+    assert main(["quantize", str(run), str(tmp_path / "q"), "--activations", flag]) == 2
+    err = capsys.readouterr().err
+    assert f"--activations {flag} contradicts the run record" in err and "Traceback" not in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_activations_flag_contradicting_a_packed_source_is_refused(tmp_path):
+    save_pretrained(random_model("nano"), tmp_path / "src")
+    quantize(tmp_path / "src", tmp_path / "q8", activations="mxfp8")
+    quantize(tmp_path / "q8", tmp_path / "again")  # auto keeps the source's declaration
+    assert _declared_acts(tmp_path / "again")["num_bits"] == 8
+    with pytest.raises(CheckpointError, match="contradicts the source's quantization_config"):
+        quantize(tmp_path / "q8", tmp_path / "bad", activations="none")
+
+
+@pytest.mark.parametrize("acts, ok", [(None, True), ({"num_bits": 8, "type": "float", "strategy": "group",
+                                                      "group_size": 32}, True),
+                                      ({"num_bits": 8, "type": "int", "strategy": "token"}, False),
+                                      ({"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}, False)])
+def test_undeclarable_input_activations_are_refused_naming_the_field(packed_ckpt, acts, ok):
+    cfg = json.loads((packed_ckpt / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["input_activations"] = acts
+    (packed_ckpt / "config.json").write_text(json.dumps(cfg))
+    if ok:
+        model = from_pretrained(packed_ckpt)
+        assert {m.act_fmt for m in _experts(model)} == {None if acts is None else "fp8_e4m3"}
+    else:
+        with pytest.raises(CheckpointError, match=r"config\.json: quantization_config\.config_groups\.group_0"
+                                                  r"\.input_activations"):
+            from_pretrained(packed_ckpt)
