@@ -22,6 +22,7 @@ import logging
 import os
 import re
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -128,12 +129,15 @@ def verify_files(directory: str, shards: list[str], metadata: dict | None) -> bo
         return False
     if not isinstance(hashes, dict):
         raise CheckpointError(f"{index}: metadata.{SHA256_KEY} is not an object")
-    for shard in shards:
-        path = os.path.join(directory, shard)
-        want = hashes.get(shard)
-        if not isinstance(want, str):
+    paths = [os.path.join(directory, shard) for shard in shards]
+    for shard, path in zip(shards, paths):
+        if not isinstance(hashes.get(shard), str):
             raise CheckpointError(f"{path}: no sha256 for this shard in {index}")
-        got = sha256_file(path)
+    # hashlib releases the GIL on large buffers: shards hash in parallel, one thread each
+    with ThreadPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(sha256_file, paths))
+    for shard, path, got in zip(shards, paths, digests):
+        want = hashes[shard]
         if got != want:
             raise CheckpointError(f"{path}: sha256 mismatch, the file changed after it was written "
                                   f"(corrupt?); expected {want[:16]}..., got {got[:16]}... "
