@@ -27,10 +27,10 @@ def _declared_acts(d):
         "input_activations"]
 
 
-@pytest.mark.parametrize("src_form", ["run", "model"])
+@pytest.mark.parametrize("src_form", ["run", "checkpoint", "checkpoint/model"])
 def test_quantize_of_a_qat_run_declares_mxfp8_and_reproduces_the_qat_model(tmp_path, src_form):
     run, model = _run_dir(tmp_path, qat=True)
-    src = run if src_form == "run" else run / "checkpoint" / "model"
+    src = run if src_form == "run" else run / src_form
     quantize(src, tmp_path / "q", dtype=torch.float32)
     assert _declared_acts(tmp_path / "q")["num_bits"] == 8
     enable_qat(model)

@@ -62,13 +62,18 @@ def _run_qat(run_json: str) -> bool:
 
 def resolve_source(src: str | os.PathLike) -> tuple[str, bool | None]:
     """(model directory, whether it was trained with QAT or None when unknown) for a checkpoint
-    directory, a k3 run directory (its ``checkpoint/model``) or a run's ``checkpoint/model``."""
+    directory, a k3 run directory (its ``checkpoint/model``), a run's ``checkpoint`` folder or its
+    ``checkpoint/model``; the QAT flag comes from the run's ``run.json``."""
     src = os.fspath(src)
     if os.path.isfile(os.path.join(src, RUN_INFO)):
         model_dir = os.path.join(src, "checkpoint", "model")
         if not os.path.isdir(model_dir):
             raise CheckpointError(f"{src}: a k3 run directory without a complete checkpoint ({model_dir})")
         return model_dir, _run_qat(os.path.join(src, RUN_INFO))
+    if not os.path.isfile(os.path.join(src, CONFIG_NAME)) and os.path.isdir(os.path.join(src, "model")):
+        run_json = os.path.join(src, os.pardir, RUN_INFO)  # a run's checkpoint folder
+        if os.path.isfile(run_json):
+            return os.path.join(src, "model"), _run_qat(run_json)
     run_json = os.path.join(src, os.pardir, os.pardir, RUN_INFO)
     if os.path.basename(os.path.normpath(src)) == "model" and os.path.isfile(run_json):
         return src, _run_qat(run_json)
