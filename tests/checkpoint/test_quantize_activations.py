@@ -80,3 +80,31 @@ def test_undeclarable_input_activations_are_refused_naming_the_field(packed_ckpt
         with pytest.raises(CheckpointError, match=r"config\.json: quantization_config\.config_groups\.group_0"
                                                   r"\.input_activations"):
             from_pretrained(packed_ckpt)
+
+
+@pytest.mark.slow
+def test_a_real_qat_run_quantizes_to_its_own_logits(tmp_path, monkeypatch):
+    """End to end: `k3 train --qat` writes the run, `k3 quantize RUN` finds the QAT record by itself,
+    and the packed model gives exactly the logits `k3 sample` computes from the run."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    from k3.cli import main
+    from k3.train.commands import load_run_model
+
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    data.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "csv.py", "fnmatch.py", "heapq.py"):
+        shutil.copy(stdlib / name, data / name)
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "nano", "--data", str(data), "--out", str(run), "--steps", "2",
+                 "--batch-size", "2", "--seq-len", "32", "--threads", "1", "--qat", "--no-plot",
+                 "--final-eval-batches", "1"]) == 0
+    assert main(["quantize", str(run), str(tmp_path / "q"), "--dtype", "fp32"]) == 0
+    assert _declared_acts(tmp_path / "q")["type"] == "float"
+    qat_model, _ = load_run_model(run)
+    for keep_packed in (True, False):
+        assert torch.equal(_logits(from_pretrained(tmp_path / "q", keep_packed=keep_packed)), _logits(qat_model))
