@@ -33,14 +33,16 @@ def _ste(x, fmt):  # written out here, independent of fake_quant_mx
     return x + (dq - x).detach()
 
 
-def _reference_experts(experts, x, counts):
-    """Per-expert loop: fq8(x)·fq4(W)^T for w1, w3, then act, then fq8(h)·fq4(w2)^T."""
+def _reference_experts(experts, x, counts, acts=True):
+    """Per-expert loop: fq8(x)·fq4(W)^T for w1, w3, then act, then fq8(h)·fq4(w2)^T
+    (``acts=False``: weights-only, x·fq4(W)^T with no activation quantization)."""
+    a = (lambda t: _ste(t, "fp8_e4m3")) if acts else (lambda t: t)
     out, start = [], 0
     for e, c in enumerate(counts.tolist()):
-        xe = _ste(x[start:start + c], "fp8_e4m3")
+        xe = a(x[start:start + c])
         w1, w3, w2 = (_ste(w[e], "fp4_e2m1") for w in (experts.w1, experts.w3, experts.w2))
         h = experts.act(xe @ w1.T, xe @ w3.T)
-        out.append(_ste(h, "fp8_e4m3") @ w2.T)
+        out.append(a(h) @ w2.T)
         start += c
     return torch.cat(out)
 
@@ -90,6 +92,31 @@ def test_qat_forward_and_gradients_match_per_expert_reference():
     for got, w in zip(grads, (ex.w1, ex.w3, ex.w2)):
         torch.testing.assert_close(got, w.grad, rtol=1e-5, atol=1e-6)
         assert (got[[1, 4]] == 0).all()  # experts without tokens get no gradient
+
+
+@pytest.mark.parametrize("act_fmt", [None, "fp8_e4m3"])
+def test_packed_experts_apply_exactly_their_declared_activation_format(act_fmt):
+    ex = _experts()
+    counts = torch.tensor([5, 0, 9, 1, 0, 17])
+    x = torch.randn(int(counts.sum()), 64) * torch.exp(torch.randn(int(counts.sum()), 1))
+    offsets = counts.cumsum(0).to(torch.int32)
+    packed = PackedMXFP4Experts.from_experts(ex, act_fmt=act_fmt)
+    assert packed.act_fmt == act_fmt
+    with torch.no_grad():
+        y = packed(x, offsets)
+        ref = _reference_experts(ex, x, counts, acts=act_fmt is not None)
+        other = _reference_experts(ex, x, counts, acts=act_fmt is None)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    assert (y - other).abs().max() > 1e-3  # the other format is measurably different
+
+
+def test_packing_keeps_the_source_activation_format_unless_told():
+    ex = _experts()
+    assert PackedMXFP4Experts.from_experts(ex).act_fmt is None  # plain experts: weights-only
+    assert PackedMXFP4Experts.from_experts(FakeQuantMXExperts(ex)).act_fmt == "fp8_e4m3"  # QAT: MXFP8
+    assert PackedMXFP4Experts.from_experts(FakeQuantMXExperts(ex), act_fmt=None).act_fmt is None
+    with pytest.raises(ValueError, match="act_fmt must be one of"):
+        PackedMXFP4Experts(2, 32, 32, ex.act, act_fmt="fp8_e5m2")
 
 
 def _moe(capacity_factor=None, seed=3):
