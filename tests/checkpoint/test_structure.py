@@ -1,14 +1,11 @@
 """Package structure: model/ never imports the checkpoint code; one swap helper for QAT, packing and
 packed loading, and each of the three swaps exactly the routed experts."""
 import ast
-import json
 import pathlib
-import re
 import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import random_model
 
 from k3.checkpoint import from_pretrained, save_pretrained
