@@ -108,3 +108,15 @@ def test_a_real_qat_run_quantizes_to_its_own_logits(tmp_path, monkeypatch):
     qat_model, _ = load_run_model(run)
     for keep_packed in (True, False):
         assert torch.equal(_logits(from_pretrained(tmp_path / "q", keep_packed=keep_packed)), _logits(qat_model))
+
+
+def test_load_checkpoint_refuses_a_model_whose_experts_run_other_activations(tmp_path):
+    from k3.checkpoint import load_checkpoint
+    save_pretrained(random_model("nano"), tmp_path / "src")
+    quantize(tmp_path / "src", tmp_path / "q8", activations="mxfp8")
+    quantize(tmp_path / "src", tmp_path / "q4")
+    weights_only = from_pretrained(tmp_path / "q4")
+    assert load_checkpoint(weights_only, tmp_path / "q4") == []  # positive control: same declaration
+    with pytest.raises(CheckpointError, match="declares input_activations fp8_e4m3 but the model's experts run"):
+        load_checkpoint(weights_only, tmp_path / "q8")
+    assert load_checkpoint(from_pretrained(tmp_path / "q8"), tmp_path / "q8") == []

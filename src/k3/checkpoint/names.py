@@ -26,6 +26,7 @@ import torch
 
 from k3.config import K3Config
 from k3.errors import CheckpointError
+from k3.model.mx_experts import ACT_FMT  # the one MX activation format k3 runs (MXFP8 E4M3)
 
 __all__ = ["expected_tensors", "keeps_fp32", "storage_dtype", "file_names", "resolve", "Target", "check_file_shape",
            "to_internal", "is_stacked_expert", "is_packed_buffer", "holds_packed_experts", "stores_packed_experts",
@@ -280,8 +281,6 @@ MXFP4_IGNORE = [
     r"re:.*_res_proj$",  # AttnRes pseudo-queries (self_attention_res, mlp_res, output_attn_res)
 ]
 
-
-ACT_FMT = "fp8_e4m3"  # k3.model.mx_experts.ACT_FMT: the one MX activation format k3 runs
 
 # compressed-tensors' group-32 float8 scheme: MXFP8 (E4M3 elements, one E8M0 scale per 32 along the
 # feature dim), computed at run time from each matmul input (dynamic).

@@ -78,6 +78,21 @@ def _destinations(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: sd[n] for n in expected}
 
 
+def _check_declared_acts(model: nn.Module, files: CheckpointFiles) -> None:
+    """A checkpoint that declares its expert activations must match the experts it loads into
+    (packed / QAT experts carry ``act_fmt``; plain float experts run weights-only)."""
+    if files.quantization is None:  # float checkpoints (master weights) declare nothing
+        return
+    path = os.path.join(files.directory, CONFIG_NAME)
+    declared = declared_act_fmt(files.quantization, path)
+    have = {getattr(m, "act_fmt", None) for m in model.modules()
+            if type(m) in (RoutedExperts, FakeQuantMXExperts, PackedMXFP4Experts)}
+    if have and have != {declared}:
+        raise CheckpointError(f"{path}: quantization_config declares input_activations "
+                              f"{declared or 'null'} but the model's experts run {sorted(map(str, have))}; "
+                              "build the model with from_pretrained to follow the checkpoint")
+
+
 def load_checkpoint(model: nn.Module, directory: str | os.PathLike, strict: bool = True,
                     verify: bool = True) -> list[str]:
     """Load a checkpoint into ``model`` in place; return the unexpected tensor names (lenient mode).
@@ -88,6 +103,7 @@ def load_checkpoint(model: nn.Module, directory: str | os.PathLike, strict: bool
     """
     meta = any(t.is_meta for t in model.state_dict().values())
     files = scan(directory, verify and not meta)
+    _check_declared_acts(model, files)
     config: K3Config = model.config
     if files.config.fingerprint() != config.fingerprint():
         log.info("%s: config.json differs from the model's config; loading by tensor shapes",
