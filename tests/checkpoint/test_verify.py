@@ -66,6 +66,16 @@ def test_index_carries_the_sha256_of_every_shard(ckpt):
         assert meta["sha256"][shard] == hashlib.sha256((ckpt / shard).read_bytes()).hexdigest()
 
 
+@pytest.mark.parametrize("writer", ["convert", "quantize"])
+def test_convert_and_quantize_outputs_carry_hashes_too(ckpt, writer):
+    out = ckpt.parent / writer
+    (convert if writer == "convert" else quantize)(ckpt, out)
+    meta = json.loads((out / INDEX).read_text())["metadata"]
+    assert meta["format"] == "k3" and set(meta["sha256"]) == set(_shards(out))
+    for shard in _shards(out):
+        assert meta["sha256"][shard] == hashlib.sha256((out / shard).read_bytes()).hexdigest()
+
+
 LOADS = {
     "from_pretrained": lambda d, **k: from_pretrained(d, **k),
     "load_checkpoint": lambda d, **k: load_checkpoint(random_model("nano", seed=9), d, **k),
