@@ -208,3 +208,92 @@ def test_fingerprint_changes_with_any_field():
     assert c.fingerprint() == get_preset("nano").fingerprint()
     assert c.fingerprint() != c.replace(rms_norm_eps=1e-6).fingerprint()
     assert math.isclose(c.latent_norm_eps, c.rms_norm_eps)
+
+
+# --------------------------------------------------------------------------- every field read or refused
+# For each schema field of the nano preset: a change that must alter the model built from it (its
+# parameter shapes, or its logits on fixed input with the same seed), or a value that is refused.
+_NANO_LAC = get_preset("nano").linear_attn_config.to_dict()
+CHANGES_MODEL = {
+    "vocab_size": 600, "hidden_size": 48, "num_attention_heads": 4, "q_lora_rank": None,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+    "mla_use_output_gate": False, "mla_latent_norm_eps": 10.0, "intermediate_size": 96,
+    "first_k_dense_replace": 2, "num_experts": 4, "num_experts_per_token": 3, "num_shared_experts": 0,
+    "moe_intermediate_size": 16, "routed_expert_hidden_size": None, "latent_moe_use_norm": False,
+    "moe_router_activation_func": "softmax", "moe_renormalize": False, "routed_scaling_factor": 2.5,
+    "num_expert_group": 4, "topk_group": 2, "hidden_act": "silu", "activation_situ_beta": 1.0,
+    "activation_situ_linear_beta": 0.5, "attn_res_block_size": None, "rms_norm_eps": 1.0,
+    "tie_word_embeddings": True, "initializer_range": 0.2,
+    "num_hidden_layers": 5,  # with the layer lists below
+    "linear_attn_config": {**_NANO_LAC, "kda_layers": [1, 3], "full_attn_layers": [2, 4]},
+    "linear_attn_config.num_heads": 4, "linear_attn_config.head_dim": 16,
+    "linear_attn_config.short_conv_kernel_size": 3, "linear_attn_config.gate_lower_bound": None,
+    "linear_attn_config.use_full_rank_gate": False,
+}
+BASE_FOR = {"topk_group": {"num_expert_group": 4}}  # topk_group is read with more than one group
+REFUSED = {"mla_use_nope": False, "num_nextn_predict_layers": 1}
+# Read outside the model: max_position_embeddings bounds the input length (checked below); the
+# token ids are tokenizer metadata for HF generation; model_type selects the Kimi-Linear defaults
+# when parsing (tests/checkpoint/test_hf_config.py).
+READ_ELSEWHERE = {"max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "model_type"}
+
+
+def _changed(field: str, value):
+    if field.startswith("linear_attn_config."):
+        return {"linear_attn_config": {**_NANO_LAC, field.split(".", 1)[1]: value}}
+    if field == "num_hidden_layers":
+        return {field: value, "linear_attn_config": {**_NANO_LAC, "kda_layers": [1, 2, 3, 4],
+                                                    "full_attn_layers": [5]}}
+    return {field: value}
+
+
+def _signature(cfg):
+    import torch
+
+    from k3.model.decoder import K3ForCausalLM
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).eval()
+    ids = torch.arange(12).remainder(500).view(2, 6)
+    with torch.no_grad():
+        logits = model(ids).logits
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return shapes, logits
+
+
+def test_the_field_table_covers_every_field():
+    fields = set(K3Config.text_field_names()) | {f"linear_attn_config.{k}" for k in LinearAttnConfig._KNOWN}
+    fields -= {"linear_attn_config.kda_layers", "linear_attn_config.full_attn_layers"}  # in "linear_attn_config"
+    table = set(CHANGES_MODEL) | set(REFUSED) | READ_ELSEWHERE
+    assert fields == table, (sorted(fields - table), sorted(table - fields))
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES_MODEL))
+def test_each_field_changes_the_model(field):
+    base_cfg = get_preset("nano", **BASE_FOR.get(field, {}))
+    changed = base_cfg.replace(**_changed(field, CHANGES_MODEL[field]))
+    assert changed.to_dict() != base_cfg.to_dict()
+    (s0, y0), (s1, y1) = _signature(base_cfg), _signature(changed)
+    assert s0 != s1 or y0.shape != y1.shape or not (y0 - y1).abs().max() < 1e-6, field
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_each_unimplemented_field_is_refused(field):
+    with pytest.raises(ConfigError, match=field):
+        get_preset("nano", **{field: REFUSED[field]})
+    assert get_preset("nano", **{field: getattr(get_preset("nano"), field)})  # default accepted
+
+
+def test_max_position_embeddings_bounds_the_input():
+    import torch
+
+    from k3.model.decoder import K3ForCausalLM
+    model = K3ForCausalLM(get_preset("nano", max_position_embeddings=8))
+    assert model(torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, 512)
+    with pytest.raises(ValueError, match="max_position_embeddings=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_signature_of_one_config_is_reproducible():
+    """Control for the table: two builds of one config agree, so a difference comes from the field."""
+    (s0, y0), (s1, y1) = _signature(get_preset("nano")), _signature(get_preset("nano"))
+    assert s0 == s1 and (y0 - y1).abs().max() == 0
