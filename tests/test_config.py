@@ -167,6 +167,8 @@ def test_token_id_lists_keep_the_first_and_all(tmp_path):
     d = {**get_preset("nano").to_text_dict(), "eos_token_id": [5, 7]}
     c = K3Config.from_dict(d)
     assert c.eos_token_id == 5 and c.extra["eos_token_ids"] == [5, 7]
+    assert c.replace(rms_norm_eps=1e-6).extra["eos_token_ids"] == [5, 7]
+    assert "eos_token_ids" not in c.replace(eos_token_id=9).extra  # no stale list left behind
 
 
 def test_unknown_preset_has_a_did_you_mean():

@@ -33,9 +33,10 @@ from k3.errors import ConfigError
 
 __all__ = ["LinearAttnConfig", "K3Config", "PRESETS", "get_preset", "list_presets", "check_int",
            "check_float", "check_bool", "check_choice", "refuse_unknown", "did_you_mean",
-           "INT_MAX", "ConfigError"]
+           "INT_MAX", "MAX_LAYERS", "ConfigError"]
 
 INT_MAX = 2**31 - 1  # every size / id / count fits int32 (torch index kernels, safetensors shapes)
+MAX_LAYERS = 65536   # linear_attn_config lists every layer, so a config names each one
 
 
 # ------------------------------------------------------------------------------ value checks
@@ -218,7 +219,7 @@ class K3Config:
             raise ConfigError(f"linear_attn_config must be a JSON object, got {self.linear_attn_config!r}")
         lac = self.linear_attn_config
         if not lac.kda_layers and not lac.full_attn_layers and _is_int(self.num_hidden_layers) \
-                and 0 < self.num_hidden_layers <= INT_MAX:
+                and 0 < self.num_hidden_layers <= MAX_LAYERS:
             lac.kda_layers, lac.full_attn_layers = k3_layer_split(self.num_hidden_layers)
         self.validate()
 
@@ -263,7 +264,8 @@ class K3Config:
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
         """Check every field's type and range; refuse values the model does not implement."""
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        check_int("num_hidden_layers", self.num_hidden_layers, lo=1, hi=MAX_LAYERS)
+        for name in ("vocab_size", "hidden_size", "num_attention_heads",
                      "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size",
                      "max_position_embeddings", "num_expert_group", "topk_group"):
             check_int(name, getattr(self, name), lo=1)
@@ -334,8 +336,8 @@ class K3Config:
                         raise ConfigError(f"linear_attn_config: layer {i} listed twice as {kind}")
                     raise ConfigError(f"linear_attn_config: layer {i} listed as both KDA and MLA")
                 seen[i] = kind
-        missing = [i for i in range(1, n + 1) if i not in seen]
-        if missing:
+        if len(seen) < n:
+            missing = [i for i in range(1, n + 1) if i not in seen]
             raise ConfigError(f"layers {missing[:16]}{'...' if len(missing) > 16 else ''} (1-indexed) "
                               "are neither KDA nor MLA in linear_attn_config")
 
@@ -384,8 +386,10 @@ class K3Config:
         kw.update(copy.deepcopy(changes))
         if "linear_attn_config" in changes and isinstance(kw["linear_attn_config"], LinearAttnConfig):
             kw["linear_attn_config"] = kw["linear_attn_config"].to_dict()
+        extra = {k: copy.deepcopy(v) for k, v in self.extra.items()
+                 if not (k.endswith("_token_ids") and k[:-1] in changes)}  # an HF id list replaced
         return K3Config(**kw, vision_config=copy.deepcopy(self.vision_config),
-                        wrapper=copy.deepcopy(self.wrapper), extra=copy.deepcopy(self.extra))
+                        wrapper=copy.deepcopy(self.wrapper), extra=extra)
 
     def fingerprint(self) -> tuple:
         """What a cache or checkpoint must agree with to be used with this config."""
