@@ -141,6 +141,9 @@ def test_kimi_linear_config_without_k3_fields_gets_kimi_linear_values():
     ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
     ({"num_key_value_heads": 1}, "num_key_value_heads=1"),
     ({"qk_head_dim": 7}, "qk_head_dim=7"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"topk_method": "greedy"}, "topk_method='greedy'"),
+    ({"use_grouped_topk": False, "num_expert_group": 2}, "use_grouped_topk=false"),
     ({"linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": [3, 4]}},
      "layer_types disagrees with linear_attn_config.kda_layers"),
     ({"linear_num_heads": 4, "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4],
@@ -151,8 +154,16 @@ def test_transformers_form_problems_are_named(change, message):
          "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_num_heads": 2,
          "linear_head_dim": 16, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_token": 2,
          "moe_intermediate_size": 16, "intermediate_size": 64, "kv_lora_rank": 16, "q_lora_rank": None,
-         "attention_bias": False, "attention_dropout": 0.0, "num_key_value_heads": 2, "qk_head_dim": 192}
+         "attention_bias": False, "attention_dropout": 0.0, "num_key_value_heads": 2, "qk_head_dim": 192,
+         "moe_layer_freq": 1, "topk_method": "noaux_tc", "use_grouped_topk": True, "rope_theta": 1e4}
     c = K3Config.from_dict(d)  # positive control: the unchanged dict loads
     assert c.kda_layer_ids == [0, 1, 2] and c.num_experts_per_token == 2
     with pytest.raises(ConfigError, match=message):
         K3Config.from_dict({**d, **change})
+
+
+def test_model_max_length_beside_max_position_embeddings_passes_through():
+    d = {**_moonshot_style(), "max_position_embeddings": 2048}
+    c = K3Config.from_dict(d)
+    assert c.max_position_embeddings == 2048 and c.extra["model_max_length"] == 4096
+    assert K3Config.from_dict(_moonshot_style()).max_position_embeddings == 4096  # alone: it is the length

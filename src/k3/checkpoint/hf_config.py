@@ -19,7 +19,8 @@ written back unchanged. The transformers-form views of schema fields (``layer_ty
 ``mlp_layer_types``, ``linear_*``, the aliases, ``num_key_value_heads``, ``qk_head_dim``) are checked
 against the fields and dropped, so a ``replace`` can never leave a stale copy behind (transformers
 reads the flat form k3 writes). HF keys that would change the model (``attention_bias``,
-``attention_dropout``) are accepted only at the value k3 implements. Every problem is a
+``attention_dropout``, ``moe_layer_freq``, ``topk_method``, ``use_grouped_topk``) are accepted
+only at the value k3 implements; ``rope_theta`` / ``rope_scaling`` pass through (MLA is NoPE). Every problem is a
 :class:`~k3.errors.ConfigError` naming the key.
 
 This module imports :mod:`k3.config`, never the reverse at load time (``K3Config.from_dict`` /
@@ -136,8 +137,8 @@ def _from_text_dict(d: dict[str, Any]) -> K3Config:
 def _apply_aliases(d: dict[str, Any]) -> None:
     """Schema fields from transformers' aliases (both present must agree); the alias is dropped."""
     for alias, name in HF_ALIASES.items():
-        if alias not in d:
-            continue
+        if alias not in d or (alias == "model_max_length" and name in d):
+            continue  # Moonshot's model_max_length beside max_position_embeddings is its own key
         v = d.pop(alias)
         if name not in d:
             d[name] = v
@@ -207,6 +208,15 @@ def _check_hf_keys(cfg: K3Config, views: dict[str, Any]) -> None:
     drop = x.get("attention_dropout", 0.0)
     if drop is not None and (isinstance(drop, bool) or drop != 0):
         raise ConfigError(f"attention_dropout={drop!r}: attention dropout is not implemented (use 0.0)")
+    if x.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"moe_layer_freq={x['moe_layer_freq']!r}: k3 puts MoE in every layer from "
+                          "first_k_dense_replace on (use 1)")
+    if x.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"topk_method={x['topk_method']!r}: k3 routes by top-k with a selection-only "
+                          "bias ('noaux_tc')")
+    if x.get("use_grouped_topk", True) is not True and cfg.num_expert_group > 1:
+        raise ConfigError("use_grouped_topk=false with num_expert_group > 1: k3 always applies "
+                          "group-limited routing when there are groups")
     kv = views.get("num_key_value_heads")
     if kv is not None and kv != cfg.num_attention_heads:
         raise ConfigError(f"num_key_value_heads={kv!r} differs from num_attention_heads="
