@@ -1,28 +1,110 @@
-"""K3 configuration: one dataclass whose fields are the HF ``kimi_linear`` / ``kimi_k3`` names.
+"""K3 configuration: the schema (one dataclass whose fields are the HF ``kimi_linear`` names) and its validation.
 
-``K3Config`` describes the text model (SPEC §2). It reads and writes three ``config.json`` shapes:
+``K3Config`` describes the text model (SPEC §2). Three neighbours hold the rest:
 
-* a flat text config with a ``linear_attn_config`` dict (Moonshot's Kimi-Linear / K3 text config),
-* the same but written by transformers (``layer_types`` / ``mlp_layer_types`` / ``linear_*`` fields),
-* the multimodal ``kimi_k3`` wrapper (``text_config`` + ``vision_config``).
+* :mod:`k3.checkpoint.hf_config` reads and writes the ``config.json`` shapes (Moonshot's flat
+  ``linear_attn_config`` form, transformers' ``layer_types`` form, the ``kimi_k3`` wrapper) and
+  the Kimi-Linear defaults. ``from_dict`` / ``from_json`` / ``to_dict`` here are thin wrappers that
+  import it lazily: ``model/`` imports this module, so it must not import ``checkpoint/`` at load
+  time (that would be a cycle ``checkpoint → model → config → checkpoint``).
+* :mod:`k3.presets` holds the named configurations; ``get_preset`` / ``list_presets`` / ``PRESETS``
+  here forward to it (lazily, since it imports this module).
+* The value checks below (``check_int``, ``check_float``, ``check_bool``, ``check_choice``,
+  ``refuse_unknown``) are public so run configs and CLIs validate the same way.
 
-Layer lists in ``linear_attn_config`` are 1-indexed, as released; ``kda_layer_ids`` and
-``mla_layer_ids`` give the 0-indexed sets the model uses. Unknown keys are kept in ``extra`` so a
-file round-trips. Validation runs on construction and names the offending field.
+Every field is either read by the model / checkpoint code or refused: a value the model does not
+implement (``mla_use_nope=False``, ``num_nextn_predict_layers > 0``) raises :class:`ConfigError`
+naming the field. Some fields are read only under another one (the SiTU betas under
+``hidden_act='situ'``, ``latent_moe_use_norm`` with a latent width, MoE sizes with experts).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
-__all__ = ["LinearAttnConfig", "K3Config", "PRESETS", "get_preset", "list_presets"]
+from k3.errors import ConfigError
+
+__all__ = ["LinearAttnConfig", "K3Config", "PRESETS", "get_preset", "list_presets", "check_int",
+           "check_float", "check_bool", "check_choice", "refuse_unknown", "did_you_mean",
+           "INT_MAX", "MAX_LAYERS", "ConfigError"]
+
+INT_MAX = 2**31 - 1  # every size / id / count fits int32 (torch index kernels, safetensors shapes)
+MAX_LAYERS = 65536   # linear_attn_config lists every layer, so a config names each one
 
 
+# ------------------------------------------------------------------------------ value checks
+def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = INT_MAX,
+              allow_none: bool = False) -> None:
+    """``v`` is an int (not a bool) in [lo, hi], or None when allowed."""
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{name} must be an int{' or null' if allow_none else ''}, got {v!r}")
+    if lo is not None and v < lo:
+        raise ConfigError(f"{name} must be {'> 0' if lo == 1 else f'>= {lo}'}, got {v}")
+    if hi is not None and v > hi:
+        raise ConfigError(f"{name} must be <= {hi}, got {v}")
+
+
+def check_float(name: str, v: Any, lo: float | None = None, hi: float | None = None,
+                lo_open: bool = False, allow_none: bool = False) -> None:
+    """``v`` is a finite real (an int counts, a bool does not) with lo ≤ v ≤ hi (lo < v if lo_open)."""
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{name} must be a number{' or null' if allow_none else ''}, got {v!r}")
+    if not math.isfinite(v):
+        raise ConfigError(f"{name} must be finite, got {v}")
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise ConfigError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ConfigError(f"{name} must be <= {hi}, got {v}")
+
+
+def check_bool(name: str, v: Any, allow_none: bool = False) -> None:
+    """``v`` is ``True`` / ``False`` itself: the strings "false"/"no" and 0/1 are refused, not cast."""
+    if v is None and allow_none:
+        return
+    if not isinstance(v, bool):
+        raise ConfigError(f"{name} must be true or false, got {v!r} ({type(v).__name__})")
+
+
+def check_choice(name: str, v: Any, choices: Iterable[Any], allow_none: bool = False) -> None:
+    choices = tuple(choices)
+    if v is None and allow_none:
+        return
+    if not isinstance(v, str) or v not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {v!r}")
+
+
+def did_you_mean(key: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest known name, or ``""``."""
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def refuse_unknown(keys: Iterable[str], known: Iterable[str], where: str) -> None:
+    """ConfigError naming every key of ``keys`` not in ``known``, each with a did-you-mean."""
+    known = list(known)
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        names = ", ".join(f"{k!r}{did_you_mean(k, known)}" for k in unknown)
+        raise ConfigError(f"{where}: unknown option(s) {names}")
+
+
+def _check_dict(name: str, v: Any, allow_none: bool = True) -> None:
+    if not (isinstance(v, dict) or (v is None and allow_none)):
+        raise ConfigError(f"{name} must be a JSON object{' or null' if allow_none else ''}, got {v!r}")
+
+
+# ------------------------------------------------------------------------------ schema
 @dataclass
 class LinearAttnConfig:
     """The ``linear_attn_config`` sub-dict: KDA geometry and the 1-indexed layer split."""
@@ -40,24 +122,42 @@ class LinearAttnConfig:
               "gate_lower_bound", "use_full_rank_gate")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LinearAttnConfig":
+    def from_dict(cls, d: Any) -> "LinearAttnConfig":
         if not isinstance(d, dict):
-            raise TypeError(f"linear_attn_config must be a dict, got {type(d).__name__}")
-        kw = {k: d[k] for k in cls._KNOWN if k in d}
-        extra = {k: v for k, v in d.items() if k not in cls._KNOWN}
-        return cls(**kw, extra=extra)
+            raise ConfigError(f"linear_attn_config must be a JSON object, got {d!r}")
+        kw = {k: copy.deepcopy(d[k]) for k in cls._KNOWN if k in d}
+        return cls(**kw, extra={k: copy.deepcopy(v) for k, v in d.items() if k not in cls._KNOWN})
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: copy.deepcopy(getattr(self, k)) for k in self._KNOWN}
         d.update(copy.deepcopy(self.extra))
         return d
 
+    def validate(self) -> None:
+        for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
+            check_int(f"linear_attn_config.{name}", getattr(self, name), lo=1)
+        check_float("linear_attn_config.gate_lower_bound", self.gate_lower_bound, allow_none=True)
+        if self.gate_lower_bound is not None and not self.gate_lower_bound < 0:
+            raise ConfigError(f"linear_attn_config.gate_lower_bound must be < 0 or null, "
+                              f"got {self.gate_lower_bound}")
+        check_bool("linear_attn_config.use_full_rank_gate", self.use_full_rank_gate)
+        for name in ("kda_layers", "full_attn_layers"):
+            layers = getattr(self, name)
+            if not isinstance(layers, list):
+                raise ConfigError(f"linear_attn_config.{name} must be a list of layer ids, got {layers!r}")
+            for i in layers:
+                check_int(f"linear_attn_config.{name} entry", i)
+        _check_dict("linear_attn_config.extra", self.extra, allow_none=False)
 
-def _k3_layer_split(num_layers: int, period: int = 4) -> tuple[list[int], list[int]]:
+
+def k3_layer_split(num_layers: int, period: int = 4) -> tuple[list[int], list[int]]:
     """1-indexed (kda, full) lists: full attention every ``period``-th layer and at the last."""
     full = [i for i in range(1, num_layers + 1) if i % period == 0 or i == num_layers]
     kda = [i for i in range(1, num_layers + 1) if i not in full]
     return kda, full
+
+
+_NOT_TEXT = ("vision_config", "wrapper", "extra")
 
 
 @dataclass
@@ -75,7 +175,7 @@ class K3Config:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    mla_use_nope: bool = True
+    mla_use_nope: bool = True   # the model implements NoPE MLA only: False is refused
     mla_use_output_gate: bool = True
     mla_latent_norm_eps: float | None = None  # None -> rms_norm_eps (K3); Kimi-Linear uses 1e-6
     # MLP / MoE
@@ -101,24 +201,31 @@ class K3Config:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
-    num_nextn_predict_layers: int = 0
+    num_nextn_predict_layers: int = 0  # multi-token prediction is not implemented: > 0 is refused
     initializer_range: float = 0.02
-    bos_token_id: int | None = 163584
+    bos_token_id: int | None = 163584  # token ids: tokenizer metadata, kept for HF / generation
     eos_token_id: int | None = 163585
     pad_token_id: int | None = 163839
-    model_type: str = "kimi_linear"
+    model_type: str = "kimi_linear"    # read by the config.json parser (Kimi-Linear defaults)
     # multimodal wrapper (kept verbatim until vision lands)
     vision_config: dict[str, Any] | None = None
     wrapper: dict[str, Any] | None = None  # non-text keys of a kimi_k3 wrapper config
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown config.json keys, passed through
 
     def __post_init__(self) -> None:
         if isinstance(self.linear_attn_config, dict):
             self.linear_attn_config = LinearAttnConfig.from_dict(self.linear_attn_config)
+        if not isinstance(self.linear_attn_config, LinearAttnConfig):
+            raise ConfigError(f"linear_attn_config must be a JSON object, got {self.linear_attn_config!r}")
         lac = self.linear_attn_config
-        if not lac.kda_layers and not lac.full_attn_layers:
-            lac.kda_layers, lac.full_attn_layers = _k3_layer_split(self.num_hidden_layers)
+        if not lac.kda_layers and not lac.full_attn_layers and _is_int(self.num_hidden_layers) \
+                and 0 < self.num_hidden_layers <= MAX_LAYERS:
+            lac.kda_layers, lac.full_attn_layers = k3_layer_split(self.num_hidden_layers)
         self.validate()
+
+    @classmethod
+    def text_field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.name not in _NOT_TEXT]
 
     # ------------------------------------------------------------------ derived
     @property
@@ -156,105 +263,98 @@ class K3Config:
 
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
-        def pos(name: str, allow_none: bool = False) -> None:
-            v = getattr(self, name)
-            if v is None and allow_none:
-                return
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {v!r}")
-            if v <= 0:
-                raise ValueError(f"{name} must be > 0, got {v}")
-
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+        """Check every field's type and range; refuse values the model does not implement."""
+        check_int("num_hidden_layers", self.num_hidden_layers, lo=1, hi=MAX_LAYERS)
+        for name in ("vocab_size", "hidden_size", "num_attention_heads",
                      "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size",
                      "max_position_embeddings", "num_expert_group", "topk_group"):
-            pos(name)
+            check_int(name, getattr(self, name), lo=1)
         for name in ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size"):
-            pos(name, allow_none=True)
+            check_int(name, getattr(self, name), lo=1, allow_none=True)
         for name in ("qk_rope_head_dim", "num_experts", "num_shared_experts", "first_k_dense_replace",
-                     "num_nextn_predict_layers"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if self.mla_latent_norm_eps is not None and self.mla_latent_norm_eps <= 0:
-            raise ValueError(f"mla_latent_norm_eps must be > 0, got {self.mla_latent_norm_eps}")
-        if self.hidden_act not in ("situ", "silu"):
-            raise ValueError(f"hidden_act must be 'situ' or 'silu', got {self.hidden_act!r}")
-        if self.hidden_act == "situ" and self.activation_situ_beta <= 0:
-            raise ValueError(f"activation_situ_beta must be > 0, got {self.activation_situ_beta}")
-        if self.activation_situ_linear_beta is not None and self.activation_situ_linear_beta <= 0:
-            raise ValueError("activation_situ_linear_beta must be > 0 or None, "
-                             f"got {self.activation_situ_linear_beta}")
-        if self.moe_router_activation_func not in ("sigmoid", "softmax"):
-            raise ValueError("moe_router_activation_func must be 'sigmoid' or 'softmax', "
-                             f"got {self.moe_router_activation_func!r}")
-        if self.num_experts > 0:
-            pos("moe_intermediate_size")
-            pos("num_experts_per_token")
-            if self.num_experts % self.num_expert_group:
-                raise ValueError(f"num_experts ({self.num_experts}) must be divisible by "
-                                 f"num_expert_group ({self.num_expert_group})")
-            if self.topk_group > self.num_expert_group:
-                raise ValueError(f"topk_group ({self.topk_group}) must be <= num_expert_group "
-                                 f"({self.num_expert_group})")
-            reachable = self.topk_group * (self.num_experts // self.num_expert_group)
-            if self.num_experts_per_token > reachable:
-                raise ValueError(f"num_experts_per_token ({self.num_experts_per_token}) exceeds the "
-                                 f"{reachable} experts reachable with topk_group={self.topk_group}")
+                     "num_nextn_predict_layers", "moe_intermediate_size", "num_experts_per_token"):
+            check_int(name, getattr(self, name), lo=0)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            check_int(name, getattr(self, name), lo=0, allow_none=True)
+        for name in ("mla_use_nope", "mla_use_output_gate", "latent_moe_use_norm", "moe_renormalize",
+                     "tie_word_embeddings"):
+            check_bool(name, getattr(self, name))
+        for name in ("rms_norm_eps", "initializer_range", "routed_scaling_factor", "activation_situ_beta"):
+            check_float(name, getattr(self, name), lo=0.0, lo_open=True)
+        for name in ("mla_latent_norm_eps", "activation_situ_linear_beta"):
+            check_float(name, getattr(self, name), lo=0.0, lo_open=True, allow_none=True)
+        check_choice("hidden_act", self.hidden_act, ("situ", "silu"))
+        check_choice("moe_router_activation_func", self.moe_router_activation_func, ("sigmoid", "softmax"))
+        if not isinstance(self.model_type, str):
+            raise ConfigError(f"model_type must be a string, got {self.model_type!r}")
+        _check_dict("vision_config", self.vision_config)
+        _check_dict("wrapper", self.wrapper)
+        _check_dict("extra", self.extra, allow_none=False)
+        self._refuse_unimplemented()
+        self._validate_moe()
         self._validate_layers()
+
+    def _refuse_unimplemented(self) -> None:
+        if self.mla_use_nope is not True:
+            raise ConfigError("mla_use_nope=false (rotary positions in MLA) is not implemented: "
+                              "k3's Gated MLA is NoPE only (SPEC §3.2)")
+        if self.num_nextn_predict_layers != 0:
+            raise ConfigError(f"num_nextn_predict_layers={self.num_nextn_predict_layers}: multi-token "
+                              "prediction layers are not implemented (use 0)")
+
+    def _validate_moe(self) -> None:
+        if self.num_experts == 0:
+            return
+        for name in ("moe_intermediate_size", "num_experts_per_token"):
+            check_int(name, getattr(self, name), lo=1)
+        if self.num_experts_per_token > self.num_experts:
+            raise ConfigError(f"num_experts_per_token ({self.num_experts_per_token}) exceeds "
+                              f"num_experts ({self.num_experts})")
+        if self.num_experts % self.num_expert_group:
+            raise ConfigError(f"num_experts ({self.num_experts}) must be divisible by "
+                              f"num_expert_group ({self.num_expert_group})")
+        if self.topk_group > self.num_expert_group:
+            raise ConfigError(f"topk_group ({self.topk_group}) must be <= num_expert_group "
+                              f"({self.num_expert_group})")
+        reachable = self.topk_group * (self.num_experts // self.num_expert_group)
+        if self.num_experts_per_token > reachable:
+            raise ConfigError(f"num_experts_per_token ({self.num_experts_per_token}) exceeds the "
+                              f"{reachable} experts reachable with topk_group={self.topk_group}")
 
     def _validate_layers(self) -> None:
         lac = self.linear_attn_config
+        lac.validate()
         n = self.num_hidden_layers
-        for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
-            v = getattr(lac, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"linear_attn_config.{name} must be an int > 0, got {v!r}")
-        if lac.gate_lower_bound is not None and not lac.gate_lower_bound < 0:
-            raise ValueError(f"linear_attn_config.gate_lower_bound must be < 0 or None, "
-                             f"got {lac.gate_lower_bound}")
         seen: dict[int, str] = {}
         for kind, layers in (("KDA", lac.kda_layers), ("MLA", lac.full_attn_layers)):
             for i in layers:
-                if isinstance(i, bool) or not isinstance(i, int):
-                    raise TypeError(f"linear_attn_config layer ids must be ints, got {i!r}")
                 if not 1 <= i <= n:
-                    raise ValueError(f"{kind} layer {i} is out of range: linear_attn_config layer ids are "
-                                     f"1-indexed and num_hidden_layers={n}")
+                    raise ConfigError(f"{kind} layer {i} is out of range: linear_attn_config layer ids "
+                                      f"are 1-indexed and num_hidden_layers={n}")
                 if i in seen:
                     if seen[i] == kind:
-                        raise ValueError(f"layer {i} listed twice as {kind}")
-                    raise ValueError(f"layer {i} listed as both KDA and MLA")
+                        raise ConfigError(f"linear_attn_config: layer {i} listed twice as {kind}")
+                    raise ConfigError(f"linear_attn_config: layer {i} listed as both KDA and MLA")
                 seen[i] = kind
-        missing = [i for i in range(1, n + 1) if i not in seen]
-        if missing:
-            raise ValueError(f"layers {missing} (1-indexed) are neither KDA nor MLA in linear_attn_config")
+        if len(seen) < n:
+            missing = [i for i in range(1, n + 1) if i not in seen]
+            raise ConfigError(f"layers {missing[:16]}{'...' if len(missing) > 16 else ''} (1-indexed) "
+                              "are neither KDA nor MLA in linear_attn_config")
 
     # -------------------------------------------------------------- serialising
-    _WRAPPER_KEYS = ("text_config", "vision_config")
-
     def to_text_dict(self) -> dict[str, Any]:
+        """The flat text config: every schema field, then the passed-through ``extra`` keys."""
         d: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name in ("vision_config", "wrapper", "extra"):
-                continue
-            v = getattr(self, f.name)
-            d[f.name] = v.to_dict() if isinstance(v, LinearAttnConfig) else copy.deepcopy(v)
+        for name in self.text_field_names():
+            v = getattr(self, name)
+            d[name] = v.to_dict() if isinstance(v, LinearAttnConfig) else copy.deepcopy(v)
         d.update(copy.deepcopy(self.extra))
         return d
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json dict: the kimi_k3 wrapper when this config came from one."""
-        text = self.to_text_dict()
-        if self.wrapper is None and self.vision_config is None:
-            return text
-        out = copy.deepcopy(self.wrapper or {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"]})
-        out["text_config"] = text
-        if self.vision_config is not None:
-            out["vision_config"] = copy.deepcopy(self.vision_config)
-        return out
+        from k3.checkpoint.hf_config import config_to_dict
+        return config_to_dict(self)
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         s = json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
@@ -264,193 +364,56 @@ class K3Config:
         return s
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "K3Config":
-        if not isinstance(d, dict):
-            raise TypeError(f"a config must be a JSON object, got {type(d).__name__}")
-        if "text_config" in d:
-            text = d["text_config"]
-            if not isinstance(text, dict):
-                raise TypeError("text_config must be a JSON object")
-            wrapper = {k: copy.deepcopy(v) for k, v in d.items() if k not in cls._WRAPPER_KEYS}
-            cfg = cls._from_text_dict(text)
-            cfg.wrapper = wrapper
-            cfg.vision_config = copy.deepcopy(d.get("vision_config"))
-            return cfg
-        return cls._from_text_dict(d)
-
-    @classmethod
-    def _from_text_dict(cls, d: dict[str, Any]) -> "K3Config":
-        d = copy.deepcopy(d)
-        names = {f.name for f in dataclasses.fields(cls)} - {"vision_config", "wrapper", "extra"}
-        # HF aliases (transformers' KimiLinearConfig attribute_map)
-        for alias, name in (("num_experts_per_tok", "num_experts_per_token"),
-                            ("n_shared_experts", "num_shared_experts"),
-                            ("num_local_experts", "num_experts"),
-                            ("norm_topk_prob", "moe_renormalize"),
-                            ("n_group", "num_expert_group")):
-            if alias in d and name not in d:
-                d[name] = d.pop(alias)
-        if "max_position_embeddings" not in d and "model_max_length" in d:  # transformers' attribute_map
-            d["max_position_embeddings"] = d.pop("model_max_length")
-        d = _kimi_linear_defaults(d)
-        if "linear_attn_config" not in d and "layer_types" in d:
-            d["linear_attn_config"] = _linear_cfg_from_transformers(d)
-            if "mla_latent_norm_eps" not in d:
-                d["mla_latent_norm_eps"] = 1e-6  # transformers' Kimi-Linear MLA latent norms
-        if d.get("model_type") == "kimi_linear" and "mla_latent_norm_eps" not in d:
-            # Moonshot's Kimi-Linear code and transformers use 1e-6 for the MLA latent norms;
-            # configs written by k3 always carry the field explicitly.
-            d["mla_latent_norm_eps"] = 1e-6
-        kw = {k: d.pop(k) for k in list(d) if k in names}
-        for tid in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            if isinstance(kw.get(tid), list):  # HF allows a list of ids; keep the first, preserve all
-                d[f"{tid}s"] = kw[tid]
-                kw[tid] = kw[tid][0]
-        try:
-            return cls(**kw, extra=d)
-        except TypeError as e:
-            raise TypeError(f"invalid config: {e}") from None
+    def from_dict(cls, d: Any) -> "K3Config":
+        """Any supported config.json dict (see :mod:`k3.checkpoint.hf_config`)."""
+        from k3.checkpoint.hf_config import config_from_dict
+        return config_from_dict(d)
 
     @classmethod
     def from_json(cls, path_or_text: str | os.PathLike) -> "K3Config":
         """Load from a config.json path, a checkpoint directory, or a JSON string."""
-        src = os.fspath(path_or_text)
-        if os.path.isdir(src):
-            src = os.path.join(src, "config.json")
-        if os.path.exists(src):
-            try:
-                with open(src) as f:
-                    d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{src}: not valid JSON ({e})") from None
-        else:
-            try:
-                d = json.loads(src)
-            except json.JSONDecodeError:
-                raise FileNotFoundError(f"no config file at {src!r} (and it is not a JSON string)") from None
-        return cls.from_dict(d)
+        from k3.checkpoint.hf_config import config_from_json
+        return config_from_json(path_or_text)
 
     def replace(self, **changes: Any) -> "K3Config":
-        """A validated copy with some fields changed (``linear_attn_config`` may be a dict)."""
-        d = self.to_text_dict()
-        d.update(changes)
-        cfg = K3Config._from_text_dict_exact(d)
-        cfg.vision_config, cfg.wrapper = copy.deepcopy(self.vision_config), copy.deepcopy(self.wrapper)
-        return cfg
+        """A validated copy with some schema fields changed (``linear_attn_config`` may be a dict).
 
-    @classmethod
-    def _from_text_dict_exact(cls, d: dict[str, Any]) -> "K3Config":
-        names = {f.name for f in dataclasses.fields(cls)} - {"vision_config", "wrapper", "extra"}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown config field(s): {unknown}")
-        return cls(**copy.deepcopy(d))
+        Passed-through keys (``extra``: e.g. ``architectures``, ``torch_dtype``, ``auto_map``), the
+        wrapper and ``vision_config`` are carried over untouched; an unknown field name is refused.
+        """
+        refuse_unknown(changes, self.text_field_names(), "K3Config.replace")
+        kw = {name: copy.deepcopy(getattr(self, name)) for name in self.text_field_names()}
+        kw.update(copy.deepcopy(changes))
+        if "linear_attn_config" in changes and isinstance(kw["linear_attn_config"], LinearAttnConfig):
+            kw["linear_attn_config"] = kw["linear_attn_config"].to_dict()
+        extra = {k: copy.deepcopy(v) for k, v in self.extra.items()
+                 if not (k.endswith("_token_ids") and k[:-1] in changes)}  # an HF id list replaced
+        return K3Config(**kw, vision_config=copy.deepcopy(self.vision_config),
+                        wrapper=copy.deepcopy(self.wrapper), extra=extra)
 
     def fingerprint(self) -> tuple:
         """What a cache or checkpoint must agree with to be used with this config."""
         return tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in self.to_text_dict().items()))
 
 
-# Fields that exist only in K3. A kimi_linear config holding none of them is a Kimi-Linear model,
-# whose values for them differ from K3Config's (K3) defaults.
-_KIMI_LINEAR_DEFAULTS = {"routed_expert_hidden_size": None, "latent_moe_use_norm": False,
-                         "mla_use_output_gate": False, "attn_res_block_size": None,
-                         "activation_situ_linear_beta": None, "hidden_act": "silu"}
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _kimi_linear_defaults(d: dict[str, Any]) -> dict[str, Any]:
-    if d.get("model_type") != "kimi_linear" or any(k in d for k in _KIMI_LINEAR_DEFAULTS if k != "hidden_act"):
-        return d
-    for k, v in _KIMI_LINEAR_DEFAULTS.items():
-        d.setdefault(k, v)
-    if isinstance(d.get("linear_attn_config"), dict):
-        d["linear_attn_config"] = {"gate_lower_bound": None, "use_full_rank_gate": False,
-                                   **d["linear_attn_config"]}
-    return d
-
-
-def _linear_cfg_from_transformers(d: dict[str, Any]) -> dict[str, Any]:
-    """Build ``linear_attn_config`` from transformers' ``layer_types``/``linear_*`` fields."""
-    types = d["layer_types"]
-    kda = [i + 1 for i, t in enumerate(types) if t == "linear_attention"]
-    full = [i + 1 for i, t in enumerate(types) if t == "full_attention"]
-    other = [t for t in types if t not in ("linear_attention", "full_attention")]
-    if other:
-        raise ValueError(f"layer_types holds unknown types {sorted(set(map(str, other)))}")
-    if len(types) != d.get("num_hidden_layers", len(types)):
-        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers="
-                         f"{d.get('num_hidden_layers')}")
-    mlp_types = d.get("mlp_layer_types")
-    if mlp_types is not None and "first_k_dense_replace" not in d:
-        dense = [i for i, t in enumerate(mlp_types) if t == "dense"]
-        if dense != list(range(len(dense))):
-            raise ValueError("mlp_layer_types: dense layers must be a prefix of the stack")
-        d["first_k_dense_replace"] = len(dense)
-    return {
-        "kda_layers": kda,
-        "full_attn_layers": full,
-        "num_heads": d.get("linear_num_heads", 32),
-        "head_dim": d.get("linear_head_dim", 128),
-        "short_conv_kernel_size": d.get("linear_conv_kernel_dim", 4),
-        "gate_lower_bound": None,
-        "use_full_rank_gate": False,
-    }
-
-
-# ---------------------------------------------------------------------- presets
-def _k3() -> K3Config:
-    return K3Config(eos_token_id=163586)
-
-
-def _kimi_linear_48b() -> K3Config:
-    n = 27
-    full = [4, 8, 12, 16, 20, 24, 27]
-    return K3Config(
-        vocab_size=163840, hidden_size=2304, num_hidden_layers=n,
-        linear_attn_config=LinearAttnConfig(
-            kda_layers=[i for i in range(1, n + 1) if i not in full], full_attn_layers=full,
-            num_heads=32, head_dim=128, short_conv_kernel_size=4, gate_lower_bound=None,
-            use_full_rank_gate=False),
-        num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, mla_use_output_gate=False, mla_latent_norm_eps=1e-6,
-        intermediate_size=9216, first_k_dense_replace=1, num_experts=256, num_experts_per_token=8,
-        num_shared_experts=1, moe_intermediate_size=1024, routed_expert_hidden_size=None,
-        latent_moe_use_norm=False, routed_scaling_factor=2.446, hidden_act="silu",
-        activation_situ_linear_beta=None, attn_res_block_size=None, eos_token_id=163586,
-    )
-
-
-def _small_preset(vocab: int, hidden: int, layers: int, heads: int, head_dim: int, q_lora: int,
-                  kv_lora: int, nope: int, rope: int, v: int, inter: int, experts: int, topk: int,
-                  moe_inter: int, latent: int, block: int, max_pos: int) -> K3Config:
-    kda, full = _k3_layer_split(layers)
-    return K3Config(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-        linear_attn_config=LinearAttnConfig(kda_layers=kda, full_attn_layers=full, num_heads=heads,
-                                            head_dim=head_dim),
-        num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope, v_head_dim=v, intermediate_size=inter, num_experts=experts,
-        num_experts_per_token=topk, num_shared_experts=1, moe_intermediate_size=moe_inter,
-        routed_expert_hidden_size=latent, attn_res_block_size=block, max_position_embeddings=max_pos,
-        bos_token_id=None, eos_token_id=0, pad_token_id=None, mla_latent_norm_eps=None,
-    )
-
-
-PRESETS = {
-    "nano": lambda: _small_preset(512, 64, 4, 2, 32, 32, 32, 16, 8, 16, 128, 8, 2, 32, 32, 2, 2048),
-    "tiny": lambda: _small_preset(4096, 256, 8, 4, 64, 128, 64, 32, 16, 32, 768, 16, 4, 128, 128, 4, 8192),
-    "small": lambda: _small_preset(8192, 512, 12, 8, 64, 256, 128, 64, 32, 64, 1536, 32, 4, 256, 256, 4, 16384),
-    "kimi-linear-48b": _kimi_linear_48b,
-    "k3": _k3,
-}
-
-
+# ---------------------------------------------------------------------- presets (k3.presets)
 def list_presets() -> list[str]:
-    return list(PRESETS)
+    from k3.presets import list_presets as _list
+    return _list()
 
 
 def get_preset(name: str, **overrides: Any) -> K3Config:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {list_presets()}")
-    cfg = PRESETS[name]()
-    return cfg.replace(**overrides) if overrides else cfg
+    """The named preset (see :mod:`k3.presets`), with ``overrides`` applied by ``replace``."""
+    from k3.presets import get_preset as _get
+    return _get(name, **overrides)
+
+
+def __getattr__(name: str) -> Any:  # PRESETS lives in k3.presets (it imports this module)
+    if name == "PRESETS":
+        from k3.presets import PRESETS
+        return PRESETS
+    raise AttributeError(f"module 'k3.config' has no attribute {name!r}")

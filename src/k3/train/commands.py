@@ -81,12 +81,13 @@ def build_train_parser() -> argparse.ArgumentParser:
 
 def train_config_from_args(args: argparse.Namespace):
     """TrainConfig from parsed flags: (checkpoint's config when resuming) < run.toml < flags."""
+    from k3.errors import ConfigError
     from k3.train.config import TrainConfig, load_toml, parse_curriculum
     from k3.train.state import find_checkpoint, load_trainer_state
 
     flags = {name: getattr(args, name) for _, name, _, _ in _TRAIN_FLAGS}
     if args.seq_len is not None and args.curriculum is not None:
-        raise ValueError("pass either --seq-len or --curriculum, not both")
+        raise ConfigError("pass either --seq-len or --curriculum, not both")
     if args.seq_len is not None:
         flags["curriculum"] = [[0, args.seq_len]]
     elif args.curriculum is not None:
@@ -94,7 +95,7 @@ def train_config_from_args(args: argparse.Namespace):
     if not args.resume:
         return TrainConfig.build(args.config, flags)
     if flags.get("out") not in (None, args.resume):
-        raise ValueError("--resume continues a run in place; do not pass a different --out")
+        raise ConfigError("--resume continues a run in place; do not pass a different --out")
     ckpt = find_checkpoint(args.resume)
     if ckpt is None:
         raise FileNotFoundError(f"nothing to resume: {args.resume} holds no complete checkpoint")

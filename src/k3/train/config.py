@@ -21,7 +21,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3.config import K3Config, get_preset
+from k3.config import (K3Config, check_bool, check_choice, check_float, check_int, get_preset,
+                       list_presets, refuse_unknown)
+from k3.errors import ConfigError
 from k3.train.schedule import ContextCurriculum, WSDSchedule
 
 if sys.version_info >= (3, 11):
@@ -29,10 +31,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "PRESET_DEFAULTS", "load_toml", "parse_curriculum", "resolve_model_config"]
+__all__ = ["TrainConfig", "PRESET_DEFAULTS", "load_toml", "parse_curriculum", "resolve_model_config",
+           "check_device", "max_threads", "SEED_MAX"]
 
 OPTIMIZERS = ("per_head", "muon", "adamw")
 BALANCE_MODES = ("quantile", "sign", "off")
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes a uint64
 
 # Per-preset defaults that are applied under a run.toml and flags (never over them).
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -92,10 +96,11 @@ class TrainConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "config") -> "TrainConfig":
-        unknown = sorted(set(d) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(f"{where}: unknown option(s) {unknown}; known: {cls.field_names()}")
+    def from_dict(cls, d: Any, where: str = "config") -> "TrainConfig":
+        """Options from a dict (not yet validated); unknown keys are refused with a did-you-mean."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected a table of options, got {type(d).__name__}")
+        refuse_unknown(d, cls.field_names(), where)
         return cls(**d)
 
     @classmethod
@@ -106,7 +111,8 @@ class TrainConfig:
             layers.update(load_toml(toml_path))
         layers.update({k: v for k, v in (overrides or {}).items() if v is not None})
         preset = layers.get("preset", cls.preset)
-        merged = dict(PRESET_DEFAULTS.get(preset, {})) if not layers.get("model_config") else {}
+        defaults = PRESET_DEFAULTS.get(preset, {}) if isinstance(preset, str) else {}
+        merged = dict(defaults) if not layers.get("model_config") else {}
         merged.update(layers)
         tc = cls.from_dict(merged, toml_path or "options")
         tc.validate()
@@ -116,6 +122,7 @@ class TrainConfig:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
     def replace(self, **changes: Any) -> "TrainConfig":
+        refuse_unknown(changes, self.field_names(), "TrainConfig.replace")
         tc = dataclasses.replace(self, **changes)
         tc.validate()
         return tc
@@ -128,7 +135,7 @@ class TrainConfig:
         for start, seq in stages:
             step = round(start * self.steps) if isinstance(start, float) else int(start)
             if steps and step <= steps[-1][0]:
-                raise ValueError(f"curriculum {stages} has stages that start at the same or an earlier "
+                raise ConfigError(f"curriculum {stages} has stages that start at the same or an earlier "
                                  f"step ({step}) with steps={self.steps}")
             steps.append((step, int(seq)))
         return ContextCurriculum(steps)
@@ -143,36 +150,46 @@ class TrainConfig:
 
     # -------------------------------------------------------------------------- validation
     def validate(self) -> None:
-        def pos_int(name: str, allow_zero: bool = False) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if allow_zero else 1):
-                raise ValueError(f"{name} must be an int {'>= 0' if allow_zero else '> 0'}, got {v!r}")
+        """Check every option's type and range; :class:`ConfigError` names the option.
 
+        Booleans must be ``true``/``false`` (``qat = "no"`` is refused, not read as true), floats
+        finite, ints bounded: ``seed`` in [0, 2^64) (``torch.manual_seed``'s range), ``threads`` at
+        most ``os.cpu_count()`` (more OpenMP threads than cores only slows a run down, and very
+        large counts crash the OpenMP runtime), ``device`` one this torch build can use.
+        """
         for name in ("steps", "batch_size", "grad_accum", "max_skips", "log_interval"):
-            pos_int(name)
-        for name in ("eval_interval", "eval_batches", "final_eval_batches", "ckpt_interval",
-                     "threads", "seed", "val_percent"):
-            pos_int(name, allow_zero=True)
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.balance not in BALANCE_MODES:
-            raise ValueError(f"balance must be one of {BALANCE_MODES}, got {self.balance!r}")
-        if self.hidden_act not in (None, "situ", "silu"):
-            raise ValueError(f"hidden_act must be 'situ' or 'silu', got {self.hidden_act!r}")
+            check_int(name, getattr(self, name), lo=1)
+        for name in ("eval_interval", "eval_batches", "final_eval_batches", "ckpt_interval"):
+            check_int(name, getattr(self, name), lo=0)
+        check_int("val_percent", self.val_percent, lo=0, hi=99)
+        check_int("seed", self.seed, lo=0, hi=SEED_MAX)
+        check_int("threads", self.threads, lo=0, hi=max_threads())
+        for name in ("qat", "plot"):
+            check_bool(name, getattr(self, name))
+        check_bool("attn_res", self.attn_res, allow_none=True)
+        for name in ("preset", "out"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        for name in ("model_config", "data"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a path string, got {getattr(self, name)!r}")
+        check_choice("preset", self.preset, list_presets())
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("balance", self.balance, BALANCE_MODES)
+        check_choice("hidden_act", self.hidden_act, ("situ", "silu"), allow_none=True)
         for name in ("lr", "balance_rate"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            check_float(name, getattr(self, name), lo=0.0, lo_open=True)
         for name in ("weight_decay", "grad_clip"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            check_float(name, getattr(self, name), lo=0.0)
         for name in ("warmup_frac", "decay_frac", "min_lr_ratio"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+            check_float(name, getattr(self, name), lo=0.0, hi=1.0)
         if self.warmup_frac + self.decay_frac > 1.0:
-            raise ValueError(f"warmup_frac + decay_frac must be <= 1, got "
-                             f"{self.warmup_frac} + {self.decay_frac}")
+            raise ConfigError(f"warmup_frac + decay_frac must be <= 1, got "
+                              f"{self.warmup_frac} + {self.decay_frac}")
         if not isinstance(self.model_overrides, dict):
-            raise ValueError("model_overrides must be a table of K3Config fields")
+            raise ConfigError(f"model_overrides must be a table of K3Config fields, got {self.model_overrides!r}")
+        refuse_unknown(self.model_overrides, K3Config.text_field_names(), "model_overrides")
+        check_device("device", self.device)
         self._validate_curriculum()
 
     def _validate_curriculum(self) -> None:
@@ -180,20 +197,51 @@ class TrainConfig:
         if cur is None:
             return
         if not isinstance(cur, list) or not cur:
-            raise ValueError(f"curriculum must be a non-empty list of [start, seq_len], got {cur!r}")
+            raise ConfigError(f"curriculum must be a non-empty list of [start, seq_len], got {cur!r}")
         for stage in cur:
             if not isinstance(stage, (list, tuple)) or len(stage) != 2:
-                raise ValueError(f"curriculum stage must be [start, seq_len], got {stage!r}")
+                raise ConfigError(f"curriculum stage must be [start, seq_len], got {stage!r}")
             start, seq = stage
-            if isinstance(seq, bool) or not isinstance(seq, int) or seq < 2:
-                raise ValueError(f"curriculum seq_len must be an int >= 2, got {seq!r}")
-            if isinstance(start, bool) or not isinstance(start, (int, float)) or start < 0 \
-                    or (isinstance(start, float) and start >= 1.0):
-                raise ValueError(f"curriculum start must be a step (int >= 0) or a fraction of the "
-                                 f"run in [0, 1), got {start!r}")
+            check_int("curriculum seq_len", seq, lo=2)
+            if isinstance(start, float):
+                check_float("curriculum start (a fraction of the run)", start, lo=0.0)
+                if start >= 1.0:
+                    raise ConfigError(f"curriculum start must be a step (int >= 0) or a fraction of "
+                                      f"the run in [0, 1), got {start!r}")
+            else:
+                check_int("curriculum start (a step)", start, lo=0)
         if cur[0][0] != 0:
-            raise ValueError(f"the first curriculum stage must start at 0, got {cur[0][0]!r}")
+            raise ConfigError(f"the first curriculum stage must start at 0, got {cur[0][0]!r}")
         self.context_curriculum()
+
+
+def max_threads() -> int:
+    """The most ``threads`` a run may ask for: the machine's logical CPUs."""
+    return os.cpu_count() or 1
+
+
+def check_device(name: str, device: Any) -> None:
+    """``device`` names a device this torch build has: ``cpu``, ``cuda[:i]`` or ``mps``."""
+    import torch
+
+    if not isinstance(device, str):
+        raise ConfigError(f"{name} must be a string such as 'cpu' or 'cuda', got {device!r}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"{name}={device!r} is not a torch device (cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"{name}={device!r}: this torch build ({torch.__version__}) has no CUDA "
+                              "device available; use cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"{name}={device!r}: only {count} CUDA device(s) are available")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError(f"{name}={device!r}: MPS is not available on this machine")
+    elif dev.type != "cpu":
+        raise ConfigError(f"{name}={device!r}: training runs on cpu, cuda or mps")
 
 
 def parse_curriculum(text: str) -> list[list[float]]:
@@ -209,44 +257,43 @@ def parse_curriculum(text: str) -> list[list[float]]:
                 raise ValueError
             stages.append([float(start) if "." in start else int(start), int(seq)])
         except ValueError:
-            raise ValueError(f"curriculum stage {part!r} is not START:SEQ_LEN "
+            raise ConfigError(f"curriculum stage {part!r} is not START:SEQ_LEN "
                              "(e.g. 0:256,0.5:512)") from None
     if not stages:
-        raise ValueError(f"empty curriculum {text!r}")
+        raise ConfigError(f"empty curriculum {text!r}")
     return stages
 
 
 def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """A run.toml's options; an unknown or misspelled key is refused with a did-you-mean."""
     try:
         with open(path, "rb") as f:
             d = tomllib.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"run config not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: not valid TOML ({e})") from None
-    unknown = sorted(set(d) - set(TrainConfig.field_names()))
-    if unknown:
-        raise ValueError(f"{path}: unknown option(s) {unknown}")
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    refuse_unknown(d, TrainConfig.field_names(), os.fspath(path))
     return d
 
 
 def resolve_model_config(tc: TrainConfig) -> K3Config:
     """The K3Config of the run: preset or config.json, model_overrides, then the ablation switches.
 
-    Raises ValueError when the longest curriculum stage exceeds max_position_embeddings.
+    Raises ConfigError when the longest curriculum stage exceeds max_position_embeddings.
     """
     cfg = K3Config.from_json(tc.model_config) if tc.model_config else get_preset(tc.preset)
     changes = dict(tc.model_overrides)
     if tc.attn_res is False:
         changes["attn_res_block_size"] = None
     elif tc.attn_res is True and changes.get("attn_res_block_size", cfg.attn_res_block_size) is None:
-        raise ValueError("attn_res=true needs attn_res_block_size in the model config "
+        raise ConfigError("attn_res=true needs attn_res_block_size in the model config "
                          "(set it under [model_overrides])")
     if tc.hidden_act is not None:
         changes["hidden_act"] = tc.hidden_act
     if changes:
         cfg = cfg.replace(**changes)
     if tc.max_seq_len > cfg.max_position_embeddings:
-        raise ValueError(f"curriculum sequence length {tc.max_seq_len} exceeds the model's "
+        raise ConfigError(f"curriculum sequence length {tc.max_seq_len} exceeds the model's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
     return cfg
