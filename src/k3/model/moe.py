@@ -31,7 +31,7 @@ from torch import nn
 
 from k3.model.mlp import GatedMLP
 from k3.model.norm import RMSNorm
-from k3.ops.routing import load_stats, quantile_balance_update, route_topk
+from k3.ops.routing import route_topk
 from k3.ops.situ import glu_act
 
 __all__ = ["MoEGate", "RoutedExperts", "LatentMoE", "grouped_linear"]
@@ -147,7 +147,9 @@ class LatentMoE(nn.Module):
     capacity_factor None → dropless sort + grouped_mm dispatch; a float → static [E, C, ℓ] buffers
     with C = ceil(capacity_factor · N·k / E) (see module docstring for dropped slots).
     With `record_router_stats = True` the forward stores detached `last_scores` [N, E] and
-    `last_counts` [E] (slots routed per expert, before any capacity drop) for Quantile Balancing.
+    `last_counts` [E] (slots routed per expert, before any capacity drop). The layer never changes
+    its own bias: the trainer reads these and writes `gate.e_score_correction_bias`
+    (Quantile Balancing / sign update, :class:`k3.train.balance.RouterBalancer`).
     """
 
     def __init__(self, config, capacity_factor: float | None = None):
@@ -247,20 +249,6 @@ class LatentMoE(nn.Module):
         p = weights.reshape(-1).index_select(0, order)[keep]
         ys = ys.float() * p.unsqueeze(-1)
         return torch.zeros(n, d, dtype=ys.dtype, device=z.device).index_add_(0, token_k, ys)
-
-    # ------------------------------------------------------------ balancing
-    @torch.no_grad()
-    def quantile_balance_step(self) -> dict[str, float]:
-        """Install the QB bias computed from the last recorded forward; returns its load stats.
-
-        Single-process convenience (the distributed trainer pools histograms instead). Call after
-        the optimizer step so the new bias routes from the next step on.
-        """
-        if self.last_scores is None or self.last_counts is None:
-            raise RuntimeError("quantile_balance_step needs record_router_stats=True and a forward first")
-        bias = self.gate.e_score_correction_bias
-        bias.copy_(quantile_balance_update(self.last_scores, bias, self.top_k))
-        return load_stats(self.last_counts)
 
     # ---------------------------------------------------------------- accounting
     def _count_flops(self, config) -> int:
