@@ -275,3 +275,16 @@ def test_bad_chunk_size():
     q, k, v, g, beta, _ = make_inputs(T=5, init=False)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_kda(q, k, v, g, beta, chunk_size=0)
+
+
+def test_recurrence_stays_fp32_under_bf16_autocast():
+    # The state and its matmuls are an fp32 island: autocast must not round them to bf16.
+    q, k, v, g, beta, s0 = make_inputs(T=40, dtype=torch.float32)
+    for fn in (chunk_kda, recurrent_kda):
+        want = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+            control = q @ k.transpose(-1, -2)    # positive control: a plain matmul is autocast
+        assert control.dtype == torch.bfloat16
+        assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fn.__name__

@@ -75,3 +75,13 @@ def test_rms_norm_gradient_matches_the_formula(eps):
     g2 = torch.autograd.grad(ref(x, w).sum(), (x, w))
     for a, b in zip(g1, g2):                   # the op computes in fp32
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_attn_res_mix_is_fp32_under_bf16_autocast():
+    srcs = [torch.randn(3, 16) for _ in range(3)]
+    w, gamma = torch.randn(16), torch.rand(16) + 0.5
+    want = attn_res_mix(srcs, w, gamma)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attn_res_mix(srcs, w, gamma)
+        assert (srcs[0] @ w).dtype == torch.bfloat16      # positive control
+    assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -41,6 +41,8 @@ state [B, H, K, V] fp32. q, k are L2-normalised by the caller (`l2_normalize`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -74,6 +76,15 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     return lower_bound * torch.sigmoid(a * x)
 
 
+def _fp32_island(fn):
+    """Run ``fn`` with autocast off: the recurrence and its state are fp32 under bf16 autocast."""
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(q, *args, **kwargs)
+    return wrapper
+
+
 def _check(q, k, v, g, beta, initial_state, name: str) -> None:
     if q.dim() != 4:
         raise ValueError(f"{name}: q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -93,6 +104,7 @@ def _check(q, k, v, g, beta, initial_state, name: str) -> None:
                              f"got {tuple(initial_state.shape)}")
 
 
+@_fp32_island
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   scale: float | None = None, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -211,6 +223,7 @@ def _unit_lower_solve(diag_a: torch.Tensor, off_a: list[torch.Tensor], beta: tor
     return torch.cat(xs, dim=-2)
 
 
+@_fp32_island
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, chunk_size: int = 64,

@@ -71,6 +71,8 @@ class TrainConfig:
     balance: str = "quantile"                # quantile | sign | off
     balance_rate: float = 1e-3               # sign-update step size
     qat: bool = False
+    qk_clip: float | None = None             # QK-Clip τ for MLA max logits (None: off)
+    dtype: str = "fp32"                      # fp32 | bf16 (autocast; fp32 master weights, KDA state)
     # ablations (None: as the model config says)
     attn_res: bool | None = None
     hidden_act: str | None = None            # situ | silu
@@ -157,6 +159,11 @@ class TrainConfig:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.balance not in BALANCE_MODES:
             raise ValueError(f"balance must be one of {BALANCE_MODES}, got {self.balance!r}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if self.qk_clip is not None and (isinstance(self.qk_clip, bool) or not isinstance(
+                self.qk_clip, (int, float)) or not self.qk_clip > 0):
+            raise ValueError(f"qk_clip must be a threshold > 0 (or unset), got {self.qk_clip!r}")
         if self.hidden_act not in (None, "situ", "silu"):
             raise ValueError(f"hidden_act must be 'situ' or 'silu', got {self.hidden_act!r}")
         for name in ("lr", "balance_rate"):
