@@ -51,8 +51,13 @@ def test_bf16_runs_matmuls_in_bf16_and_keeps_fp32_master_weights(env):
     assert seen["fp32"] == torch.float32
 
 
-def test_dtype_is_validated():
-    assert TrainConfig.build(overrides=dict(preset="nano", dtype="bf16")).dtype == "bf16"
+def test_dtype_flag_and_validation():
+    from k3.train.commands import build_train_parser, train_config_from_args
+
+    args = build_train_parser().parse_args(["--preset", "nano", "--dtype", "bf16", "--qk-clip", "30"])
+    tc = train_config_from_args(args)
+    assert (tc.dtype, tc.qk_clip) == ("bf16", 30.0)
+    assert TrainConfig.build(overrides=dict(preset="nano")).dtype == "fp32"
     with pytest.raises(ValueError, match="dtype"):
         TrainConfig.build(overrides=dict(preset="nano", dtype="fp16"))
 
