@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from k3.errors import ConfigError
+from k3.model.mla import GatedMLA
 
 __all__ = ["NS_COEFFS", "zeropower_via_newtonschulz5", "orthogonalize", "Muon",
            "classify_param", "build_param_groups", "build_optimizer", "describe_param_groups",
@@ -325,7 +326,6 @@ class QKClip:
     def __init__(self, model: nn.Module, tau: float, config=None):
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
             raise ConfigError(f"qk_clip must be a threshold > 0, got {tau!r}")
-        from k3.model.mla import GatedMLA
         self.model, self.tau = model, float(tau)
         self.config = config if config is not None else getattr(model, "config", None)
         self.layers = [m for m in model.modules() if isinstance(m, GatedMLA)]
