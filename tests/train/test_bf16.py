@@ -73,8 +73,10 @@ def test_bf16_loss_tracks_fp32_within_two_percent_over_200_steps(env):
     a, b = runs["fp32"], runs["bf16"]
     assert len(a) == len(b) == 200 and None not in a and None not in b
     # Per-step losses differ by batch noise amplified through training; compare 20-step means.
+    worst = 0.0
     for w in range(0, 200, 20):
         ma, mb = sum(a[w:w + 20]) / 20, sum(b[w:w + 20]) / 20
+        worst = max(worst, abs(mb - ma) / ma)
         assert abs(mb - ma) <= 0.02 * ma, (w, ma, mb)
     assert a[-1] < a[0] - 0.5                     # both actually trained
-    print(f"bf16 vs fp32, 2 x 200 nano steps: {wall:.1f} s")
+    print(f"bf16 vs fp32, 2 x 200 nano steps: {wall:.1f} s, worst 20-step mean gap {worst:.2%}")
