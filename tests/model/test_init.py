@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from k3.config import get_preset
+from k3.errors import K3Error
 from k3.model.decoder import K3ForCausalLM
 
 
@@ -121,5 +122,5 @@ def test_a_k3_module_with_tensors_but_no_reset_is_refused():
     model = K3ForCausalLM(get_preset("nano"))
     model.init_weights()                            # positive control: the real tree is complete
     model.model.extra = Extra()
-    with pytest.raises(TypeError, match=r"model\.extra \(Extra\).*\['w'\].*reset_parameters"):
+    with pytest.raises(K3Error, match=r"model\.extra \(Extra\).*\['w'\].*reset_parameters"):
         model.init_weights()

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.errors import K3Error
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -217,7 +218,7 @@ class K3ForCausalLM(nn.Module):
             if reset is None:
                 own = [n for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
                 if own:
-                    raise TypeError(f"init_weights: {name or 'model'} ({type(m).__name__}) has tensors "
+                    raise K3Error(f"init_weights: {name or 'model'} ({type(m).__name__}) has tensors "
                                     f"{own} but no reset_parameters()")
                 continue
             reset()
