@@ -114,3 +114,46 @@ def test_router_and_pseudo_queries_stay_on_adamw_in_every_muon_mode():
 def classes_of_mode(model, cfg, mode):
     return {n: (g["name"].split("[")[0], g["block_rows"])
             for g in build_param_groups(model, cfg, muon=mode) for n in g["param_names"]}
+
+
+def test_one_step_on_nano_updates_each_class_by_its_rule():
+    # First step, momentum μ: buf = g, Nesterov u = g + μ·buf = (1 + μ) g. Written out here:
+    # per-head blocks and full matrices by an fp64 Newton–Schulz (test_optim.ref_ns), the router
+    # by AdamW's first step (m̂ = g, v̂ = g²: the update is lr·g/(|g| + eps)).
+    import math
+
+    from test_optim import ref_ns  # same folder (pytest puts it on sys.path)
+
+    from k3.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    cfg = get_preset("nano")
+    model = K3ForCausalLM(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(x, labels=x).loss.backward()
+    lr, wd, mu = 0.01, 0.1, 0.95
+    params = dict(model.named_parameters())
+    names = {"kv_b": "model.layers.3.self_attn.kv_b_proj.weight",
+             "kda_q": "model.layers.0.self_attn.q_proj.weight",
+             "o": "model.layers.0.self_attn.o_proj.weight",
+             "router": "model.layers.1.block_sparse_moe.gate.weight"}
+    before = {k: params[n].detach().clone() for k, n in names.items()}
+    grads = {k: params[n].grad.clone() for k, n in names.items()}
+    build_optimizer(model, cfg, lr=lr, weight_decay=wd, momentum=mu).step()
+
+    def muon(w, g, rows=None):
+        u = (1 + mu) * g
+        rows = rows or u.shape[0]
+        blocks = [ref_ns(b) for b in u.split(rows)]
+        return w * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(rows, u.shape[1])) * torch.cat(blocks)
+
+    want = {"kv_b": muon(before["kv_b"], grads["kv_b"], cfg.qk_nope_head_dim + cfg.v_head_dim),
+            "kda_q": muon(before["kda_q"], grads["kda_q"], cfg.linear_attn_config.head_dim),
+            "o": muon(before["o"], grads["o"]),
+            "router": before["router"] * (1 - lr * wd)
+            - lr * grads["router"] / (grads["router"].abs() + 1e-8)}
+    for k, n in names.items():
+        torch.testing.assert_close(params[n].detach(), want[k], rtol=1e-4, atol=2e-5, msg=k)
+    # control: the per-head rule is distinguishable from full-matrix Muon on these tensors
+    for k in ("kv_b", "kda_q"):
+        assert not torch.allclose(params[names[k]].detach(), muon(before[k], grads[k]), atol=1e-4), k
