@@ -7,6 +7,11 @@ import pytest
 import torch
 
 
+# The test run is an entry point like the CLI: flush fp32 denormals (CPU KDA speed; k3 itself
+# never sets this at import, tests/ops/test_denormal.py).
+torch.set_flush_denormal(True)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     random.seed(0)

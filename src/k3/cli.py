@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return guarded(args.cmd, lambda: _run_delegate(args.delegate, rest))
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    import torch
+    torch.set_flush_denormal(True)  # an entry point's choice, never an import side effect (ops/kda.py)
     return guarded(args.cmd, lambda: args.func(args))
 
 

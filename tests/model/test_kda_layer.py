@@ -241,3 +241,18 @@ def test_matches_transformers_kimi_linear_delta_attention():
     x = torch.randn(2, 70, m.hidden_size)
     with torch.no_grad():
         assert rel(m(x), ref(x)) < 1e-5
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_training_forward_has_no_host_sync(lower_bound):
+    # Traced with fake tensors (no values exist): a .item() would show as _local_scalar_dense and
+    # a branch on a value would raise. The traced graph is then run on real values.
+    from torch.func import functional_call
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    m = _layer(seed=8, lower_bound=lower_bound)
+    x = torch.randn(2, 40, m.hidden_size)
+    params = dict(m.named_parameters())
+    gm = make_fx(lambda p, x: functional_call(m, p, (x,)), tracing_mode="fake")(params, x)
+    assert not [n for n in gm.graph.nodes if "_local_scalar_dense" in str(n.target)]
+    torch.testing.assert_close(gm(params, x), m(x))

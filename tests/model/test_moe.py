@@ -7,6 +7,8 @@ import torch
 
 from k3.config import get_preset
 from k3.model.moe import LatentMoE, grouped_linear
+from k3.ops.routing import quantile_balance_update
+from k3.train.balance import RouterBalancer
 
 torch.manual_seed(0)
 
@@ -176,14 +178,18 @@ def test_record_router_stats_and_quantile_step_is_causal():
     assert m(x) is not None and m.last_scores is None  # off by default
     m.record_router_stats = True
     y_t = m(x)
-    counts_t = m.last_counts.clone()
+    counts_t, scores_t = m.last_counts.clone(), m.last_scores.clone()
     assert m.last_scores.shape == (64, 8) and not m.last_scores.requires_grad
     assert int(counts_t.sum()) == 64 * 2
     bias_before = m.gate.e_score_correction_bias.clone()
-    stats = m.quantile_balance_step()
-    assert set(stats) == {"cv", "max_over_mean"}
-    # the recorded step is untouched; the new bias acts only on the next forward
-    assert torch.equal(m.last_counts, counts_t)
+    assert not hasattr(m, "quantile_balance_step")     # the layer only exposes its stats
+    bal = RouterBalancer([m], "quantile")
+    bal.collect()
+    stats = bal.update()
+    assert set(stats) == {"load_cv", "load_max_over_mean"} and len(stats["load_cv"]) == 1
+    want = quantile_balance_update(scores_t, bias_before, 2)
+    assert torch.equal(m.gate.e_score_correction_bias, want)
+    # the new bias acts only on the next forward (the recorded step's output is as routed)
     assert not torch.equal(m.gate.e_score_correction_bias, bias_before)
     m.gate.e_score_correction_bias.copy_(bias_before)
     torch.testing.assert_close(m(x), y_t)

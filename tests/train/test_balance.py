@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
@@ -75,11 +77,18 @@ def test_sign_mode_uses_the_summed_counts_and_off_keeps_the_bias(env):
             c = counts[i][2 * s][1] + counts[i][2 * s + 1][1]
             prev = sign_update(c, prev, t.tc.balance_rate)
             assert torch.equal(after[s][i], prev)
-    t, moe, *_, after = _trace_trainer(base, data, "off", "off")
+    t, moe, _, _, counts, after = _trace_trainer(base, data, "off", "off")
     t.train()
     assert all(torch.equal(b, torch.zeros_like(b)) for step in after for b in step)
     recs = [r for r in t.metrics.records if r["kind"] == "train"]
     assert all(len(r["load_cv_layers"]) == len(moe) and r["load_cv"] > 0 for r in recs)
+    # the logged CV is population std / mean of the step's per-expert slot counts (2 micro-batches)
+    for s, r in enumerate(recs):
+        for i in range(len(moe)):
+            c = [int(a) + int(b) for a, b in zip(counts[i][2 * s][1], counts[i][2 * s + 1][1])]
+            mean = sum(c) / len(c)
+            cv = math.sqrt(sum((x - mean) ** 2 for x in c) / len(c)) / mean
+            assert r["load_cv_layers"][i] == pytest.approx(cv, rel=1e-6)
 
 
 def _load_cv_trajectory(mode: str, updates: int) -> list[list[float]]:

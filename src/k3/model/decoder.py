@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.errors import K3Error
 from k3.model.cache import K3Cache
 from k3.model.kda import KimiDeltaAttention
 from k3.model.mla import GatedMLA
@@ -42,10 +43,16 @@ class AttnResPair(nn.Module):
 
     @staticmethod
     def build(owner: nn.Module, prefix: str, hidden: int, eps: float) -> None:
-        proj = nn.Linear(hidden, 1, bias=False)
-        nn.init.zeros_(proj.weight)
-        owner.add_module(f"{prefix}_proj", proj)
+        owner.add_module(f"{prefix}_proj", nn.Linear(hidden, 1, bias=False))
         owner.add_module(f"{prefix}_norm", RMSNorm(hidden, eps))
+        AttnResPair.reset(owner, prefix)
+
+    @staticmethod
+    @torch.no_grad()
+    def reset(owner: nn.Module, prefix: str) -> None:
+        """Pseudo-query 0 (a uniform mix at step 0); the key norm is an RMSNorm (weight 1)."""
+        if hasattr(owner, f"{prefix}_proj"):
+            nn.init.zeros_(getattr(owner, f"{prefix}_proj").weight)
 
     @staticmethod
     def mix(owner: nn.Module, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
@@ -70,6 +77,11 @@ class DecoderLayer(nn.Module):
         if self.attn_res:
             AttnResPair.build(self, "self_attention_res", H, eps)
             AttnResPair.build(self, "mlp_res", H, eps)
+
+    def reset_parameters(self) -> None:
+        """The layer's own tensors: the AttnRes pseudo-queries (sublayers reset themselves)."""
+        AttnResPair.reset(self, "self_attention_res")
+        AttnResPair.reset(self, "mlp_res")
 
     @property
     def ffn(self) -> nn.Module:
@@ -99,11 +111,20 @@ class K3Model(nn.Module):
         self.config = config
         H = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
-        nn.init.normal_(self.embed_tokens.weight, std=config.initializer_range)
+        self._reset_embedding()
         self.layers = nn.ModuleList(DecoderLayer(config, l) for l in range(config.num_hidden_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)
         if config.attn_res_block_size is not None:
             AttnResPair.build(self, "output_attn_res", H, config.rms_norm_eps)
+
+    @torch.no_grad()
+    def _reset_embedding(self) -> None:
+        nn.init.normal_(self.embed_tokens.weight, std=self.config.initializer_range)
+
+    def reset_parameters(self) -> None:
+        """Embedding ~ N(0, initializer_range), output AttnRes pseudo-query 0 (norms reset themselves)."""
+        self._reset_embedding()
+        AttnResPair.reset(self, "output_attn_res")
 
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
         """input_ids [B,T] int64 -> final normed hidden states [B,T,H]."""
@@ -166,9 +187,42 @@ class K3ForCausalLM(nn.Module):
         self.config = config
         self.model = K3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        nn.init.normal_(self.lm_head.weight, std=config.initializer_range)
+        self.reset_parameters()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """lm_head ~ N(0, initializer_range) (tied: the shared embedding, drawn again)."""
+        nn.init.normal_(self.lm_head.weight, std=self.config.initializer_range)
+
+    @torch.no_grad()
+    def init_weights(self) -> "K3ForCausalLM":
+        """(Re-)initialise every parameter and buffer as eager construction does; returns self.
+
+        For a model built on the meta device and materialised with ``to_empty``: every k3 module
+        owns the init of its direct tensors (``reset_parameters``: N(0, initializer_range) for
+        projections, embeddings and experts, 1 for norms, 0 for pseudo-queries and router biases,
+        KDA's A_log / dt_bias / conv as in Kimi Linear); torch's own layers (``nn.Linear`` ...) are
+        initialised by their k3 owner, never by their torch defaults. Modules are visited parent
+        first. A k3 module that holds tensors of its own without a ``reset_parameters`` is an error.
+        With ``tie_word_embeddings`` the tie is restored first (``to_empty`` gives the embedding
+        and the lm_head separate tensors).
+        """
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for name, m in self.named_modules():
+            if not type(m).__module__.startswith("k3."):
+                continue
+            reset = getattr(m, "reset_parameters", None)
+            if reset is None:
+                own = [n for n, _ in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]]
+                if own:
+                    raise K3Error(f"init_weights: {name or 'model'} ({type(m).__name__}) has tensors "
+                                    f"{own} but no reset_parameters()")
+                continue
+            reset()
+        return self
 
     def new_cache(self, batch_size: int) -> K3Cache:
         """An empty inference cache for ``batch_size`` sequences."""

@@ -26,7 +26,8 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import KDAState, check_layer_call
 from k3.model.norm import RMSNorm
-from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
+from k3.ops.kda import chunk_kda, kda_gate, recurrent_kda
+from k3.ops.norm import l2_normalize
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -135,7 +136,8 @@ class KimiDeltaAttention(nn.Module):
         if state is not None and T == 1:
             o, final = recurrent_kda(q, k, v, g, beta, initial_state=initial, output_final_state=True)
         else:
-            o, final = chunk_kda(q, k, v, g, beta, initial_state=initial, output_final_state=state is not None)
+            o, final = chunk_kda(q, k, v, g, beta, initial_state=initial, output_final_state=state is not None,
+                                 g_lower_bound=self.gate_lower_bound)
         if state is not None:
             state.recurrent = final
 

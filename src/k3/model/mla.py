@@ -16,6 +16,11 @@ Two paths compute the same thing (DeepSeek-V3 inference style):
 
 ``attn_impl='auto'`` uses ``naive`` for prefill and ``absorb`` to decode (≤ ``absorb_max_tokens`` new
 tokens) from a non-empty cache. The cache (:class:`~k3.model.cache.MLAState`) stores c and k_pe.
+
+QK-Clip support: with ``record_max_logits = True`` each forward stores ``last_max_logits`` [nh] fp32,
+the largest pre-softmax score s_ij = (q_i·k_j)·scale over the causal pairs of the batch, per head
+(detached, computed under no_grad in query blocks; off by default, so inference pays nothing).
+The trainer reads it (:class:`k3.train.optim.QKClip`) and rescales the weights after the step.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class GatedMLA(nn.Module):
     """Gated MLA (NoPE). ``forward(x [B,T,H], state: MLAState | None = None) -> [B,T,H]``."""
 
     absorb_max_tokens = 16  # 'auto' absorbs when a cached sequence gets at most this many new tokens
+    max_logit_block = 256   # query rows per block when measuring the max logits
 
     def __init__(self, config: K3Config, layer_idx: int, attn_impl: str = "auto"):
         super().__init__()
@@ -57,6 +63,8 @@ class GatedMLA(nn.Module):
         self.initializer_range = config.initializer_range
         self.softmax_scale = self.qk_head_dim ** -0.5
         self.attn_impl = attn_impl
+        self.record_max_logits = False
+        self.last_max_logits: torch.Tensor | None = None
 
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(H, nh * self.qk_head_dim, bias=False)
@@ -104,6 +112,20 @@ class GatedMLA(nn.Module):
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
+    @torch.no_grad()
+    def _max_logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """q [B,nh,T,n+p], k [B,nh,S,n+p] (last T keys are the queries') -> per-head max score [nh] fp32."""
+        T, S = q.shape[2], k.shape[2]
+        best = q.new_full((q.shape[1],), float("-inf"), dtype=torch.float32)
+        mask = _causal_mask(T, S, q.device)
+        with torch.autocast(q.device.type, enabled=False):                    # fp32 scores
+            for t0 in range(0, T, self.max_logit_block):
+                qb = q[:, :, t0:t0 + self.max_logit_block].float()
+                s = (qb @ k.float().transpose(-1, -2)) * self.softmax_scale      # [B, nh, tb, S]
+                s = s.masked_fill(~mask[t0:t0 + qb.shape[2]], float("-inf"))
+                best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+        return best
+
     def _naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q [B,T,nh,n+p], c [B,S,r], k_pe [B,S,p] (last T tokens are the queries) -> [B,T,nh,v]."""
         B, T, nh, _ = q.shape
@@ -111,6 +133,8 @@ class GatedMLA(nn.Module):
         k_nope, v = self.kv_b_proj(c).view(B, S, nh, -1).split([self.qk_nope_head_dim, self.v_head_dim], -1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, nh, self.qk_rope_head_dim)], -1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, nh, ·, ·]
+        if self.record_max_logits:
+            self.last_max_logits = self._max_logits(q, k)
         if S == T:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         else:
@@ -129,6 +153,8 @@ class GatedMLA(nn.Module):
         scores = (torch.einsum("bthr,bsr->bhts", q_lat, c)
                   + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)).float() * self.softmax_scale
         scores = scores.masked_fill(~_causal_mask(T, c.shape[1], q.device), float("-inf"))
+        if self.record_max_logits:
+            self.last_max_logits = scores.detach().amax(dim=(0, 2, 3))
         probs = scores.softmax(-1).to(q.dtype)
         o_lat = torch.einsum("bhts,bsr->bthr", probs, c)                # [B,T,nh,r]
         return torch.einsum("bthr,hvr->bthv", o_lat, w_uv)

@@ -30,9 +30,14 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.act = glu_act(config)
         self.hidden_act = config.hidden_act
-        std = getattr(config, "initializer_range", 0.02)
+        self.init_std = getattr(config, "initializer_range", 0.02)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """gate/up/down ~ N(0, initializer_range)."""
         for lin in (self.gate_proj, self.up_proj, self.down_proj):
-            nn.init.normal_(lin.weight, 0.0, std)
+            nn.init.normal_(lin.weight, 0.0, self.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:

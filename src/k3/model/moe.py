@@ -31,7 +31,7 @@ from torch import nn
 
 from k3.model.mlp import GatedMLP
 from k3.model.norm import RMSNorm
-from k3.ops.routing import load_stats, quantile_balance_update, route_topk
+from k3.ops.routing import route_topk
 from k3.ops.situ import glu_act
 
 __all__ = ["MoEGate", "RoutedExperts", "LatentMoE", "grouped_linear"]
@@ -87,7 +87,14 @@ class MoEGate(nn.Module):
         self.topk_group = config.topk_group
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts), persistent=True)
-        nn.init.normal_(self.weight, 0.0, config.initializer_range)
+        self.init_std = config.initializer_range
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """weight ~ N(0, initializer_range); selection bias 0 (balancing moves it from step 1)."""
+        nn.init.normal_(self.weight, 0.0, self.init_std)
+        self.e_score_correction_bias.zero_()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> (weights [N, k] fp32, indices [N, k] int64, scores [N, E] fp32)."""
@@ -117,8 +124,14 @@ class RoutedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, intermediate, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, intermediate, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, intermediate))
+        self.init_std = init_std
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """w1, w3, w2 ~ N(0, init_std)."""
         for w in (self.w1, self.w3, self.w2):
-            nn.init.normal_(w, 0.0, init_std)
+            nn.init.normal_(w, 0.0, self.init_std)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1, w3, w2) as used by the forward; a QAT pass overrides this to fake-quantize."""
@@ -147,7 +160,9 @@ class LatentMoE(nn.Module):
     capacity_factor None → dropless sort + grouped_mm dispatch; a float → static [E, C, ℓ] buffers
     with C = ceil(capacity_factor · N·k / E) (see module docstring for dropped slots).
     With `record_router_stats = True` the forward stores detached `last_scores` [N, E] and
-    `last_counts` [E] (slots routed per expert, before any capacity drop) for Quantile Balancing.
+    `last_counts` [E] (slots routed per expert, before any capacity drop). The layer never changes
+    its own bias: the trainer reads these and writes `gate.e_score_correction_bias`
+    (Quantile Balancing / sign update, :class:`k3.train.balance.RouterBalancer`).
     """
 
     def __init__(self, config, capacity_factor: float | None = None):
@@ -171,14 +186,22 @@ class LatentMoE(nn.Module):
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(self.expert_dim, eps=config.rms_norm_eps)
             self.routed_expert_up_proj = nn.Linear(self.expert_dim, config.hidden_size, bias=False)
-            nn.init.normal_(self.routed_expert_down_proj.weight, 0.0, std)
-            nn.init.normal_(self.routed_expert_up_proj.weight, 0.0, std)
+        self.init_std = std
+        self.reset_parameters()
         self.experts = RoutedExperts(config.num_experts, self.expert_dim, config.moe_intermediate_size,
                                      glu_act(config), init_std=std)
         if config.num_shared_experts > 0:
             self.shared_experts = GatedMLP(config.hidden_size,
                                            config.num_shared_experts * config.moe_intermediate_size, config)
         self._flops = self._count_flops(config)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Latent projections ~ N(0, initializer_range); gate, experts, norm and shared experts
+        initialise themselves (their own ``reset_parameters``)."""
+        if self.latent:
+            nn.init.normal_(self.routed_expert_down_proj.weight, 0.0, self.init_std)
+            nn.init.normal_(self.routed_expert_up_proj.weight, 0.0, self.init_std)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -247,20 +270,6 @@ class LatentMoE(nn.Module):
         p = weights.reshape(-1).index_select(0, order)[keep]
         ys = ys.float() * p.unsqueeze(-1)
         return torch.zeros(n, d, dtype=ys.dtype, device=z.device).index_add_(0, token_k, ys)
-
-    # ------------------------------------------------------------ balancing
-    @torch.no_grad()
-    def quantile_balance_step(self) -> dict[str, float]:
-        """Install the QB bias computed from the last recorded forward; returns its load stats.
-
-        Single-process convenience (the distributed trainer pools histograms instead). Call after
-        the optimizer step so the new bias routes from the next step on.
-        """
-        if self.last_scores is None or self.last_counts is None:
-            raise RuntimeError("quantile_balance_step needs record_router_stats=True and a forward first")
-        bias = self.gate.e_score_correction_bias
-        bias.copy_(quantile_balance_update(self.last_scores, bias, self.top_k))
-        return load_stats(self.last_counts)
 
     # ---------------------------------------------------------------- accounting
     def _count_flops(self, config) -> int:

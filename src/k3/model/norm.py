@@ -1,18 +1,13 @@
-"""RMSNorm (fp32 compute, learned weight) and the head-wise gated output norm."""
+"""RMSNorm module (fp32 compute, learned weight); the math is :func:`k3.ops.norm.rms_norm`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from k3.ops.norm import rms_norm
+
 __all__ = ["RMSNorm", "rms_norm"]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] -> weight · x / sqrt(mean(x²) + eps), computed in fp32, returned in x's dtype."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * y).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -20,6 +15,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

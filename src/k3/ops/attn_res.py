@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from k3.ops.norm import rms_norm
+
 __all__ = ["attn_res_mix"]
 
 
@@ -28,8 +30,9 @@ def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
     if len(sources) == 1:
         return sources[0]
     dtype = sources[0].dtype
-    v = torch.stack(sources, dim=0).float()                       # [n, ..., H]
-    key = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    logits = key @ query.reshape(-1).float()                      # [n, ...]
-    alpha = torch.softmax(logits, dim=0).unsqueeze(-1)            # [n, ..., 1]
-    return (alpha * v).sum(0).to(dtype)
+    with torch.autocast(sources[0].device.type, enabled=False):   # fp32 even under bf16 autocast
+        v = torch.stack(sources, dim=0).float()                   # [n, ..., H]
+        key = rms_norm(v, norm_weight, eps)                       # fp32 (v is fp32)
+        logits = key @ query.reshape(-1).float()                  # [n, ...]
+        alpha = torch.softmax(logits, dim=0).unsqueeze(-1)        # [n, ..., 1]
+        return (alpha * v).sum(0).to(dtype)

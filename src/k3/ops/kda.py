@@ -23,12 +23,17 @@ only S_{n+1} = M_n S_n + Z_n is scanned (T/C small matmuls).
 Decay factors e^{G_i − G_j} are never materialised as a [C, C, K] tensor for off-diagonal
 sub-chunk blocks: they factorise as e^{G_i − G_r} e^{G_r − G_j} around a row r with j < r ≤ i, so
 both factors are ≤ 1 (no overflow for any gate) and the block is one matmul. Diagonal sub-chunk
-blocks factorise around their middle row when the gate is bounded (|g| · sub/2 ≤ 60, true for
-K3's lb = −5); otherwise (unbounded softplus gates) they are materialised exactly. Log-decay
+blocks (sub = 16 tokens) factorise around their first row, e^{G_i − G_r} · e^{G_r − G_j}, where the
+second factor is ≥ 1; that is safe when the caller guarantees g ≥ g_lower_bound with
+|g_lower_bound| · (sub − 1) ≤ 80 (K3's lb = −5: 75), so both factors are normal fp32 numbers.
+Without such a bound (unbounded softplus gates, ``g_lower_bound=None``) the diagonal blocks are
+materialised exactly as [sub, sub, K] decays. The choice is static (from the argument, never from
+the data), so ``chunk_kda`` never synchronises with the device. Log-decay
 differences are clamped at −30 before exp: every such factor multiplies O(1) values, so the
 absolute error is ≤ e^−30 ≈ 1e-13 (far below fp32 resolution), while products of two factors stay
-normal fp32 numbers. Denormals are also flushed (set at import): decayed fp32 values otherwise
-turn into denormals and CPU matmuls slow down ~100×.
+normal fp32 numbers. Entry points (the ``k3`` CLI, the trainer) also call
+``torch.set_flush_denormal(True)``: decayed fp32 values otherwise turn into denormals and CPU
+matmuls slow down ~100×. Importing this module changes no global state.
 
 Layout (fla's convention): q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H];
 state [B, H, K, V] fp32. q, k are L2-normalised by the caller (`l2_normalize`).
@@ -36,21 +41,18 @@ state [B, H, K, V] fp32. q, k are L2-normalised by the caller (`l2_normalize`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from k3.ops.norm import l2_normalize  # noqa: F401  (re-exported: q, k are normalized with it)
+
 __all__ = ["l2_normalize", "kda_gate", "recurrent_kda", "chunk_kda"]
 
-torch.set_flush_denormal(True)
 
 _LOG_DECAY_FLOOR = -30.0   # e^-30 ≈ 1e-13: products of two such factors stay normal fp32
 _SAFE_FACTOR_SPAN = 80.0   # max |G_i − G_r| for the factorised diagonal blocks (e^±80 normal fp32)
-
-
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(Σ x² + eps) over the last dim; fp32 compute, cast back to x's dtype."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -74,6 +76,15 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     return lower_bound * torch.sigmoid(a * x)
 
 
+def _fp32_island(fn):
+    """Run ``fn`` with autocast off: the recurrence and its state are fp32 under bf16 autocast."""
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(q, *args, **kwargs)
+    return wrapper
+
+
 def _check(q, k, v, g, beta, initial_state, name: str) -> None:
     if q.dim() != 4:
         raise ValueError(f"{name}: q must be [B, T, H, K], got shape {tuple(q.shape)}")
@@ -93,6 +104,7 @@ def _check(q, k, v, g, beta, initial_state, name: str) -> None:
                              f"got {tuple(initial_state.shape)}")
 
 
+@_fp32_island
 def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                   scale: float | None = None, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -211,13 +223,18 @@ def _unit_lower_solve(diag_a: torch.Tensor, off_a: list[torch.Tensor], beta: tor
     return torch.cat(xs, dim=-2)
 
 
+@_fp32_island
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
-              output_final_state: bool = False, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
+              output_final_state: bool = False, chunk_size: int = 64,
+              g_lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (training / prefill); same signature and result as `recurrent_kda`.
 
     Any T (padded internally with k = 0, g = 0, β = 0 tokens, which leave the state unchanged).
     Differentiable w.r.t. q, k, v, g, beta and initial_state. g must be ≤ 0 (a log-decay).
+    ``g_lower_bound``: a bound the caller guarantees (g ≥ it; KDA's ``gate_lower_bound``). It only
+    picks the faster factorised diagonal blocks when |g_lower_bound| · (sub − 1) ≤ 80 (module
+    docstring); None (no bound known) uses the exact materialised blocks. No host sync either way.
     """
     _check(q, k, v, g, beta, initial_state, "chunk_kda")
     if chunk_size < 1:
@@ -239,7 +256,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     qc, kc, vc, gc = chunked(q) * scale, chunked(k), chunked(v), chunked(g)
     bc = chunked(beta.unsqueeze(-1))                                       # [N, BH, C, 1]
     G = gc.cumsum(-2)
-    factor_diag = bool(g.numel() == 0 or g.detach().abs().amax().item() * (sub - 1) <= _SAFE_FACTOR_SPAN)
+    factor_diag = g_lower_bound is not None and abs(g_lower_bound) * (sub - 1) <= _SAFE_FACTOR_SPAN
     diag, off = _score_blocks(qc, kc, G, sub, factor_diag)
     P = _assemble(diag, off, 0)
 

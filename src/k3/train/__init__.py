@@ -1,8 +1,8 @@
 """Training: Per-Head Muon + AdamW (optim), WSD and context-length schedules (schedule)."""
 
-from k3.train.optim import (Muon, build_optimizer, build_param_groups, describe_param_groups,
+from k3.train.optim import (Muon, QKClip, build_optimizer, build_param_groups, describe_param_groups,
                             qk_clip_, zeropower_via_newtonschulz5)
 from k3.train.schedule import ContextCurriculum, WSDSchedule
 
-__all__ = ["Muon", "build_optimizer", "build_param_groups", "describe_param_groups", "qk_clip_",
+__all__ = ["Muon", "QKClip", "build_optimizer", "build_param_groups", "describe_param_groups", "qk_clip_",
            "zeropower_via_newtonschulz5", "WSDSchedule", "ContextCurriculum"]

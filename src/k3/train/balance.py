@@ -25,11 +25,15 @@ __all__ = ["RouterBalancer"]
 class RouterBalancer:
     """Collects router statistics of one optimizer step and updates every MoE layer's bias."""
 
-    def __init__(self, model: nn.Module, mode: str = "quantile", rate: float = 1e-3):
+    def __init__(self, model: nn.Module | list[nn.Module], mode: str = "quantile", rate: float = 1e-3):
+        """``model``: a model with ``moe_layers()`` (none: nothing to balance) or a list of MoE layers."""
         if mode not in ("quantile", "sign", "off"):
             raise ValueError(f"balance mode must be 'quantile', 'sign' or 'off', got {mode!r}")
         self.mode, self.rate = mode, rate
-        self.layers = list(model.moe_layers()) if hasattr(model, "moe_layers") else []
+        if isinstance(model, (list, tuple)):
+            self.layers = list(model)
+        else:
+            self.layers = list(model.moe_layers()) if hasattr(model, "moe_layers") else []
         self._scores: list[list[torch.Tensor]] = [[] for _ in self.layers]
         self._counts: list[torch.Tensor | None] = [None for _ in self.layers]
 

@@ -37,6 +37,8 @@ _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--balance", "balance", str, "router balancing: quantile | sign | off"),
     ("--balance-rate", "balance_rate", float, "step size of --balance sign"),
     ("--qat", "qat", bool, "MXFP4 quantization-aware training of the routed experts"),
+    ("--qk-clip", "qk_clip", float, "QK-Clip: cap each MLA head's max attention logit at TAU"),
+    ("--dtype", "dtype", str, "fp32 | bf16 (bf16 autocast; fp32 master weights and KDA state)"),
     ("--attn-res", "attn_res", bool, "Block Attention Residuals (--no-attn-res: standard residuals)"),
     ("--hidden-act", "hidden_act", str, "situ | silu"),
     ("--log-interval", "log_interval", int, "steps between log lines (non-terminal output)"),

@@ -75,6 +75,8 @@ class TrainConfig:
     balance: str = "quantile"                # quantile | sign | off
     balance_rate: float = 1e-3               # sign-update step size
     qat: bool = False
+    qk_clip: float | None = None             # QK-Clip τ for MLA max logits (None: off)
+    dtype: str = "fp32"                      # fp32 | bf16 (autocast; fp32 master weights, KDA state)
     # ablations (None: as the model config says)
     attn_res: bool | None = None
     hidden_act: str | None = None            # situ | silu
@@ -177,6 +179,9 @@ class TrainConfig:
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("balance", self.balance, BALANCE_MODES)
         check_choice("hidden_act", self.hidden_act, ("situ", "silu"), allow_none=True)
+        check_choice("dtype", self.dtype, ("fp32", "bf16"))
+        if self.qk_clip is not None:
+            check_float("qk_clip", self.qk_clip, lo=0.0, lo_open=True)
         for name in ("lr", "balance_rate"):
             check_float(name, getattr(self, name), lo=0.0, lo_open=True)
         for name in ("weight_decay", "grad_clip"):

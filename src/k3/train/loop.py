@@ -4,10 +4,14 @@ Per optimizer step s (0-based; records and checkpoints count completed steps, s 
 
     seq_len = curriculum(s); lr = WSD(s)
     for each of grad_accum micro-batches:          (routing uses the bias from step s − 1)
-        loss = CE(model(x), y); (loss / grad_accum).backward(); collect router stats
+        loss = CE(model(x), y); (loss / grad_accum).backward(); collect router stats (+ MLA max logits)
     g = clip_grad_norm_(params, grad_clip)
     if loss or g is not finite: skip the step (no update, reason logged); stop after max_skips in a row
-    else: optimizer.step(); router biases ← balance(stats of step s)
+    else: optimizer.step(); QK-Clip (if qk_clip); router biases ← balance(stats of step s)
+
+``dtype='bf16'`` runs forward and backward under bf16 autocast: the parameters, gradients and
+optimizer state stay fp32 (master weights), and the fp32 islands stay fp32 (router, KDA
+recurrence and state, AttnRes mixing, norms, the loss).
 
 Resuming from a checkpoint reproduces the uninterrupted run bit-exactly on CPU: the model (with
 its router biases), optimizer, data cursor, RNG states, step and skip counter are restored, and
@@ -30,12 +34,13 @@ from k3.config import K3Config
 from k3.data.corpus import Corpus, load_corpus
 from k3.data.packing import IGNORE_INDEX, PackedBatches, build_token_stream, eval_batches
 from k3.data.tokenizer import Tokenizer, get_tokenizer
+from k3.errors import ConfigError
 from k3.fsutil import atomic_write
 from k3.model.decoder import K3ForCausalLM
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.metrics import MetricsLog, Progress, plot_run
-from k3.train.optim import build_optimizer
+from k3.train.optim import QKClip, build_optimizer
 from k3.train.state import (
     find_checkpoint,
     load_model_weights,
@@ -78,6 +83,15 @@ class StridedBatches:
             raise ValueError(f"data state has {len(state['rows'])} rows but batch_size is {len(self.rows)}")
         for row, st in zip(self.rows, state["rows"]):
             row.load_state_dict(st)
+
+
+def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """None for fp32; torch.bfloat16 for 'bf16' where the device supports it (else an error)."""
+    if dtype == "fp32":
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"dtype=bf16: device {device} does not support bfloat16")
+    return torch.bfloat16
 
 
 class TrainingDiverged(RuntimeError):
@@ -151,6 +165,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.model_config, tc.lr, tc.weight_decay,
                                          muon=_OPTIMIZER_MODES[tc.optimizer])
         self.balancer = RouterBalancer(self.model, tc.balance, tc.balance_rate)
+        self.qk_clip = QKClip(self.model, tc.qk_clip, self.model_config) if tc.qk_clip else None
+        self.autocast_dtype = _autocast_dtype(tc.dtype, self.device)
         self.step, self.skips, self.tokens_seen = 0, 0, 0
         records: list[dict] = []
         if saved is not None:
@@ -247,7 +263,9 @@ class Trainer:
 
     # --------------------------------------------------------------------------------- step
     def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        logits = self.model(x.to(self.device)).logits
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            logits = self.model(x.to(self.device)).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), y.to(self.device).flatten(),
                                ignore_index=IGNORE_INDEX, reduction=reduction)
 
@@ -263,6 +281,9 @@ class Trainer:
         self.model.train()
         self.balancer.recording(True)
         self.balancer.begin_step()
+        if self.qk_clip is not None:
+            self.qk_clip.recording(True)
+            self.qk_clip.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss_sum, reason = 0.0, None
@@ -275,6 +296,8 @@ class Trainer:
                 break
             (loss / tc.grad_accum).backward()
             self.balancer.collect()
+            if self.qk_clip is not None:
+                self.qk_clip.collect()
             loss_sum += lv
         grad_norm = float("nan")
         if reason is None:
@@ -297,6 +320,7 @@ class Trainer:
                     f"is in {self.run_dir}; lower the lr or check the data")
             return rec
         self.optimizer.step()
+        clip = self.qk_clip.apply() if self.qk_clip is not None else {}
         stats = self.balancer.update()
         self.skips = 0
         dt = time.perf_counter() - t0
@@ -305,7 +329,7 @@ class Trainer:
             "train", step=self.step, loss=loss_sum / tc.grad_accum, lr=lr, seq_len=seq_len,
             tokens=self.tokens_seen, tokens_per_s=tokens / dt, grad_norm=grad_norm,
             load_cv=sum(cv) / len(cv) if cv else None, load_cv_layers=cv,
-            load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None)
+            load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None, **clip)
 
     # --------------------------------------------------------------------------------- eval
     @torch.no_grad()
@@ -314,6 +338,8 @@ class Trainer:
         (0: the whole validation split), at the curriculum's longest sequence length."""
         self.model.eval()
         self.balancer.recording(False)
+        if self.qk_clip is not None:
+            self.qk_clip.recording(False)
         nats, ntok, nbytes = 0.0, 0, 0
         try:
             for x, y in eval_batches(self.val_tokens, self.tc.batch_size, self.curriculum.max_seq_len,

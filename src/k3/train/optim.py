@@ -35,9 +35,12 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from k3.errors import ConfigError
+from k3.model.mla import GatedMLA
+
 __all__ = ["NS_COEFFS", "zeropower_via_newtonschulz5", "orthogonalize", "Muon",
            "classify_param", "build_param_groups", "build_optimizer", "describe_param_groups",
-           "qk_clip_"]
+           "qk_clip_", "QKClip"]
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -308,3 +311,48 @@ def qk_clip_(model: nn.Module, tau: float, max_logits_per_layer: Mapping[int, An
         q[:, nope:].mul_(eta.to(q.dtype)[:, None, None])
         kv[:, :nope].mul_(s.to(kv.dtype))
     return out
+
+
+class QKClip:
+    """QK-Clip in the training loop (SPEC §5): cap every MLA head's max logit at τ.
+
+    Per optimizer step: ``begin_step()``; after each micro-batch forward ``collect()`` takes each
+    MLA layer's ``last_max_logits`` [nh] (max over the micro-batches); after ``optimizer.step()``
+    ``apply()`` rescales the q/k weights with :func:`qk_clip_` (η = min(1, τ / S_max) per head,
+    measured in this step's forward, applied to the updated weights as MuonClip does) and returns
+    {"max_logit": largest S_max before the clip, "clipped_heads": heads with η < 1}.
+    """
+
+    def __init__(self, model: nn.Module, tau: float, config=None):
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
+            raise ConfigError(f"qk_clip must be a threshold > 0, got {tau!r}")
+        self.model, self.tau = model, float(tau)
+        self.config = config if config is not None else getattr(model, "config", None)
+        self.layers = [m for m in model.modules() if isinstance(m, GatedMLA)]
+        if not self.layers:
+            raise ConfigError("qk_clip: the model has no MLA layers to clip")
+        self._max: dict[int, Tensor] = {}
+
+    def recording(self, on: bool) -> None:
+        for m in self.layers:
+            m.record_max_logits = on
+            m.last_max_logits = None
+
+    def begin_step(self) -> None:
+        self._max = {}
+
+    def collect(self) -> None:
+        for m in self.layers:
+            s = m.last_max_logits
+            if s is None:
+                raise RuntimeError("QKClip: MLA max logits missing; call recording(True) before the forward")
+            old = self._max.get(m.layer_idx)
+            self._max[m.layer_idx] = s if old is None else torch.maximum(old, s)
+            m.last_max_logits = None
+
+    def apply(self) -> dict[str, float]:
+        etas = qk_clip_(self.model, self.tau, self._max, self.config)
+        smax = max(float(s.max()) for s in self._max.values()) if self._max else float("nan")
+        clipped = sum(int((e < 1).sum()) for e in etas.values())
+        self.begin_step()
+        return {"max_logit": smax, "clipped_heads": clipped}
