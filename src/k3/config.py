@@ -206,7 +206,10 @@ class K3Config:
     bos_token_id: int | None = 163584  # token ids: tokenizer metadata, kept for HF / generation
     eos_token_id: int | None = 163585
     pad_token_id: int | None = 163839
-    model_type: str = "kimi_linear"    # read by the config.json parser (Kimi-Linear defaults)
+    # "kimi_k3_text" for K3-architecture configs; "kimi_linear" only for models transformers'
+    # KimiLinearForCausalLM can run (no K3-only feature, see k3_only_features); it also selects the
+    # Kimi-Linear defaults when a config.json is parsed.
+    model_type: str = "kimi_k3_text"
     # multimodal wrapper (kept verbatim until vision lands)
     vision_config: dict[str, Any] | None = None
     wrapper: dict[str, Any] | None = None  # non-text keys of a kimi_k3 wrapper config
@@ -294,7 +297,25 @@ class K3Config:
         self._validate_moe()
         self._validate_layers()
 
+    def k3_only_features(self) -> list[str]:
+        """The fields (at their values here) that transformers' Kimi-Linear model does not implement."""
+        lac = self.linear_attn_config
+        found = {
+            "routed_expert_hidden_size": self.routed_expert_hidden_size is not None,
+            "latent_moe_use_norm": self.latent_moe_use_norm and self.routed_expert_hidden_size is not None,
+            "attn_res_block_size": self.attn_res_block_size is not None,
+            "mla_use_output_gate": self.mla_use_output_gate,
+            "hidden_act": self.hidden_act != "silu",
+            "linear_attn_config.use_full_rank_gate": lac.use_full_rank_gate,
+            "linear_attn_config.gate_lower_bound": lac.gate_lower_bound is not None,
+        }
+        return [name for name, on in found.items() if on]
+
     def _refuse_unimplemented(self) -> None:
+        if self.model_type == "kimi_linear" and self.wrapper is None and self.k3_only_features():
+            raise ConfigError(f"model_type='kimi_linear' names transformers' Kimi-Linear model, which does "
+                              f"not implement {', '.join(self.k3_only_features())}: use model_type="
+                              "'kimi_k3_text' for a K3-architecture config")
         if self.mla_use_nope is not True:
             raise ConfigError("mla_use_nope=false (rotary positions in MLA) is not implemented: "
                               "k3's Gated MLA is NoPE only (SPEC §3.2)")

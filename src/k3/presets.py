@@ -37,6 +37,7 @@ def kimi_linear_48b() -> K3Config:
         num_shared_experts=1, moe_intermediate_size=1024, routed_expert_hidden_size=None,
         latent_moe_use_norm=False, routed_scaling_factor=2.446, hidden_act="silu",
         activation_situ_linear_beta=None, attn_res_block_size=None, eos_token_id=163586,
+        model_type="kimi_linear",
     )
 
 

@@ -134,3 +134,27 @@ def test_k3_mode_models_keep_the_k3_a_log_layout(tmp_path):
     save_pretrained(random_model("nano"), tmp_path)  # latent MoE, AttnRes: not a Kimi-Linear model
     with safe_open(str(next(tmp_path.glob("model-*.safetensors"))), "pt") as f:
         assert list(f.get_slice("model.layers.0.self_attn.A_log").get_shape()) == [2]
+
+
+def test_k3_architecture_checkpoints_do_not_claim_kimi_linear(tmp_path):
+    """A K3-feature model is written under its own model_type, so transformers' Kimi-Linear loader
+    is never handed a model it cannot run; the Kimi-Linear preset keeps its reference type."""
+    from conftest import random_model
+    save_pretrained(random_model("nano"), tmp_path / "k3")
+    written = json.loads((tmp_path / "k3" / "config.json").read_text())
+    assert written["model_type"] == "kimi_k3_text"
+    assert "KimiLinearForCausalLM" not in written.get("architectures", [])
+    # positive control: the Kimi-Linear preset is still labelled as the reference model
+    assert get_preset("kimi-linear-48b").model_type == "kimi_linear"
+    assert _k3_kimi_linear_model().config.model_type == "kimi_linear"
+
+
+def test_kimi_linear_type_with_k3_features_is_refused_or_relabelled():
+    from k3.config import K3Config
+    from k3.errors import ConfigError
+    with pytest.raises(ConfigError, match="attn_res_block_size"):
+        get_preset("nano").replace(model_type="kimi_linear")
+    # a config.json that an older k3 wrote (kimi_linear + explicit K3 fields) still loads, relabelled
+    d = get_preset("nano").to_dict()
+    d["model_type"] = "kimi_linear"
+    assert K3Config.from_dict(d).model_type == "kimi_k3_text"

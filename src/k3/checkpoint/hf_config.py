@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from typing import Any
 
@@ -74,6 +75,9 @@ def config_from_dict(d: Any) -> K3Config:
     cfg.wrapper = {k: copy.deepcopy(v) for k, v in d.items() if k not in WRAPPER_KEYS}
     cfg.vision_config = copy.deepcopy(vision)
     return cfg
+
+
+log = logging.getLogger("k3.config")
 
 
 def config_from_json(path_or_text: str | os.PathLike) -> K3Config:
@@ -129,8 +133,23 @@ def _from_text_dict(d: dict[str, Any]) -> K3Config:
             d[f"{tid}s"] = v
             kw[tid] = v[0]
     views = {k: d.pop(k) for k in ("num_key_value_heads", "qk_head_dim") if k in d}
-    cfg = K3Config(**kw, extra=d)
+    cfg = _construct(kw, d)
     _check_hf_keys(cfg, views)
+    return cfg
+
+
+def _construct(kw: dict[str, Any], extra: dict[str, Any]) -> K3Config:
+    """K3Config(**kw): a ``kimi_linear`` config that uses K3-only features (what k3 wrote before
+    K3 configs had their own model_type) is read as ``kimi_k3_text``, with a notice."""
+    if kw.get("model_type") != "kimi_linear":
+        return K3Config(**kw, extra=extra)
+    cfg = K3Config(**{**kw, "model_type": "kimi_k3_text"}, extra=extra)
+    features = cfg.k3_only_features()
+    if features:
+        log.info("config says model_type='kimi_linear' but uses %s (not in Kimi-Linear): read as "
+                 "'kimi_k3_text'", ", ".join(features))
+    else:
+        cfg.model_type = "kimi_linear"
     return cfg
 
 

@@ -20,11 +20,7 @@ __all__ = ["is_kimi_linear_mode", "kimi_linear_config_fields", "a_log_file_shape
 
 def is_kimi_linear_mode(config: K3Config) -> bool:
     """``model_type`` kimi_linear and no feature transformers' Kimi-Linear lacks."""
-    lac = config.linear_attn_config
-    return (config.model_type == "kimi_linear" and config.wrapper is None and not config.uses_latent_moe
-            and not config.latent_moe_use_norm and config.attn_res_block_size is None
-            and not config.mla_use_output_gate and config.activation_situ_linear_beta is None
-            and config.hidden_act == "silu" and not lac.use_full_rank_gate and lac.gate_lower_bound is None)
+    return config.model_type == "kimi_linear" and config.wrapper is None and not config.k3_only_features()
 
 
 def kimi_linear_config_fields(config: K3Config) -> dict:
