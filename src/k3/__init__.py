@@ -3,11 +3,15 @@
 from k3.config import K3Config, get_preset, list_presets
 
 __version__ = "0.1.0"
-__all__ = ["K3Config", "get_preset", "list_presets", "__version__"]
+__all__ = ["K3Config", "get_preset", "list_presets", "K3Model", "K3ForCausalLM", "from_pretrained",
+           "save_pretrained", "__version__"]
 
 
 def __getattr__(name):  # lazy: importing k3 must not build the model stack
     if name in ("K3Model", "K3ForCausalLM"):
         from k3.model import decoder
         return getattr(decoder, name)
+    if name in ("from_pretrained", "save_pretrained"):  # k3.from_pretrained(dir), k3.save_pretrained(model, dir)
+        from k3.checkpoint import pretrained
+        return getattr(pretrained, name)
     raise AttributeError(name)

@@ -55,6 +55,8 @@ def test_the_methods_moved_to_checkpoint_functions():
     assert not hasattr(K3ForCausalLM, "from_pretrained") and not hasattr(K3ForCausalLM, "save_pretrained")
     with pytest.raises(TypeError, match="directory first"):
         from_pretrained(K3ForCausalLM, "x")
+    import k3  # the top-level entry points are the checkpoint functions themselves
+    assert k3.from_pretrained is from_pretrained and k3.save_pretrained is save_pretrained
 
 
 def _routed_names(model):
