@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3.train.commands import sample_main, train_main
+from k3.infer.run_model import sample_main
+from k3.train.commands import train_main
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer, TrainingDiverged
 from k3.train.metrics import read_metrics
@@ -166,7 +167,7 @@ def test_bad_input_gives_clear_errors(env, tmp_path, capsys):
     assert "max_position_embeddings=2048" in err(["--data", str(data), "--seq-len", "4096",
                                                   "--out", str(tmp_path / "c")])
     assert "fraction" in err(["--data", str(data), "--curriculum", "0:16,1.5:32", "--out", str(tmp_path / "d")])
-    assert "no complete checkpoint" in err(["--resume", str(tmp_path / "nothing")])
+    assert "holds no checkpoint" in err(["--resume", str(tmp_path / "nothing")])
     # a finished run: training again into it needs --resume; resuming with another model is refused
     run = tmp_path / "run"
     assert train_main(common + ["--data", str(data), "--seq-len", "16", "--out", str(run),

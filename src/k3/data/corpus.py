@@ -100,6 +100,11 @@ class Corpus:
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
+    def doc_digests(self) -> dict[str, str]:
+        """Document id -> sha256 of its UTF-8 text (first 16 hex digits), both splits."""
+        return {i: hashlib.sha256(t.encode("utf-8")).hexdigest()[:16]
+                for i, t in zip(self.train_ids + self.validation_ids, self.train_texts + self.validation_texts)}
+
     def summary(self) -> str:
         return (f"corpus {self.name}: {len(self.train_texts)} train docs ({self.train_bytes:,} B), "
                 f"{len(self.validation_texts)} validation docs ({self.val_bytes:,} B), "

@@ -1,0 +1,63 @@
+"""What a run stores about its inputs so it can be resumed from anywhere and checked.
+
+* ``absolute_paths(tc)``: ``data`` and ``model_config`` made absolute, so the stored train config
+  (checkpoint and run.json) names the same files from any working directory.
+* ``corpus_difference(saved_docs, corpus)``: which documents changed since the checkpoint, from
+  the per-document digests stored in ``trainer_state.pt`` (``Corpus.doc_digests``).
+* ``checkpoint_bytes(trainer)``: the bytes a checkpoint of this run needs (model + optimizer
+  tensors + a small allowance for the tokenizer, trainer state and manifest), for the free-space
+  check before a save.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from k3.data.corpus import Corpus
+    from k3.train.config import TrainConfig
+
+__all__ = ["absolute_paths", "corpus_difference", "checkpoint_bytes"]
+
+
+def absolute_paths(tc: "TrainConfig") -> "TrainConfig":
+    changes = {k: str(Path(v).expanduser().absolute()) for k in ("data", "model_config")
+               if (v := getattr(tc, k)) is not None and not os.path.isabs(os.path.expanduser(v))}
+    return tc.replace(**changes) if changes else tc
+
+
+def _names(ids: list[str], n: int = 5) -> str:
+    return ", ".join(ids[:n]) + (f" and {len(ids) - n} more" if len(ids) > n else "")
+
+
+def corpus_difference(saved: dict[str, str] | None, corpus: "Corpus") -> str:
+    """A message naming what differs between the checkpoint's corpus and ``corpus``."""
+    head = f"the corpus ({corpus.name}) differs from the one the checkpoint was trained on"
+    if saved is None:
+        return head + " (the checkpoint predates per-document digests)"
+    now = corpus.doc_digests()
+    changed = sorted(k for k in saved.keys() & now.keys() if saved[k] != now[k])
+    added, removed = sorted(now.keys() - saved.keys()), sorted(saved.keys() - now.keys())
+    parts = [f"{label}: {_names(ids)}" for label, ids in
+             (("changed", changed), ("added", added), ("removed", removed)) if ids]
+    return head + ("; " + "; ".join(parts) if parts else " (same documents, different split)")
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def checkpoint_bytes(trainer) -> int:
+    model = sum(_tensor_bytes(t) for t in trainer.model.state_dict().values())
+    optim = _tensor_bytes(trainer.optimizer.state_dict()["state"])
+    return model + optim + (4 << 20)
