@@ -125,3 +125,47 @@ def test_second_ctrl_c_exits_cleanly_and_the_last_checkpoint_survives(env):
     assert len(err.strip().splitlines()) <= 1, err
     assert verify_checkpoint(run / "checkpoint")["step"] == 1
     assert not [p for p in run.iterdir() if p.name.startswith(".checkpoint-")]  # no half-written save left
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from k3.train.config import TrainConfig
+from k3.train.loop import Trainer
+tc = TrainConfig.build(overrides=dict(preset="nano", data=sys.argv[1], out=sys.argv[2], steps=100000,
+                       batch_size=2, curriculum=[[0, 16]], threads=1, plot=False))
+t = Trainer(tc)
+while not Path(sys.argv[3]).exists():
+    t.train_step()
+    t.save()
+    print(t.step, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_readers_never_see_a_half_swapped_checkpoint(env):
+    """A writer process saves over and over while this process loads the run N times."""
+    from k3.infer.run_model import load_run_model
+
+    base, data = env
+    run, stop = base / "swap", base / "swap.stop"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(data), str(run), str(stop)], cwd=REPO,
+                              env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    failures, n, t0 = [], 0, time.monotonic()
+    try:
+        assert writer.stdout.readline().strip() == "1", writer.stderr.read()
+        while n < 60 and time.monotonic() - t0 < 120:
+            try:
+                model, tok = load_run_model(run)
+                assert model.config.num_hidden_layers > 0 and tok.vocab_size > 0
+            except Exception as e:  # noqa: BLE001 - counted
+                failures.append(repr(e))
+            n += 1
+    finally:
+        stop.touch()
+        out, err = writer.communicate(timeout=60)
+    saves = len(out.split())
+    print(f"{n} loads during {saves} saves: {len(failures)} failures")
+    assert writer.returncode == 0, err
+    assert n == 60 and saves >= 10, (n, saves)  # the swaps really overlapped the loads
+    assert failures == [], failures
