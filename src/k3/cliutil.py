@@ -62,7 +62,9 @@ def describe_error(e: BaseException) -> str | None:
         text = str(e)
         for needle, cause in (("No space left", "no space left on device"),
                               ("Read-only file system", "read-only filesystem"),
-                              ("Permission denied", "permission denied")):
+                              ("Permission denied", "permission denied"),
+                              ("file write failed", "a file write failed (disk full?)"),
+                              ("unexpected pos", "a file write came up short (disk full?)")):
             if needle in text:
                 return cause
     return None

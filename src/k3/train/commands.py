@@ -194,6 +194,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         tc = TrainConfig.build(overrides={**DEMO_CONFIG, "out": str(out), "steps": args.steps,
                                           "threads": args.threads})
         check_foreign_dir(out)
+        out.mkdir(parents=True, exist_ok=True)
         with RunLock(out):  # the next k3 demo replaces a folder an earlier k3 demo created
             claim_run_dir(out, "k3 demo", replace_same_kind=True)
             return _demo(tc, out, args)

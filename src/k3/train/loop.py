@@ -41,6 +41,7 @@ from k3.train.optim import build_optimizer
 from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir
 from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference
 from k3.train.state import (
+    check_free_space,
     find_checkpoint,
     load_model_weights,
     load_trainer_state,
@@ -163,6 +164,7 @@ class Trainer:
             records = saved["metrics"]
             self.last_saved_step = self.step
             set_rng_state(saved["rng"])  # last: building the model above consumed random numbers
+        check_free_space(self.run_dir, checkpoint_bytes(self))  # fail now, not after training
         self.metrics = MetricsLog(self.run_dir, records)
         self._write_run_info(resumed_from=self.step if saved is not None else None)
 

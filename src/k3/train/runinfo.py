@@ -58,6 +58,9 @@ def _tensor_bytes(obj) -> int:
 
 
 def checkpoint_bytes(trainer) -> int:
+    """Model tensors + optimizer state (at least two moments per parameter: before the first
+    step the state is still empty) + 4 MiB for the small files."""
     model = sum(_tensor_bytes(t) for t in trainer.model.state_dict().values())
+    params = sum(_tensor_bytes(p) for p in trainer.model.parameters())
     optim = _tensor_bytes(trainer.optimizer.state_dict()["state"])
-    return model + optim + (4 << 20)
+    return model + max(optim, 2 * params) + (4 << 20)

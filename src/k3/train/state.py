@@ -185,9 +185,10 @@ def _drop_leftovers(run_dir: Path, keep: set[str]) -> None:
 
 
 def check_free_space(run_dir: Path, need_bytes: int) -> None:
-    """CheckpointError unless the run's filesystem has room for ``need_bytes`` (+5% and 16 MiB)."""
+    """CheckpointError unless the run's filesystem has room for ``need_bytes`` (+5% and 16 MiB;
+    ``need_bytes=0`` checks nothing)."""
     free = shutil.disk_usage(run_dir).free
-    want = int(need_bytes * 1.05) + (16 << 20)
+    want = int(need_bytes * 1.05) + (16 << 20 if need_bytes else 0)
     if free < want:
         raise CheckpointError(f"{run_dir}: not enough free space to write a checkpoint: needs about "
                               f"{want / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB free (the previous "
@@ -225,10 +226,12 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, write: Callable[[Path
         os.replace(link_tmp, run_dir / CKPT_NAME)  # the commit point
         fsync_path(run_dir)
     except Exception as e:
+        line = describe_error(e) if isinstance(e, (OSError, RuntimeError)) else None
+        if line is not None and isinstance(e, RuntimeError) and shutil.disk_usage(run_dir).free < (1 << 20):
+            line = "no space left on device"  # torch's zip writer reports a short write only
         shutil.rmtree(tmp, ignore_errors=True)
         if _pointer_target(run_dir) != version:
             shutil.rmtree(version, ignore_errors=True)
-        line = describe_error(e) if isinstance(e, (OSError, RuntimeError)) else None
         if line is None:
             raise
         raise CheckpointError(f"{run_dir}: checkpoint of step {step} not saved: {line}; the "
