@@ -174,3 +174,20 @@ def test_resume_from_another_directory_and_changed_corpus_is_named(env, tmp_path
         os.chdir(cwd)
     err = capsys.readouterr().err
     assert "corpus" in err and "changed: csv.py" in err
+
+
+def test_relative_model_config_is_stored_absolute(env, tmp_path):
+    from k3.config import get_preset
+    from k3.train.config import TrainConfig
+    from k3.train.runinfo import absolute_paths
+
+    get_preset("nano").to_json(tmp_path / "config.json")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        tc = absolute_paths(TrainConfig.build(overrides={"model_config": "config.json", "data": "corpus"}))
+    finally:
+        os.chdir(cwd)
+    assert tc.model_config == str(tmp_path / "config.json") and tc.data == str(tmp_path / "corpus")
+    already = TrainConfig.build(overrides={"model_config": str(tmp_path / "config.json")})
+    assert absolute_paths(already).model_config == str(tmp_path / "config.json")  # unchanged

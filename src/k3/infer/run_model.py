@@ -25,19 +25,21 @@ def load_run_model(path: str | Path, device: str = "cpu"):
     if not path.is_dir():
         raise NotADirectoryError(20, "expected a run or checkpoint directory", str(path))
     if (path / "trainer_state.pt").is_file() or (path / "config.json").is_file():
-        return _load_folder(path, device)
+        return _load_folder(path.resolve(), device)  # a checkpoint pointer: pin the version now
     # a run directory: retried once if a concurrent save swaps the checkpoint mid-load
-    return read_checkpoint(path, lambda ckpt: _load_folder(ckpt, device))
+    return read_checkpoint(path, lambda ckpt: _load_folder(ckpt, device, verify=False))  # verified
 
 
-def _load_folder(folder: Path, device: str):
+def _load_folder(folder: Path, device: str, verify: bool = True):
     import torch
 
     from k3.data.tokenizer import Tokenizer
     from k3.errors import CheckpointError
     from k3.model.decoder import K3ForCausalLM
-    from k3.train.state import load_trainer_state
+    from k3.train.state import MANIFEST, load_trainer_state, verify_checkpoint
 
+    if verify and (folder / MANIFEST).is_file():
+        verify_checkpoint(folder)
     if (folder / "trainer_state.pt").is_file():
         model_dir, qat = folder / "model", load_trainer_state(folder)["train_config"].get("qat", False)
     else:

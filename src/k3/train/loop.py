@@ -248,7 +248,8 @@ class Trainer:
                         "model_config": self.model_config.to_text_dict(),
                         "corpus_fingerprint": self.corpus.fingerprint,
                         "corpus_docs": self.corpus.doc_digests()}, folder / "trainer_state.pt")
-        path = save_checkpoint(self.run_dir, self.step, write, need_bytes=checkpoint_bytes(self))
+        with RunLock(self.run_dir):  # re-entrant: a no-op while this trainer holds it
+            path = save_checkpoint(self.run_dir, self.step, write, need_bytes=checkpoint_bytes(self))
         self.last_saved_step = self.step
         return path
 

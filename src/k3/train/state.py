@@ -273,6 +273,8 @@ def find_checkpoint(run_dir: str | os.PathLike) -> Path | None:
                                         f"but no {CKPT_NAME} pointer naming the current one")
             return None
         try:
+            if not target.is_dir():
+                raise CheckpointCorrupt(f"{run_dir / CKPT_NAME}: points to {target.name}, which is missing")
             verify_checkpoint(target)
             return target
         except CheckpointCorrupt:
@@ -285,19 +287,19 @@ def find_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     raise CheckpointCorrupt(f"{run_dir}: the checkpoint kept changing while being read")
 
 
-def read_checkpoint(run_dir: str | os.PathLike, load: Callable[[Path], Any]) -> Any:
-    """``load(folder)`` on the run's current checkpoint; retried once on the checkpoint that is
-    current then if the folder vanished meanwhile (a concurrent save rotated it out)."""
+def read_checkpoint(run_dir: str | os.PathLike, load: Callable[[Path], Any], tries: int = 3) -> Any:
+    """``load(folder)`` on the run's current checkpoint. If it fails because the folder vanished
+    meanwhile (a concurrent save rotated it out), retried on the checkpoint current then."""
     run_dir = Path(run_dir)
-    ckpt = find_checkpoint(run_dir)
-    if ckpt is None:
-        raise CheckpointError(f"{run_dir}: holds no checkpoint (expected a k3 run directory)")
-    try:
-        return load(ckpt)
-    except (OSError, CheckpointError, RuntimeError):
-        if ckpt.is_dir() or find_checkpoint(run_dir) in (None, ckpt):
-            raise
-        return load(find_checkpoint(run_dir))
+    for attempt in range(tries):
+        ckpt = find_checkpoint(run_dir)
+        if ckpt is None:
+            raise CheckpointError(f"{run_dir}: holds no checkpoint (expected a k3 run directory)")
+        try:
+            return load(ckpt)
+        except Exception:  # noqa: BLE001 - any reader error (safetensors has its own type)
+            if ckpt.is_dir() or attempt == tries - 1:
+                raise
 
 
 def load_trainer_state(ckpt: Path) -> dict[str, Any]:
