@@ -288,8 +288,8 @@ def find_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def read_checkpoint(run_dir: str | os.PathLike, load: Callable[[Path], Any], tries: int = 3) -> Any:
-    """``load(folder)`` on the run's current checkpoint. If it fails because the folder vanished
-    meanwhile (a concurrent save rotated it out), retried on the checkpoint current then."""
+    """``load(folder)`` on the run's current checkpoint. If it fails after the pointer moved on (a
+    concurrent save committed and may have rotated the folder out), retried on the new one."""
     run_dir = Path(run_dir)
     for attempt in range(tries):
         ckpt = find_checkpoint(run_dir)
@@ -298,7 +298,8 @@ def read_checkpoint(run_dir: str | os.PathLike, load: Callable[[Path], Any], tri
         try:
             return load(ckpt)
         except Exception:  # noqa: BLE001 - any reader error (safetensors has its own type)
-            if ckpt.is_dir() or attempt == tries - 1:
+            moved = _pointer_target(run_dir) not in (ckpt, None)
+            if not moved or attempt == tries - 1:
                 raise
 
 
