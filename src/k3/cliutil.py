@@ -16,7 +16,7 @@ from typing import Callable
 
 from k3.errors import K3Error
 
-__all__ = ["guarded", "describe_error", "pop_debug_flag", "debug_enabled"]
+__all__ = ["guarded", "describe_error", "pop_debug_flag", "debug_enabled", "exit_quietly_on_signals"]
 
 _ERRNO_TEXT = {
     errno.ENOENT: "no such file or directory",
@@ -70,6 +70,19 @@ def describe_error(e: BaseException) -> str | None:
     return None
 
 
+def exit_quietly_on_signals() -> None:
+    """After a command was stopped by a signal (its checkpoint written): a further Ctrl-C or
+    SIGTERM, even during interpreter shutdown, ends the process at once instead of printing a
+    KeyboardInterrupt traceback from an exit hook."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+
+
 def guarded(cmd: str, fn: Callable[[], int]) -> int:
     """Run ``fn()``; map user-facing errors to one stderr line and exit 2 (see module docstring)."""
     try:
@@ -77,6 +90,7 @@ def guarded(cmd: str, fn: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         if debug_enabled():
             raise
+        exit_quietly_on_signals()
         print(f"k3 {cmd}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - classified below; bugs are re-raised

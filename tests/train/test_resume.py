@@ -219,3 +219,24 @@ def test_corrupt_checkpoint_is_reported_never_absent_and_never_deleted(env, caps
     assert train_main(["--resume", str(run), "--steps", "2"]) == 0
     assert train_main(common + ["--out", str(run), "--overwrite"]) == 0
     assert load_trainer_state(find_checkpoint(run))["step"] == 2 and not shard.exists()
+
+
+def test_a_pinned_checkpoint_outlives_later_saves(env):
+    from k3.train.state import pinned_checkpoint
+
+    base, data = env
+    t = Trainer(config(base, data, "pin", steps=8, eval_interval=0))
+    run = base / "pin"
+    t.train_step()
+    t.save()
+    with pinned_checkpoint(run) as pinned:
+        for _ in range(3):
+            t.train_step()
+            t.save()
+        assert pinned.is_dir() and verify_checkpoint(pinned)["step"] == 1  # still whole
+    t.train_step()
+    t.save()
+    # positive control: unpinned, it is rotated out like any other old version
+    assert not pinned.exists()
+    assert len([p for p in run.iterdir() if p.name.startswith(CKPT_NAME + "-")]) == 2
+    t.close()

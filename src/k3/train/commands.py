@@ -147,6 +147,8 @@ def _train(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
         print(f"k3 train: {e}", file=sys.stderr)
         return 1
     if res.status == "interrupted":
+        from k3.cliutil import exit_quietly_on_signals
+        exit_quietly_on_signals()
         return 128 + int(trainer.stop_signal)
     return 0
 
@@ -218,6 +220,8 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
           f"{tc.steps} steps of {tc.batch_size} sequences, curriculum {tc.curriculum}", flush=True)
     res = trainer.train()
     if res.status != "done":
+        from k3.cliutil import exit_quietly_on_signals
+        exit_quietly_on_signals()
         return 128 + int(trainer.stop_signal)
     dt = time.perf_counter() - t0
     # The plotted evaluations all score the same first batches; the reported figure is the

@@ -14,8 +14,10 @@ Versioned commit: ``checkpoint`` is a symlink to the current version folder
 ``checkpoint-<step>-<random>/``. A save fills a temporary folder, fsyncs every file and folder,
 renames it to a fresh version name, then atomically replaces the symlink (``os.replace`` of a new
 link): that rename is the commit point. A crash at any point leaves the pointer on a complete
-checkpoint. The previous version is kept until the next save, so a reader that resolved the
-pointer just before a swap still finds its folder (readers retry once if it vanished anyway).
+checkpoint. Old versions are deleted by later saves, except one a reader has pinned: readers
+(``pinned_checkpoint`` / ``read_checkpoint``) hold a shared flock on the version's manifest while
+they load, and the saver deletes a version only under an exclusive non-blocking flock, so a load
+sees either the previous complete checkpoint or the new one, never a folder being removed.
 Only the process holding the run lock (``k3.train.rundir``) saves, so cleaning up leftovers of an
 interrupted save never touches another writer's files.
 
@@ -25,14 +27,16 @@ naming the file (CheckpointCorrupt), never "no checkpoint", and nothing deletes 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -41,7 +45,7 @@ from k3.errors import CheckpointError
 from k3.fsutil import fsync_path
 
 __all__ = ["save_checkpoint", "find_checkpoint", "read_checkpoint", "has_checkpoint", "verify_checkpoint",
-           "check_free_space", "load_trainer_state", "rng_state", "set_rng_state", "save_model_weights",
+           "check_free_space", "pinned_checkpoint", "load_trainer_state", "rng_state", "set_rng_state", "save_model_weights",
            "load_model_weights", "CheckpointCorrupt", "CKPT_NAME"]
 
 CKPT_NAME = "checkpoint"
@@ -181,7 +185,25 @@ def _drop_leftovers(run_dir: Path, keep: set[str]) -> None:
         p.unlink(missing_ok=True)
     for v in _versions(run_dir):
         if v.name not in keep:
-            shutil.rmtree(v, ignore_errors=True)
+            _remove_unpinned(v)
+
+
+def _remove_unpinned(version: Path) -> None:
+    """Delete an old version unless a reader has it pinned (then a later save retries)."""
+    try:
+        fd = os.open(version / MANIFEST, os.O_RDONLY)
+    except FileNotFoundError:  # an orphan of an interrupted save: nobody can be reading it
+        shutil.rmtree(version, ignore_errors=True)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return
+    try:
+        shutil.rmtree(version, ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def check_free_space(run_dir: Path, need_bytes: int) -> None:
@@ -287,20 +309,51 @@ def find_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     raise CheckpointCorrupt(f"{run_dir}: the checkpoint kept changing while being read")
 
 
-def read_checkpoint(run_dir: str | os.PathLike, load: Callable[[Path], Any], tries: int = 3) -> Any:
-    """``load(folder)`` on the run's current checkpoint. If it fails after the pointer moved on (a
-    concurrent save committed and may have rotated the folder out), retried on the new one."""
+def _pin(version: Path) -> int | None:
+    """A shared flock on the version's manifest while a reader loads it (the saver never deletes a
+    pinned version); None if the version is already gone."""
+    try:
+        fd = os.open(version / MANIFEST, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    if not (version / MANIFEST).exists():  # deleted between our open and our lock
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextmanager
+def pinned_checkpoint(run_dir: str | os.PathLike) -> Iterator[Path]:
+    """The run's current checkpoint folder, verified and pinned (not deleted by a concurrent save)
+    for the duration of the ``with`` block. CheckpointError if the run holds none."""
     run_dir = Path(run_dir)
-    for attempt in range(tries):
-        ckpt = find_checkpoint(run_dir)
-        if ckpt is None:
-            raise CheckpointError(f"{run_dir}: holds no checkpoint (expected a k3 run directory)")
+    for _ in range(10):
+        target = _pointer_target(run_dir)
+        if target is None or target == run_dir / CKPT_NAME:  # none, or a legacy real folder
+            ckpt = find_checkpoint(run_dir)
+            if ckpt is None:
+                raise CheckpointError(f"{run_dir}: holds no checkpoint (expected a k3 run directory)")
+            yield ckpt
+            return
+        fd = _pin(target)
+        if fd is None:
+            if _pointer_target(run_dir) == target:
+                raise CheckpointCorrupt(f"{run_dir / CKPT_NAME}: points to {target.name}, which has no {MANIFEST}")
+            continue  # rotated out before we pinned it: take the new current one
         try:
-            return load(ckpt)
-        except Exception:  # noqa: BLE001 - any reader error (safetensors has its own type)
-            moved = _pointer_target(run_dir) not in (ckpt, None)
-            if not moved or attempt == tries - 1:
-                raise
+            verify_checkpoint(target)
+            yield target
+            return
+        finally:
+            os.close(fd)
+    raise CheckpointCorrupt(f"{run_dir}: the checkpoint kept changing while being read")
+
+
+def read_checkpoint(run_dir: str | os.PathLike, load: Callable[[Path], Any]) -> Any:
+    """``load(folder)`` on the run's current checkpoint, pinned against concurrent saves."""
+    with pinned_checkpoint(run_dir) as ckpt:
+        return load(ckpt)
 
 
 def load_trainer_state(ckpt: Path) -> dict[str, Any]:
