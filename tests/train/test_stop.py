@@ -66,6 +66,25 @@ def test_stop_between_micro_batches_drops_the_step_and_resumes_bit_exactly(env):
     assert losses(base / "part") == losses(base / "full")
 
 
+def test_stop_during_the_final_evaluation_takes_effect_within_one_batch(env):
+    base, data = env
+    t = Trainer(config(base, data, "evalstop", steps=2, final_eval_batches=0))
+    real_loss, eval_batches = t._loss, []
+
+    def loss(x, y, reduction="mean"):
+        if reduction == "sum":  # an evaluation batch: the signal arrives during the first one
+            eval_batches.append(1)
+            t.stop_signal = signal.SIGTERM
+        return real_loss(x, y, reduction)
+
+    t._loss = loss
+    res = t.train()
+    assert res.status == "interrupted" and res.val is None and t.step == 2
+    assert len(eval_batches) == 1  # the whole split would be many batches
+    assert [r for r in read_metrics(base / "evalstop") if r["kind"] == "val"] == []
+    assert load_trainer_state(find_checkpoint(base / "evalstop"))["step"] == 2
+
+
 def _start(argv: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", TRAIN, *argv], cwd=REPO, env=os.environ.copy(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

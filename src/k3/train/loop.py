@@ -21,7 +21,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,14 +32,13 @@ from k3.data.corpus import Corpus, load_corpus
 from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
 from k3.data.tokenizer import Tokenizer, get_tokenizer
 from k3.errors import CheckpointError
-from k3.fsutil import atomic_write
 from k3.model.decoder import K3ForCausalLM
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.metrics import MetricsLog, Progress, plot_run
 from k3.train.optim import build_optimizer
 from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir
-from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference
+from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference, write_run_info
 from k3.train.state import (
     check_free_space,
     find_checkpoint,
@@ -78,19 +77,6 @@ def token_byte_lengths(tok: Tokenizer) -> torch.Tensor:
     specials = {i for i in tok.hf.get_added_tokens_decoder()}
     lens = [0 if i in specials else len(tok.id_to_token(i) or "") for i in range(tok.vocab_size)]
     return torch.tensor(lens, dtype=torch.int64)
-
-
-def _git_commit() -> dict[str, Any]:
-    import subprocess
-    root = Path(__file__).resolve().parents[3]
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-    return {"git_commit": commit, "git_dirty": dirty if commit else None}
 
 
 class Trainer:
@@ -215,26 +201,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- bookkeeping
     def _write_run_info(self, resumed_from: int | None) -> None:
-        import json
-        import platform
-        import sys
-
-        import k3
-        path = self.run_dir / "run.json"
-        info = json.loads(path.read_text()) if resumed_from is not None and path.is_file() else {}
-        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        code = {"k3_version": k3.__version__, **_git_commit(), "python": platform.python_version(),
-                "torch": torch.__version__}
-        if resumed_from is None:
-            info = {"train_config": self.tc.to_dict(), "model_config": self.model_config.to_text_dict(),
-                    "corpus": {"name": self.corpus.name, "fingerprint": self.corpus.fingerprint,
-                               "train_tokens": len(self.train_tokens), "val_tokens": len(self.val_tokens),
-                               "val_bytes": self.corpus.val_bytes},
-                    **code, "argv": sys.argv, "started": now}
-        else:
-            info.setdefault("resumes", []).append({"step": resumed_from, "time": now,
-                                                   "train_config": self.tc.to_dict(), **code})
-        atomic_write(path, lambda f: f.write(json.dumps(info, indent=2) + "\n"))
+        write_run_info(self, resumed_from)
 
     def save(self) -> Path:
         """Checkpoint the current state (atomically; see k3.train.state)."""
@@ -333,15 +300,18 @@ class Trainer:
 
     # --------------------------------------------------------------------------------- eval
     @torch.no_grad()
-    def evaluate(self, max_batches: int = 0) -> dict[str, float]:
+    def evaluate(self, max_batches: int = 0) -> dict[str, float] | None:
         """Validation loss (nats/token) and bits per byte over the first ``max_batches`` batches
-        (0: the whole validation split), at the curriculum's longest sequence length."""
+        (0: the whole validation split), at the curriculum's longest sequence length; None when a
+        stop signal arrived meanwhile (checked per batch)."""
         self.model.eval()
         self.balancer.recording(False)
         nats, ntok, nbytes = 0.0, 0, 0
         try:
             for x, y in eval_batches(self.val_tokens, self.tc.batch_size, self.curriculum.max_seq_len,
                                      max_batches or None):
+                if self.stop_signal is not None:
+                    return None
                 nats += self._loss(x, y, reduction="sum").item()
                 keep = y[y != IGNORE_INDEX]
                 ntok += keep.numel()
@@ -353,8 +323,10 @@ class Trainer:
         return {"val_loss": nats / ntok, "val_bpb": nats / math.log(2) / max(nbytes, 1),
                 "val_tokens": ntok, "val_bytes": nbytes}
 
-    def log_eval(self, max_batches: int) -> dict[str, float]:
+    def log_eval(self, max_batches: int) -> dict[str, float] | None:
         v = self.evaluate(max_batches)
+        if v is None:
+            return None
         self.metrics.log("val", step=self.step, **v)
         return v
 
@@ -396,14 +368,16 @@ class Trainer:
                     break
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.steps:
                     v = self.log_eval(tc.eval_batches)
-                    prog.write(f"step {self.step}: val loss {v['val_loss']:.4f}  "
-                               f"val bpb {v['val_bpb']:.4f}")
+                    if v is not None:
+                        prog.write(f"step {self.step}: val loss {v['val_loss']:.4f}  "
+                                   f"val bpb {v['val_bpb']:.4f}")
                 if tc.ckpt_interval and self.step % tc.ckpt_interval == 0 and self.step < tc.steps:
                     self.save()
             if self.stop_signal is None:
                 val = self.log_eval(tc.final_eval_batches)
-                prog.write(f"step {self.step}: final val loss {val['val_loss']:.4f}  "
-                           f"val bpb {val['val_bpb']:.4f} ({val['val_tokens']:,} tokens)")
+                if val is not None:
+                    prog.write(f"step {self.step}: final val loss {val['val_loss']:.4f}  "
+                               f"val bpb {val['val_bpb']:.4f} ({val['val_tokens']:,} tokens)")
             self.save()
         finally:
             prog.close()
