@@ -1,4 +1,5 @@
-"""``k3 train | sample | plot | demo``: argument parsing and the glue around the Trainer.
+"""``k3 train | plot | demo``: argument parsing and the glue around the Trainer (``k3 sample`` and
+``load_run_model`` live in ``k3.infer.run_model``; re-exported here for older imports).
 
 Each ``*_main(argv)`` parses its own arguments and returns an exit status: 0 done, 2 bad input
 (message on stderr), 1 training diverged, 128 + signal number when stopped by SIGINT/SIGTERM
@@ -12,7 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["train_main", "plot_main", "demo_main"]
+from k3.infer.run_model import load_run_model, sample_main  # noqa: F401 - older import path
+
+__all__ = ["train_main", "plot_main", "demo_main", "load_run_model", "sample_main"]
 
 # flag -> (TrainConfig field, type, help); booleans become --x / --no-x
 _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
