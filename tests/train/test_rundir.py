@@ -191,3 +191,17 @@ def test_relative_model_config_is_stored_absolute(env, tmp_path):
     assert tc.model_config == str(tmp_path / "config.json") and tc.data == str(tmp_path / "corpus")
     already = TrainConfig.build(overrides={"model_config": str(tmp_path / "config.json")})
     assert absolute_paths(already).model_config == str(tmp_path / "config.json")  # unchanged
+
+
+def test_a_run_of_older_k3_without_marker_gets_one_on_resume(env, capsys):
+    base, data = env
+    run = base / "old"
+    assert train_main(_args(data, "--out", str(run), "--steps", "1")) == 0
+    (run / MARKER_NAME).unlink()  # as written before markers existed
+    assert train_main(_args(data, "--out", str(run), "--steps", "2", "--overwrite")) == 2
+    assert "not a k3 run directory" in capsys.readouterr().err  # unmarked: refused even so
+    assert train_main(["--resume", str(run), "--steps", "2"]) == 0
+    assert json.loads((run / MARKER_NAME).read_text())["created_by"] == "k3 train"
+    assert train_main(_args(data, "--out", str(run), "--steps", "1", "--overwrite")) == 0
+    assert load_trainer_state(find_checkpoint(run))["step"] == 1
+

@@ -37,7 +37,7 @@ from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.metrics import MetricsLog, Progress, plot_run
 from k3.train.optim import build_optimizer
-from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir
+from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir, mark_resumed_run
 from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference, write_run_info
 from k3.train.state import (
     check_free_space,
@@ -110,7 +110,10 @@ class Trainer:
     def __del__(self) -> None:
         lock = self.__dict__.get("lock")
         if lock is not None:
-            lock.release()
+            try:
+                lock.release()
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the OS drops the flock anyway
+                pass
 
     def _setup(self, resume: bool, tty: bool | None, overwrite: bool) -> None:
         tc = self.tc
@@ -164,6 +167,7 @@ class Trainer:
         ckpt = find_checkpoint(self.run_dir)
         if ckpt is None:
             raise CheckpointError(f"nothing to resume: {self.run_dir} holds no checkpoint")
+        mark_resumed_run(self.run_dir)  # a run from before markers: resuming it shows it is k3's
         return ckpt, load_trainer_state(ckpt)
 
     def _check_same_model(self, old: K3Config) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from k3.errors import K3Error
 
-__all__ = ["RunLock", "RunDirBusy", "claim_run_dir", "check_foreign_dir", "read_marker",
+__all__ = ["RunLock", "RunDirBusy", "claim_run_dir", "check_foreign_dir", "read_marker", "mark_resumed_run",
            "LOCK_NAME", "MARKER_NAME"]
 
 LOCK_NAME = ".k3-run.lock"
@@ -119,6 +119,21 @@ def check_foreign_dir(run_dir: str | os.PathLike, flag: str = "--out") -> None:
                       f"{MARKER_NAME}); k3 does not take over folders it did not create, choose another {flag}")
 
 
+def _write_marker(run_dir: Path, info: dict) -> None:
+    from k3.fsutil import atomic_write
+    atomic_write(run_dir / MARKER_NAME, lambda f: f.write(json.dumps(info) + "\n"))
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def mark_resumed_run(run_dir: str | os.PathLike) -> None:
+    """Give a run resumed from its checkpoint the marker if it has none (runs of older k3)."""
+    if read_marker(run_dir) is None:
+        _write_marker(Path(run_dir), {"created_by": "k3 train", "marked_on_resume": _now()})
+
+
 def _clear(run_dir: Path) -> None:
     for p in _contents(run_dir):
         if p.is_dir() and not p.is_symlink():
@@ -152,8 +167,7 @@ def claim_run_dir(run_dir: str | os.PathLike, created_by: str, overwrite: bool =
                       "--overwrite to replace it, or choose another --out")
     if marker is not None:
         _clear(run_dir)
-    info = {"created_by": created_by, "pid": os.getpid(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    info = {"created_by": created_by, "pid": os.getpid(), "time": _now()}
     if marker is not None and not same_kind and marker.get("created_by") != "unknown":
         info = {**marker, "reused_by": created_by}
-    from k3.fsutil import atomic_write
-    atomic_write(run_dir / MARKER_NAME, lambda f: f.write(json.dumps(info) + "\n"))
+    _write_marker(run_dir, info)
