@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _DELEGATED = [
     ("train", "k3.train.commands:train_main", "train a K3 model (k3 train --preset tiny --out runs/tiny)"),
-    ("sample", "k3.train.commands:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
+    ("sample", "k3.infer.run_model:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
     ("plot", "k3.train.commands:plot_main", "plot a run's losses and expert load (PNG)"),
     ("demo", "k3.train.commands:demo_main", "the main job: train tiny on the stdlib, report bits/byte, sample"),
     ("convert", "k3.checkpoint.tools:convert_main", "re-export a checkpoint in k3's layout"),

@@ -16,7 +16,7 @@ from typing import Callable
 
 from k3.errors import K3Error
 
-__all__ = ["guarded", "describe_error", "pop_debug_flag", "debug_enabled"]
+__all__ = ["guarded", "describe_error", "pop_debug_flag", "debug_enabled", "exit_quietly_on_signals"]
 
 _ERRNO_TEXT = {
     errno.ENOENT: "no such file or directory",
@@ -62,10 +62,25 @@ def describe_error(e: BaseException) -> str | None:
         text = str(e)
         for needle, cause in (("No space left", "no space left on device"),
                               ("Read-only file system", "read-only filesystem"),
-                              ("Permission denied", "permission denied")):
+                              ("Permission denied", "permission denied"),
+                              ("file write failed", "a file write failed (disk full?)"),
+                              ("unexpected pos", "a file write came up short (disk full?)")):
             if needle in text:
                 return cause
     return None
+
+
+def exit_quietly_on_signals() -> None:
+    """After a command was stopped by a signal (its checkpoint written): a further Ctrl-C or
+    SIGTERM, even during interpreter shutdown, ends the process at once instead of printing a
+    KeyboardInterrupt traceback from an exit hook."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
 
 
 def guarded(cmd: str, fn: Callable[[], int]) -> int:
@@ -75,6 +90,7 @@ def guarded(cmd: str, fn: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         if debug_enabled():
             raise
+        exit_quietly_on_signals()
         print(f"k3 {cmd}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - classified below; bugs are re-raised

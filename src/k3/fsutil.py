@@ -7,12 +7,13 @@ their multi-file commit on the same rule in ``k3.checkpoint``.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import IO, Callable
 
-__all__ = ["atomic_write", "fsync_path"]
+__all__ = ["atomic_write", "fsync_path", "ensure_dir"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False) -> None:
@@ -31,6 +32,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: b
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def ensure_dir(path: str | os.PathLike) -> Path:
+    """``mkdir -p``; a file where a directory belongs is NotADirectoryError naming it (mkdir alone
+    says "File exists")."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def fsync_path(path: str | os.PathLike) -> None:

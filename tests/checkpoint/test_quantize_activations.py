@@ -91,7 +91,7 @@ def test_a_real_qat_run_quantizes_to_its_own_logits(tmp_path, monkeypatch):
     from pathlib import Path
 
     from k3.cli import main
-    from k3.train.commands import load_run_model
+    from k3.infer.run_model import load_run_model
 
     monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
     data = tmp_path / "data"

@@ -110,7 +110,7 @@ def _write_tokenizer(path):
 
 
 def test_sample_model_path_verifies(ckpt):
-    from k3.train.commands import load_run_model
+    from k3.infer.run_model import load_run_model
     _write_tokenizer(ckpt / "tokenizer.json")
     model, _ = load_run_model(ckpt)  # positive control: `k3 sample DIR/model` loads the untouched model
     assert model.config.hidden_size == 64

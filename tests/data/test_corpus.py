@@ -24,7 +24,7 @@ def test_stdlib_corpus_split_follows_sha256_rule_and_excludes_site_packages():
         expected += [os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
                      for f in files if f.endswith(".py")]
     expected = sorted(expected)
-    got = c.train_ids + c.validation_ids + c.skipped
+    got = c.train_ids + c.validation_ids
     assert sorted(got) == expected
     assert c.train_ids == sorted(c.train_ids) and c.validation_ids == sorted(c.validation_ids)
     assert all(_val_by_formula(i) for i in c.validation_ids)
@@ -38,17 +38,28 @@ def _write(path, data: bytes):
     path.write_bytes(data)
 
 
-def test_non_utf8_file_is_skipped_with_warning_and_counted(tmp_path):
+def test_non_utf8_bytes_are_replaced_counted_and_reported_not_the_file_dropped(tmp_path):
     _write(tmp_path / "a.py", b"x = 1\n")
     _write(tmp_path / "pkg" / "b.py", b"y = 2\n")
-    _write(tmp_path / "latin.py", "caf\u00e9 = 3\n".encode("latin-1"))
+    # one bad byte in a valid file, and a 3-byte run of invalid bytes (no valid sequence inside)
+    _write(tmp_path / "latin.py", "caf\u00e9 = 3\n".encode("latin-1") + b"ok = 1\n")
+    _write(tmp_path / "run.py", b"s = '\xff\xfe\xfd'\n")
     _write(tmp_path / "site-packages" / "c.py", b"z = 3\n")
     _write(tmp_path / "notes.txt", b"not python\n")
-    with pytest.warns(UserWarning, match="1 file"):
+    with pytest.warns(UserWarning, match=r"replaced 4 invalid UTF-8 byte\(s\) by U\+FFFD in 2 file"):
         c = stdlib_corpus(tmp_path)
-    assert c.skipped == ["latin.py"]
-    assert sorted(c.train_ids + c.validation_ids) == ["a.py", "pkg/b.py"]
-    assert len(c.validation_ids) == 1  # an empty validation split borrows one document
+    assert c.replaced == {"latin.py": 1, "run.py": 3} and c.bad_bytes == 4
+    assert sorted(c.train_ids + c.validation_ids) == ["a.py", "latin.py", "pkg/b.py", "run.py"]
+    texts = dict(zip(c.train_ids + c.validation_ids, c.train_texts + c.validation_texts))
+    assert texts["latin.py"] == "caf\ufffd = 3\nok = 1\n"   # the rest of the file is kept
+    assert texts["run.py"] == "s = '\ufffd\ufffd\ufffd'\n"  # as bytes.decode(errors="replace")
+    assert "4 invalid UTF-8 bytes in 2 files" in c.summary()
+    # positive control: a clean directory reports nothing
+    clean = tmp_path / "pkg"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c2 = load_corpus(clean)
+    assert c2.replaced == {} and c2.bad_bytes == 0 and "invalid" not in c2.summary()
 
 
 def test_directory_with_jsonl_and_text_files(tmp_path):

@@ -81,3 +81,30 @@ def test_token_stream_is_cached_and_decodes_to_the_documents(tmp_path):
     assert tok.decode(va.tolist()).split("<|endoftext|>")[:-1] == docs[10:]
     again = build_token_stream(c, tok, "train", seed=0, cache=tmp_path)
     assert np.array_equal(again, tr)
+
+
+def test_tampered_token_cache_of_the_same_length_is_detected_and_rebuilt(tmp_path):
+    docs = [f"def f{i}(x):\n    return x * {i}\n" for i in range(12)]
+    c = Corpus("mem", [str(i) for i in range(10)], docs[:10], ["10", "11"], docs[10:])
+    tok = train_tokenizer(docs, 300)
+    good = np.array(build_token_stream(c, tok, "train", seed=0, cache=tmp_path))
+    npy = next(p for p in tmp_path.glob("*.npy") if np.array_equal(np.load(p), good))
+    assert (npy.parent / (npy.name + ".sha256")).is_file()
+    # positive control: an intact cache is read back as is (no warning)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.array_equal(build_token_stream(c, tok, "train", seed=0, cache=tmp_path), good)
+    # same length, other tokens: what a naive length check would accept
+    bad = good.copy()
+    bad[: len(bad) // 2] = 1
+    np.save(npy, bad)
+    assert np.load(npy).shape == good.shape
+    with pytest.warns(UserWarning, match=f"token cache {npy} does not match its checksum"):
+        rebuilt = build_token_stream(c, tok, "train", seed=0, cache=tmp_path)
+    assert np.array_equal(rebuilt, good)
+    # a cache without its checksum file (written by an older k3, or a crash between the two) too
+    (npy.parent / (npy.name + ".sha256")).unlink()
+    np.save(npy, bad)
+    with pytest.warns(UserWarning, match="has no checksum file"):
+        assert np.array_equal(build_token_stream(c, tok, "train", seed=0, cache=tmp_path), good)

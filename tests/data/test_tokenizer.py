@@ -77,3 +77,19 @@ def test_cache_keyed_by_corpus_and_vocab(tmp_path, monkeypatch):
 def test_vocab_too_small_is_rejected():
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(["abc"], vocab_size=100)
+
+
+def test_truncated_tokenizer_cache_is_named_and_retrained(tmp_path, monkeypatch):
+    from k3.errors import K3Error
+
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path))
+    c = _small_corpus()
+    t1 = get_tokenizer(c, 300)
+    (path,) = list((tmp_path / "tokenizers").glob("*/tokenizer.json"))
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(K3Error, match=f"{path}: not a valid tokenizer file"):
+        Tokenizer.load(path)
+    with pytest.warns(UserWarning, match=f"cached tokenizer unusable, retraining it: {path}"):
+        t2 = get_tokenizer(c, 300)
+    assert t2.fingerprint == t1.fingerprint and Tokenizer.load(path).fingerprint == t1.fingerprint

@@ -3,10 +3,13 @@ nano preset and a small local corpus instead of tiny on the whole stdlib."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_loop import make_corpus  # same folder (pytest's default rootdir-relative import)
 
 from k3.train import commands
+from k3.train.rundir import MARKER_NAME
 
 
 @pytest.mark.slow
@@ -21,10 +24,14 @@ def test_demo_reports_whole_split_bpb_next_to_gzip_and_samples(tmp_path, monkeyp
     text = capsys.readouterr().out
     assert "validation, whole split:" in text and "gzip -9 on the same text:" in text
     assert text.count("--- sample") == len(commands.DEMO_PROMPTS)
-    assert (out / "loss.png").is_file() and (out / "DEMO").is_file()
+    assert (out / "loss.png").is_file()
+    assert json.loads((out / MARKER_NAME).read_text())["created_by"] == "k3 demo"
     # a second demo replaces its own folder but refuses to delete anything else
     assert commands.demo_main(["--out", str(out), "--steps", "1", "--threads", "1", "--samples-tokens", "2"]) == 0
+    assert json.loads((out / MARKER_NAME).read_text())["created_by"] == "k3 demo"
     other = tmp_path / "precious"
     other.mkdir()
+    (other / "thesis.tex").write_text("years of work")
     assert commands.demo_main(["--out", str(other), "--steps", "1"]) == 2
-    assert other.is_dir()
+    assert "not a k3 run directory" in capsys.readouterr().err
+    assert [p.name for p in other.iterdir()] == ["thesis.tex"]

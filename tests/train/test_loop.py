@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3.train.commands import sample_main, train_main
+from k3.infer.run_model import sample_main
+from k3.train.commands import train_main
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer, TrainingDiverged
 from k3.train.metrics import read_metrics
@@ -139,9 +140,16 @@ def test_training_stops_after_max_consecutive_skips(env, capsys):
                 tr.model.model.norm.weight.fill_(float("nan"))
 
     t.on_step_start.append(poison)
-    with pytest.raises(TrainingDiverged, match=r"3 consecutive steps skipped"):
+    with pytest.raises(TrainingDiverged, match=r"3 consecutive steps skipped") as ex:
         t.train()
     assert t.step == 5
+    assert "No checkpoint was written" in str(ex.value) and find_checkpoint(base / "diverge") is None
+    # with a checkpoint on disk the message names its step, and that checkpoint is really there
+    t2 = Trainer(nano(base, data, "diverge-ck", steps=20, max_skips=3, ckpt_interval=1))
+    t2.on_step_start.append(poison)
+    with pytest.raises(TrainingDiverged, match=r"The last checkpoint \(step 4\) is in"):
+        t2.train()
+    assert load_trainer_state(find_checkpoint(base / "diverge-ck"))["step"] == 4
     # through the CLI: a clear message and exit status 1
     rc = train_main(["--preset", "nano", "--data", str(data), "--out", str(base / "diverge2"),
                      "--steps", "10", "--batch-size", "2", "--seq-len", "16", "--threads", "1",
@@ -166,7 +174,7 @@ def test_bad_input_gives_clear_errors(env, tmp_path, capsys):
     assert "max_position_embeddings=2048" in err(["--data", str(data), "--seq-len", "4096",
                                                   "--out", str(tmp_path / "c")])
     assert "fraction" in err(["--data", str(data), "--curriculum", "0:16,1.5:32", "--out", str(tmp_path / "d")])
-    assert "no complete checkpoint" in err(["--resume", str(tmp_path / "nothing")])
+    assert "holds no checkpoint" in err(["--resume", str(tmp_path / "nothing")])
     # a finished run: training again into it needs --resume; resuming with another model is refused
     run = tmp_path / "run"
     assert train_main(common + ["--data", str(data), "--seq-len", "16", "--out", str(run),

@@ -17,6 +17,7 @@ from k3.train.commands import train_main
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
 from k3.train.metrics import read_metrics
+from k3.errors import CheckpointError
 from k3.train.state import CKPT_NAME, CheckpointCorrupt, find_checkpoint, load_trainer_state, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,39 +129,114 @@ def test_failed_save_keeps_the_previous_checkpoint(env, monkeypatch):
         return real_save(obj, f, *a, **kw)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match="step 2 not saved: No space left.*previous checkpoint is intact"):
         t.save()
     monkeypatch.setattr(torch, "save", real_save)
     run = base / "fail"
     assert verify_checkpoint(run / CKPT_NAME)["step"] == 1
     assert [p.name for p in run.iterdir() if p.name.startswith(".checkpoint")] == []
+    assert len([p for p in run.iterdir() if p.name.startswith(CKPT_NAME + "-")]) == 1
+    t.close()
     del t
     assert Trainer(config(base, data, "fail", steps=4, eval_interval=0), resume=True).step == 1
 
 
-def test_interrupted_commit_and_corrupt_files_are_detected(env):
+def test_interrupted_saves_leave_the_pointer_on_a_complete_checkpoint(env):
     base, data = env
     t = Trainer(config(base, data, "crash", steps=4, eval_interval=0))
     t.train_step()
-    t.save()
-    t.train_step()
-    t.save()
+    first = t.save()
     run = base / "crash"
     ckpt = run / CKPT_NAME
-    # a crash between the two renames of a commit: the complete previous checkpoint sits under .prev
-    os.rename(ckpt, run / (CKPT_NAME + ".prev"))
-    (ckpt).mkdir()
-    (ckpt / "optimizer.pt").write_bytes(b"partial")
+    assert ckpt.is_symlink() and find_checkpoint(run) == first
+    # the states a kill -9 can leave: a half-written temp folder, a renamed version that never
+    # became current, a temporary link that never replaced the pointer
+    (run / ".checkpoint-tmp-dead").mkdir()
+    (run / ".checkpoint-tmp-dead" / "optimizer.pt").write_bytes(b"partial")
+    orphan = run / (CKPT_NAME + "-00000009-dead")
+    orphan.mkdir()
+    os.symlink(orphan.name, run / ".checkpoint-link-dead")
+    assert find_checkpoint(run) == first and verify_checkpoint(ckpt)["step"] == 1
+    t.train_step()
+    second = t.save()  # cleans the leftovers, commits step 2, keeps step 1 for in-flight readers
+    assert find_checkpoint(run) == second and verify_checkpoint(ckpt)["step"] == 2
+    assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == sorted(
+        [CKPT_NAME, first.name, second.name])
+    t.train_step()
+    third = t.save()
+    assert not first.exists() and second.is_dir() and find_checkpoint(run) == third
+    t.close()
+
+
+def test_legacy_layout_is_adopted_without_loss(env):
+    base, data = env
+    t = Trainer(config(base, data, "legacy", steps=4, eval_interval=0))
+    t.train_step()
+    v = t.save()
+    run = base / "legacy"
+    # the layout of older k3 versions: real folders checkpoint (incomplete) + checkpoint.prev
+    (run / CKPT_NAME).unlink()
+    os.rename(v, run / (CKPT_NAME + ".prev"))
+    (run / CKPT_NAME).mkdir()
+    (run / CKPT_NAME / "optimizer.pt").write_bytes(b"partial")
     assert find_checkpoint(run) == run / (CKPT_NAME + ".prev")
     t.train_step()
-    t.save()  # recovers, then commits step 3
-    assert find_checkpoint(run) == ckpt and verify_checkpoint(ckpt)["step"] == 3
-    assert not (run / (CKPT_NAME + ".prev")).exists()
-    # a damaged file is caught by the manifest
+    t.save()
+    assert verify_checkpoint(run / CKPT_NAME)["step"] == 2 and not (run / (CKPT_NAME + ".prev")).exists()
+    t.close()
+
+
+def test_corrupt_checkpoint_is_reported_never_absent_and_never_deleted(env, capsys):
+    base, data = env
+    run = base / "corrupt"
+    t = Trainer(config(base, data, "corrupt", steps=4, eval_interval=0))
+    t.train_step()
+    t.save()
+    t.close()
+    ckpt = find_checkpoint(run)
     shard = next((ckpt / "model").glob("*.safetensors"))
-    data_bytes = bytearray(shard.read_bytes())
+    good = shard.read_bytes()
+    data_bytes = bytearray(good)
     data_bytes[-1] ^= 0xFF
     shard.write_bytes(bytes(data_bytes))
     with pytest.raises(CheckpointCorrupt, match="does not match the manifest"):
         verify_checkpoint(ckpt)
-    assert find_checkpoint(run) is None
+    with pytest.raises(CheckpointCorrupt, match=r"model/.*safetensors does not match"):
+        find_checkpoint(run)
+    common = ["--data", str(data), "--preset", "nano", "--steps", "2", "--batch-size", "2",
+              "--seq-len", "16", "--threads", "1", "--no-plot", "--final-eval-batches", "1"]
+    assert train_main(["--resume", str(run)]) == 2
+    assert "safetensors does not match the manifest" in capsys.readouterr().err
+    from k3.infer.run_model import sample_main
+    assert sample_main([str(run), "--max-new-tokens", "2"]) == 2
+    assert "safetensors does not match the manifest" in capsys.readouterr().err
+    assert train_main(common + ["--out", str(run)]) == 2  # a fresh run refuses, deletes nothing
+    err = capsys.readouterr().err
+    assert "fails verification" in err and "--overwrite" in err
+    assert shard.read_bytes() == bytes(data_bytes)
+    # positive controls: the repaired checkpoint resumes; --overwrite replaces it explicitly
+    shard.write_bytes(good)
+    assert train_main(["--resume", str(run), "--steps", "2"]) == 0
+    assert train_main(common + ["--out", str(run), "--overwrite"]) == 0
+    assert load_trainer_state(find_checkpoint(run))["step"] == 2 and not shard.exists()
+
+
+def test_a_pinned_checkpoint_outlives_later_saves(env):
+    from k3.train.state import pinned_checkpoint
+
+    base, data = env
+    t = Trainer(config(base, data, "pin", steps=8, eval_interval=0))
+    run = base / "pin"
+    t.train_step()
+    t.save()
+    with pinned_checkpoint(run) as pinned:
+        for _ in range(3):
+            t.train_step()
+            t.save()
+        assert pinned.is_dir() and verify_checkpoint(pinned)["step"] == 1  # still whole
+    t.train_step()
+    t.save()
+    # positive control: unpinned, it is rotated out like any other old version
+    assert not pinned.exists()
+    assert len([p for p in run.iterdir() if p.name.startswith(CKPT_NAME + "-")]) == 2
+    t.close()

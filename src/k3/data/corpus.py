@@ -23,8 +23,9 @@ another one between splits):
 
 If the rule leaves the validation split empty while there are at least two documents, the first
 document (in id order) with the smallest ``hash % 100`` is moved to validation (deterministic; small
-corpora still get a validation loss). Files that are not valid UTF-8 are skipped with a warning and counted in
-``Corpus.skipped``.
+corpora still get a validation loss). Bytes that are not valid UTF-8 are decoded as U+FFFD (one
+per invalid sequence, as ``errors="replace"``), never dropping a file; the count of bad bytes per
+document is kept in ``Corpus.replaced`` and reported in a warning and in ``summary()``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sysconfig
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from k3.errors import K3Error
 
 __all__ = ["Corpus", "load_corpus", "stdlib_corpus", "is_validation", "id_hash", "LINES_PER_BLOCK"]
 
@@ -55,14 +59,14 @@ def is_validation(doc_id: str, val_percent: int = 2) -> bool:
 
 @dataclass
 class Corpus:
-    """Documents of both splits in a stable order, plus what was skipped while reading."""
+    """Documents of both splits in a stable order, plus what was replaced while reading."""
 
     name: str
     train_ids: list[str]
     train_texts: list[str]
     validation_ids: list[str]
     validation_texts: list[str]
-    skipped: list[str] = field(default_factory=list)  # ids of non-UTF-8 files
+    replaced: dict[str, int] = field(default_factory=dict)  # file id -> invalid UTF-8 bytes replaced
     _fingerprint: str | None = field(default=None, repr=False)
 
     def documents(self, split: str = "train") -> Iterator[str]:
@@ -100,39 +104,58 @@ class Corpus:
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
+    def doc_digests(self) -> dict[str, str]:
+        """Document id -> sha256 of its UTF-8 text (first 16 hex digits), both splits."""
+        return {i: hashlib.sha256(t.encode("utf-8")).hexdigest()[:16]
+                for i, t in zip(self.train_ids + self.validation_ids, self.train_texts + self.validation_texts)}
+
+    @property
+    def bad_bytes(self) -> int:
+        """Invalid UTF-8 bytes replaced by U+FFFD while reading, over all files."""
+        return sum(self.replaced.values())
+
     def summary(self) -> str:
+        bad = (f"; {self.bad_bytes:,} invalid UTF-8 bytes in {len(self.replaced)} files replaced by U+FFFD"
+               if self.replaced else "")
         return (f"corpus {self.name}: {len(self.train_texts)} train docs ({self.train_bytes:,} B), "
-                f"{len(self.validation_texts)} validation docs ({self.val_bytes:,} B), "
-                f"{len(self.skipped)} non-UTF-8 files skipped")
+                f"{len(self.validation_texts)} validation docs ({self.val_bytes:,} B){bad}")
 
 
 # ------------------------------------------------------------------------- building a corpus
-def _split(name: str, docs: list[tuple[str, str]], skipped: list[str], val_percent: int) -> Corpus:
+def _split(name: str, docs: list[tuple[str, str]], replaced: dict[str, int], val_percent: int) -> Corpus:
     if not docs:
-        raise ValueError(f"corpus {name} is empty (no readable UTF-8 documents"
-                         + (f"; {len(skipped)} non-UTF-8 files skipped)" if skipped else ")"))
+        raise K3Error(f"corpus {name} is empty (no documents)")
     is_val = [is_validation(i, val_percent) for i, _ in docs]
     if not any(is_val) and len(docs) >= 2:
         is_val[min(range(len(docs)), key=lambda k: id_hash(docs[k][0]) % 100)] = True
     tr = [d for d, v in zip(docs, is_val) if not v]
     va = [d for d, v in zip(docs, is_val) if v]
     return Corpus(name, [i for i, _ in tr], [t for _, t in tr], [i for i, _ in va],
-                  [t for _, t in va], skipped)
+                  [t for _, t in va], replaced)
 
 
-def _read_utf8(path: Path, doc_id: str, skipped: list[str]) -> str | None:
+def _read_utf8(path: Path, doc_id: str, replaced: dict[str, int]) -> str:
+    """The file as str; each maximal invalid UTF-8 sequence becomes one U+FFFD
+    (``errors="replace"``) and the number of invalid bytes is stored in ``replaced[doc_id]``."""
+    raw = path.read_bytes()
     try:
-        return path.read_bytes().decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
-        skipped.append(doc_id)
-        return None
+        pass
+    # surrogateescape maps each invalid byte to one lone surrogate U+DC80..U+DCFF: count those
+    replaced[doc_id] = len(_ESCAPED.findall(raw.decode("utf-8", "surrogateescape")))
+    return raw.decode("utf-8", "replace")
 
 
-def _warn_skipped(name: str, skipped: list[str]) -> None:
-    if skipped:
-        head = ", ".join(skipped[:3]) + (", ..." if len(skipped) > 3 else "")
-        warnings.warn(f"{name}: skipped {len(skipped)} file(s) that are not valid UTF-8 ({head})",
-                      stacklevel=3)
+_ESCAPED = re.compile("[\udc80-\udcff]")
+
+
+def _warn_replaced(name: str, replaced: dict[str, int]) -> None:
+    if replaced:
+        ids = list(replaced)
+        head = ", ".join(f"{i} ({replaced[i]})" for i in ids[:3]) + (", ..." if len(ids) > 3 else "")
+        warnings.warn(f"{name}: replaced {sum(replaced.values()):,} invalid UTF-8 byte(s) by U+FFFD "
+                      f"in {len(ids)} file(s): {head}", stacklevel=3)
 
 
 def stdlib_root() -> Path:
@@ -149,19 +172,15 @@ def stdlib_corpus(root: str | os.PathLike | None = None, val_percent: int = 2) -
         dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
         paths += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
     rel = sorted((p.relative_to(root).as_posix(), p) for p in paths if p.is_file())
-    docs, skipped = [], []
+    docs, replaced = [], {}
     for doc_id, p in rel:
-        text = _read_utf8(p, doc_id, skipped)
-        if text is not None:
-            docs.append((doc_id, text))
-    _warn_skipped(f"stdlib {root}", skipped)
-    return _split(f"stdlib:{root}", docs, skipped, val_percent)
+        docs.append((doc_id, _read_utf8(p, doc_id, replaced)))
+    _warn_replaced(f"stdlib {root}", replaced)
+    return _split(f"stdlib:{root}", docs, replaced, val_percent)
 
 
-def _jsonl_docs(path: Path, rel: str, skipped: list[str]) -> list[tuple[str, str]]:
-    text = _read_utf8(path, rel, skipped)
-    if text is None:
-        return []
+def _jsonl_docs(path: Path, rel: str, replaced: dict[str, int]) -> list[tuple[str, str]]:
+    text = _read_utf8(path, rel, replaced)
     docs = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -169,17 +188,15 @@ def _jsonl_docs(path: Path, rel: str, skipped: list[str]) -> list[tuple[str, str
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise K3Error(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise ValueError(f"{path}:{n}: a JSONL record needs a string field 'text'")
+            raise K3Error(f"{path}:{n}: a JSONL record needs a string field 'text'")
         docs.append((f"{rel}:{n}", rec["text"]))
     return docs
 
 
-def _text_file_blocks(path: Path, skipped: list[str]) -> list[tuple[str, str]]:
-    text = _read_utf8(path, path.name, skipped)
-    if text is None:
-        return []
+def _text_file_blocks(path: Path, replaced: dict[str, int]) -> list[tuple[str, str]]:
+    text = _read_utf8(path, path.name, replaced)
     lines = text.splitlines(keepends=True)
     return [(f"{path.name}:{b}", "".join(lines[s:s + LINES_PER_BLOCK]))
             for b, s in enumerate(range(0, len(lines), LINES_PER_BLOCK))]
@@ -205,7 +222,7 @@ def _hf_corpus(path: Path, val_percent: int) -> Corpus:
             tr = [(f"train/{k}", r["text"]) for k, r in enumerate(ds["train"])]
             va = [(f"{val_name}/{k}", r["text"]) for k, r in enumerate(ds[val_name])]
             if not tr:
-                raise ValueError(f"corpus {name} is empty")
+                raise K3Error(f"corpus {name} is empty")
             return Corpus(name, [i for i, _ in tr], [t for _, t in tr],
                           [i for i, _ in va], [t for _, t in va])
         docs = [(f"{s}/{k}", r["text"]) for s in sorted(ds) for k, r in enumerate(ds[s])]
@@ -217,19 +234,19 @@ def _hf_corpus(path: Path, val_percent: int) -> Corpus:
 def load_corpus(path: str | os.PathLike | None = None, val_percent: int = 2) -> Corpus:
     """Load the corpus at ``path`` (None → the stdlib corpus); see the module docstring.
 
-    Raises FileNotFoundError naming a missing path, ValueError for an empty corpus.
+    Raises FileNotFoundError naming a missing path, K3Error for an empty corpus.
     """
     if not 0 <= val_percent < 100:
-        raise ValueError(f"val_percent must be in [0, 100), got {val_percent}")
+        raise K3Error(f"val_percent must be in [0, 100), got {val_percent}")
     if path is None:
         return stdlib_corpus(val_percent=val_percent)
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"corpus path not found: {p}")
-    skipped: list[str] = []
+    replaced: dict[str, int] = {}
     if p.is_file():
-        docs = _jsonl_docs(p, p.name, skipped) if p.suffix == ".jsonl" else \
-            _text_file_blocks(p, skipped)
+        docs = _jsonl_docs(p, p.name, replaced) if p.suffix == ".jsonl" else \
+            _text_file_blocks(p, replaced)
     elif _is_hf_dataset_dir(p):
         return _hf_corpus(p, val_percent)
     else:
@@ -239,10 +256,8 @@ def load_corpus(path: str | os.PathLike | None = None, val_percent: int = 2) -> 
             if not f.is_file() or any(part.startswith(".") for part in rel.split("/")):
                 continue
             if f.suffix == ".jsonl":
-                docs += _jsonl_docs(f, rel, skipped)
+                docs += _jsonl_docs(f, rel, replaced)
             else:
-                text = _read_utf8(f, rel, skipped)
-                if text is not None:
-                    docs.append((rel, text))
-    _warn_skipped(str(p), skipped)
-    return _split(str(p), docs, skipped, val_percent)
+                docs.append((rel, _read_utf8(f, rel, replaced)))
+    _warn_replaced(str(p), replaced)
+    return _split(str(p), docs, replaced, val_percent)

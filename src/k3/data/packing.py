@@ -5,8 +5,9 @@ separates documents and the model learns to end one. The training stream uses a 
 of the document order (neighbouring rows of a batch then come from unrelated files rather than
 from one package of the stdlib); the validation stream keeps the corpus order. A stream is
 tokenized once and cached as ``.npy`` (uint16 when the vocabulary fits, else uint32) under
-``$K3_CACHE_DIR/tokens/``, keyed by (corpus fingerprint, split, tokenizer, seed), and read back as
-a memory map.
+``$K3_CACHE_DIR/tokens/``, keyed by (corpus fingerprint, split, tokenizer, seed), with the sha256 of
+the file in ``<key>.npy.sha256`` beside it; a cache whose bytes no longer match is rebuilt (with a
+warning naming it), then read back as a memory map.
 
 Batches: a cursor ``pos`` walks the stream. A batch of B rows × T tokens takes the
 ``world_size·B·T + 1`` tokens at ``pos``; rank r keeps rows ``r·B … r·B+B−1``;
@@ -19,7 +20,9 @@ to the next (context-length curriculum); the position stays a plain dict of ints
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -28,6 +31,7 @@ import torch
 
 from k3.data.corpus import Corpus
 from k3.data.tokenizer import Tokenizer, cache_dir
+from k3.errors import K3Error
 from k3.fsutil import atomic_write
 
 __all__ = ["pack_documents", "token_dtype", "build_token_stream", "PackedBatches",
@@ -63,10 +67,15 @@ def build_token_stream(corpus: Corpus, tokenizer: Tokenizer, split: str = "train
     key = hashlib.sha256(f"{corpus.fingerprint}\0{split}\0{tokenizer.fingerprint}\0{seed}"
                          .encode()).hexdigest()[:24]
     path = (Path(cache) if cache is not None else cache_dir("tokens")) / f"{key}.npy"
-    if not path.is_file():
+    ok = _cache_verifies(path) if path.is_file() else False
+    if path.is_file() and not ok:
+        why = "has no checksum file" if ok is None else "does not match its checksum"
+        warnings.warn(f"token cache {path} {why} {path.name}{_SUM} (damaged, edited or written by an "
+                      "older k3); rebuilding it", stacklevel=2)
+    if not ok:
         texts = list(corpus.documents(split))
         if not texts:
-            raise ValueError(f"corpus {corpus.name} has no {split} documents")
+            raise K3Error(f"corpus {corpus.name} has no {split} documents")
         if seed is not None:
             texts = [texts[k] for k in np.random.default_rng(seed).permutation(len(texts))]
         dtype = token_dtype(tokenizer.vocab_size)
@@ -74,9 +83,29 @@ def build_token_stream(corpus: Corpus, tokenizer: Tokenizer, split: str = "train
         parts = [pack_documents(tokenizer.encode_batch(texts[s:s + batch_docs]),
                                 tokenizer.eos_token_id, dtype)
                  for s in range(0, len(texts), batch_docs)]
-        arr = np.concatenate(parts)
-        atomic_write(path, lambda f: np.save(f, arr), binary=True)
+        buf = io.BytesIO()
+        np.save(buf, np.concatenate(parts))
+        data = buf.getvalue()
+        atomic_write(path, lambda f: f.write(data), binary=True)
+        atomic_write(path.with_name(path.name + _SUM), lambda f: f.write(hashlib.sha256(data).hexdigest() + "\n"))
     return np.load(path, mmap_mode="r")
+
+
+_SUM = ".sha256"
+
+
+def _cache_verifies(path: Path) -> bool | None:
+    """Whether the cached ``.npy`` has the sha256 stored beside it when it was written (None: no
+    readable checksum file)."""
+    try:
+        want = path.with_name(path.name + _SUM).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest() == want
 
 
 class PackedBatches:

@@ -11,7 +11,8 @@ means them.
 
 A trained tokenizer is cached at ``$K3_CACHE_DIR/tokenizers/<key>/tokenizer.json``
 (``K3_CACHE_DIR`` defaults to ``~/.cache/k3``), key = sha256 of (corpus fingerprint, vocab size,
-special tokens, format version), and saved beside a checkpoint as ``tokenizer.json``.
+special tokens, format version), and saved beside a checkpoint as ``tokenizer.json``. A cached file
+that does not parse (truncated, edited) is retrained with a warning naming it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -26,6 +28,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from k3.data.corpus import Corpus
+from k3.errors import K3Error
 from k3.fsutil import atomic_write
 
 __all__ = ["Tokenizer", "train_tokenizer", "get_tokenizer", "cache_dir", "EOS_TOKEN",
@@ -63,8 +66,12 @@ class Tokenizer:
         if p.is_dir():
             p = p / "tokenizer.json"
         if not p.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {p}")
-        return cls(_HFTokenizer.from_file(str(p)))
+            raise FileNotFoundError(2, "tokenizer file not found", str(p))
+        try:
+            hf = _HFTokenizer.from_file(str(p))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for bad JSON
+            raise K3Error(f"{p}: not a valid tokenizer file ({str(e).splitlines()[0][:200]})") from None
+        return cls(hf)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``tokenizer.json`` atomically (``path`` a file name or a directory)."""
@@ -137,7 +144,10 @@ def get_tokenizer(corpus: Corpus, vocab_size: int, special_tokens: Sequence[str]
         .encode("utf-8")).hexdigest()[:24]
     path = (Path(cache) if cache is not None else cache_dir("tokenizers")) / key / "tokenizer.json"
     if path.is_file():
-        return Tokenizer.load(path)
+        try:
+            return Tokenizer.load(path)
+        except K3Error as e:
+            warnings.warn(f"cached tokenizer unusable, retraining it: {e}", stacklevel=2)
     t0 = time.perf_counter()
     tok = train_tokenizer(corpus.documents("train"), vocab_size, special_tokens)
     if verbose:

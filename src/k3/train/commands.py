@@ -1,4 +1,5 @@
-"""``k3 train | sample | plot | demo``: argument parsing and the glue around the Trainer.
+"""``k3 train | plot | demo``: argument parsing and the glue around the Trainer (``k3 sample`` and
+``load_run_model`` live in ``k3.infer.run_model``).
 
 Each ``*_main(argv)`` parses its own arguments and returns an exit status: 0 done, 2 bad input
 (message on stderr), 1 training diverged, 128 + signal number when stopped by SIGINT/SIGTERM
@@ -12,9 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["train_main", "sample_main", "plot_main", "demo_main", "load_run_model"]
-
-_USER_ERRORS = (ValueError, TypeError, FileNotFoundError)
+__all__ = ["train_main", "plot_main", "demo_main"]
 
 # flag -> (TrainConfig field, type, help); booleans become --x / --no-x
 _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
@@ -53,16 +52,9 @@ _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
 ]
 
 
-def _fail(cmd: str, e: BaseException) -> int:
-    print(f"k3 {cmd}: error: {e}", file=sys.stderr)
-    return 2
-
-
 def _run_guarded(cmd: str, fn: Callable[[], int]) -> int:
-    try:
-        return fn()
-    except _USER_ERRORS as e:
-        return _fail(cmd, e)
+    from k3.cliutil import guarded
+    return guarded(cmd, fn)
 
 
 # ------------------------------------------------------------------------------------- train
@@ -70,6 +62,8 @@ def build_train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3 train", description="Train a K3 model (SPEC §5).")
     p.add_argument("--config", help="run.toml holding any of the options below (flags override it)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint (and metrics) of an earlier run in --out")
     p.add_argument("--seq-len", type=int, help="one fixed sequence length (instead of --curriculum)")
     p.add_argument("--curriculum", help="context-length stages START:SEQ_LEN,... (START a step, or a "
                                         "fraction of the run when it has a dot), e.g. 0:256,0.4:512")
@@ -83,7 +77,7 @@ def build_train_parser() -> argparse.ArgumentParser:
 
 def train_config_from_args(args: argparse.Namespace):
     """TrainConfig from parsed flags: (checkpoint's config when resuming) < run.toml < flags."""
-    from k3.errors import ConfigError
+    from k3.errors import CheckpointError, ConfigError
     from k3.train.config import TrainConfig, load_toml, parse_curriculum
     from k3.train.state import find_checkpoint, load_trainer_state
 
@@ -95,12 +89,17 @@ def train_config_from_args(args: argparse.Namespace):
     elif args.curriculum is not None:
         flags["curriculum"] = parse_curriculum(args.curriculum)
     if not args.resume:
-        return TrainConfig.build(args.config, flags)
+        tc = TrainConfig.build(args.config, flags)
+        if flags.get("out") is None and "out" not in (load_toml(args.config) if args.config else {}):
+            tc = tc.replace(out=default_out(tc))
+        return tc
+    if args.overwrite:
+        raise ConfigError("--overwrite starts a fresh run; it cannot be combined with --resume")
     if flags.get("out") not in (None, args.resume):
         raise ConfigError("--resume continues a run in place; do not pass a different --out")
     ckpt = find_checkpoint(args.resume)
     if ckpt is None:
-        raise FileNotFoundError(f"nothing to resume: {args.resume} holds no complete checkpoint")
+        raise CheckpointError(f"nothing to resume: {args.resume} holds no checkpoint")
     base = load_trainer_state(ckpt)["train_config"]
     if args.config:
         base.update(load_toml(args.config))
@@ -111,103 +110,50 @@ def train_config_from_args(args: argparse.Namespace):
     return tc
 
 
+def default_out(tc) -> str:
+    """``runs/<name>`` of what is trained: the preset, or the model config's name (its folder's
+    name for a ``config.json`` or a checkpoint directory)."""
+    if not tc.model_config:
+        return f"runs/{tc.preset}"
+    p = Path(tc.model_config)
+    name = p.name if p.is_dir() or p.suffix != ".json" else (p.parent.name if p.stem == "config" else p.stem)
+    return f"runs/{name or 'model'}"
+
+
 def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = None) -> int:
     """``k3 train``. ``trainer_hook(trainer)`` runs before training (tests attach callbacks)."""
     args = build_train_parser().parse_args(argv)
 
     def run() -> int:
-        from k3.train.loop import Trainer, TrainingDiverged
-        tc = train_config_from_args(args)
-        trainer = Trainer(tc, resume=bool(args.resume))
-        if trainer_hook is not None:
-            trainer_hook(trainer)
-        print(f"{trainer.corpus.summary()}\nmodel: {tc.model_config or tc.preset}, "
-              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters; run dir {tc.out}"
-              + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
-        try:
-            res = trainer.train()
-        except TrainingDiverged as e:
-            print(f"k3 train: {e}", file=sys.stderr)
-            return 1
-        if res.status == "interrupted":
-            return 128 + int(trainer.stop_signal)
-        return 0
+        from contextlib import nullcontext
+
+        from k3.train.rundir import RunLock
+        held = args.resume and Path(args.resume).is_dir()
+        with RunLock(args.resume) if held else nullcontext():  # no one saves while we read
+            return _train(args, trainer_hook)
 
     return _run_guarded("train", run)
 
 
-# ------------------------------------------------------------------------------------ sample
-def load_run_model(path: str | Path, device: str = "cpu"):
-    """(model, tokenizer) from a run directory, its checkpoint folder, or a model directory."""
-    import torch
-
-    from k3.checkpoint import from_pretrained
-    from k3.data.tokenizer import Tokenizer
-    from k3.train.state import find_checkpoint, load_trainer_state
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no run or checkpoint at {path}")
-    ckpt = find_checkpoint(path) or (path if (path / "trainer_state.pt").is_file() else None)
-    if ckpt is not None:
-        model_dir, tok_path, qat = ckpt / "model", ckpt / "tokenizer.json", \
-            load_trainer_state(ckpt)["train_config"].get("qat", False)
-    elif (path / "config.json").is_file():
-        model_dir, tok_path, qat = path, path / "tokenizer.json", False
-    else:
-        raise FileNotFoundError(f"{path} holds no checkpoint (expected a k3 run directory)")
-    model = from_pretrained(model_dir, dtype=torch.float32, device=device)
-    if qat:  # the weights were trained through MXFP4 fake quantization: sample the same way
-        from k3.train.qat import enable_qat
-        enable_qat(model)
-    model.eval()
-    return model, Tokenizer.load(tok_path)
-
-
-def _stream_printer(tok, prompt_len: int, ids_so_far: list[int]):
-    printed = [""]
-
-    def on_token(nxt) -> None:
-        ids_so_far.append(int(nxt[0]))
-        text = tok.decode(ids_so_far[prompt_len:])
-        if text.endswith("\ufffd"):  # a UTF-8 sequence split across tokens: wait for the rest
-            return
-        sys.stdout.write(text[len(printed[0]):])
-        sys.stdout.flush()
-        printed[0] = text
-    return on_token
-
-
-def sample_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3 sample", description="Continue a prompt with a trained model.")
-    p.add_argument("run", help="run directory (or its checkpoint folder)")
-    p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
-    args = p.parse_args(argv)
-
-    def run() -> int:
-        import torch
-
-        from k3.infer.sample import generate
-        model, tok = load_run_model(args.run, args.device)
-        ids = tok.encode(args.prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        sys.stdout.write(args.prompt)
-        out_ids: list[int] = list(ids)
-        generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k,
-                 args.top_p, args.seed, eos=None if args.no_stop else tok.eos_token_id,
-                 on_token=_stream_printer(tok, len(ids), out_ids))
-        sys.stdout.write("\n")
-        return 0
-
-    return _run_guarded("sample", run)
+def _train(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
+    from k3.train.loop import Trainer, TrainingDiverged
+    tc = train_config_from_args(args)
+    trainer = Trainer(tc, resume=bool(args.resume), overwrite=args.overwrite)
+    if trainer_hook is not None:
+        trainer_hook(trainer)
+    print(f"{trainer.corpus.summary()}\nmodel: {tc.model_config or tc.preset}, "
+          f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters; run dir {tc.out}"
+          + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
+    try:
+        res = trainer.train()
+    except TrainingDiverged as e:
+        print(f"k3 train: {e}", file=sys.stderr)
+        return 1
+    if res.status == "interrupted":
+        from k3.cliutil import exit_quietly_on_signals
+        exit_quietly_on_signals()
+        return 128 + int(trainer.stop_signal)
+    return 0
 
 
 # -------------------------------------------------------------------------------------- plot
@@ -246,56 +192,61 @@ def demo_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def run() -> int:
-        import shutil
-        import time
-
-        import torch
-
-        from k3.data.tokenizer import EOS_TOKEN
-        from k3.infer.sample import generate
         from k3.train.config import TrainConfig
-        from k3.train.loop import Trainer
+        from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir
 
         out = Path(args.out)
-        if out.exists():
-            if not (out / "DEMO").is_file():
-                raise ValueError(f"{out} exists and is not a previous demo run; pass another --out")
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        (out / "DEMO").write_text("written by k3 demo; the next k3 demo replaces this folder\n")
         tc = TrainConfig.build(overrides={**DEMO_CONFIG, "out": str(out), "steps": args.steps,
                                           "threads": args.threads})
-        t0 = time.perf_counter()
-        trainer = Trainer(tc)
-        print(f"{trainer.corpus.summary()}\ntiny preset: "
-              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
-              f"{tc.steps} steps of {tc.batch_size} sequences, curriculum {tc.curriculum}", flush=True)
-        res = trainer.train()
-        if res.status != "done":
-            return 128 + int(trainer.stop_signal)
-        dt = time.perf_counter() - t0
-        # The plotted evaluations all score the same first batches; the reported figure is the
-        # whole validation split, next to gzip -9 on exactly that text.
-        full = trainer.evaluate(0)
-        seen = [int(i) for i in trainer.val_tokens]
-        gz = gzip_bits_per_byte([trainer.tokenizer.decode(seen).replace(EOS_TOKEN, "")])
-        train_recs = [r for r in trainer.metrics.records if r["kind"] == "train"]
-        tps = sum(r["tokens_per_s"] for r in train_recs) / max(len(train_recs), 1)
-        print(f"\nvalidation, whole split: {full['val_bpb']:.3f} bits per byte ({full['val_loss']:.3f} nats/token "
-              f"over {full['val_tokens']:,} tokens, {full['val_bytes']:,} bytes); gzip -9 on the same text: "
-              f"{gz:.3f} bits per byte")
-        print(f"(plotted evaluations, first {res.val['val_tokens']:,} tokens: {res.val['val_bpb']:.3f} bits per byte)")
-        print(f"training time {dt / 60:.1f} min, {tps:,.0f} training tokens/s; plot: {out / 'loss.png'}")
-        model, tok = trainer.model, trainer.tokenizer
-        for i, prompt in enumerate(DEMO_PROMPTS):
-            ids = generate(model, torch.tensor(tok.encode(prompt)), args.samples_tokens, temperature=0.7,
-                           top_k=50, seed=i, eos=tok.eos_token_id)
-            text = tok.decode(ids.tolist()).replace(EOS_TOKEN, "")
-            print(f"\n--- sample {i + 1} " + "-" * 50 + f"\n{text}")
-        print(f"\ncontinue sampling with: k3 sample {out} --prompt 'def '")
-        return 0
+        check_foreign_dir(out)
+        out.mkdir(parents=True, exist_ok=True)
+        with RunLock(out):  # the next k3 demo replaces a folder an earlier k3 demo created
+            claim_run_dir(out, "k3 demo", replace_same_kind=True)
+            return _demo(tc, out, args)
 
     return _run_guarded("demo", run)
+
+
+def _demo(tc, out: Path, args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from k3.data.tokenizer import EOS_TOKEN
+    from k3.infer.sample import generate
+    from k3.train.loop import Trainer
+
+    t0 = time.perf_counter()
+    trainer = Trainer(tc)
+    print(f"{trainer.corpus.summary()}\ntiny preset: "
+          f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
+          f"{tc.steps} steps of {tc.batch_size} sequences, curriculum {tc.curriculum}", flush=True)
+    res = trainer.train()
+    if res.status != "done":
+        from k3.cliutil import exit_quietly_on_signals
+        exit_quietly_on_signals()
+        return 128 + int(trainer.stop_signal)
+    dt = time.perf_counter() - t0
+    # The plotted evaluations all score the same first batches; the reported figure is the
+    # whole validation split, next to gzip -9 on exactly that text.
+    full = trainer.evaluate(0)
+    seen = [int(i) for i in trainer.val_tokens]
+    gz = gzip_bits_per_byte([trainer.tokenizer.decode(seen).replace(EOS_TOKEN, "")])
+    train_recs = [r for r in trainer.metrics.records if r["kind"] == "train"]
+    tps = sum(r["tokens_per_s"] for r in train_recs) / max(len(train_recs), 1)
+    print(f"\nvalidation, whole split: {full['val_bpb']:.3f} bits per byte ({full['val_loss']:.3f} nats/token "
+          f"over {full['val_tokens']:,} tokens, {full['val_bytes']:,} bytes); gzip -9 on the same text: "
+          f"{gz:.3f} bits per byte")
+    print(f"(plotted evaluations, first {res.val['val_tokens']:,} tokens: {res.val['val_bpb']:.3f} bits per byte)")
+    print(f"training time {dt / 60:.1f} min, {tps:,.0f} training tokens/s; plot: {out / 'loss.png'}")
+    model, tok = trainer.model, trainer.tokenizer
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        ids = generate(model, torch.tensor(tok.encode(prompt)), args.samples_tokens, temperature=0.7,
+                       top_k=50, seed=i, eos=tok.eos_token_id)
+        text = tok.decode(ids.tolist()).replace(EOS_TOKEN, "")
+        print(f"\n--- sample {i + 1} " + "-" * 50 + f"\n{text}")
+    print(f"\ncontinue sampling with: k3 sample {out} --prompt 'def '")
+    return 0
 
 
 # The demo's budget, sized for <= 10 minutes on 2 free CPU cores (measured: 8.0 min of training at

@@ -25,23 +25,26 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from k3.config import K3Config
+from k3.data.batches import StridedBatches
 from k3.data.corpus import Corpus, load_corpus
-from k3.data.packing import IGNORE_INDEX, PackedBatches, build_token_stream, eval_batches
+from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
 from k3.data.tokenizer import Tokenizer, get_tokenizer
-from k3.errors import ConfigError
-from k3.fsutil import atomic_write
+from k3.errors import CheckpointError, ConfigError
 from k3.model.decoder import K3ForCausalLM
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.metrics import MetricsLog, Progress, plot_run
 from k3.train.optim import QKClip, build_optimizer
+from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir, mark_resumed_run
+from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference, write_run_info
 from k3.train.state import (
+    check_free_space,
     find_checkpoint,
     load_model_weights,
     load_trainer_state,
@@ -51,38 +54,9 @@ from k3.train.state import (
     set_rng_state,
 )
 
-__all__ = ["Trainer", "TrainResult", "TrainingDiverged", "StridedBatches", "token_byte_lengths"]
+__all__ = ["Trainer", "TrainResult", "TrainingDiverged", "token_byte_lengths"]
 
 _OPTIMIZER_MODES = {"per_head": "per_head", "muon": "full", "adamw": "adamw"}
-
-
-class StridedBatches:
-    """Batches whose B rows come from B cursors spread evenly over the token stream.
-
-    ``PackedBatches`` cuts a batch from one contiguous B·T span, which on a code corpus is mostly a
-    single file; rows from B distant places make each step's gradient an average over B documents
-    (with contiguous batches the tiny demo's loss jumped by several nats between steps, as the
-    batch moved from a data table to ordinary code). Row r starts at r·len/B and walks
-    like its own ``PackedBatches`` (wrapping independently); the state is the B cursors.
-    """
-
-    def __init__(self, tokens, batch_size: int, seq_len: int):
-        self.rows = [PackedBatches(tokens, 1, seq_len) for _ in range(batch_size)]
-        for r, row in enumerate(self.rows):
-            row.pos = r * (len(tokens) // batch_size)
-
-    def next_batch(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        xs, ys = zip(*(row.next_batch(seq_len) for row in self.rows))
-        return torch.cat(xs), torch.cat(ys)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rows": [row.state_dict() for row in self.rows]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["rows"]) != len(self.rows):
-            raise ValueError(f"data state has {len(state['rows'])} rows but batch_size is {len(self.rows)}")
-        for row, st in zip(self.rows, state["rows"]):
-            row.load_state_dict(st)
 
 
 def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
@@ -118,19 +92,6 @@ def token_byte_lengths(tok: Tokenizer) -> torch.Tensor:
     return torch.tensor(lens, dtype=torch.int64)
 
 
-def _git_commit() -> dict[str, Any]:
-    import subprocess
-    root = Path(__file__).resolve().parents[3]
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
-    return {"git_commit": commit, "git_dirty": dirty if commit else None}
-
-
 class Trainer:
     """Builds a run from a TrainConfig (fresh, or resumed from ``tc.out``) and trains it.
 
@@ -139,9 +100,36 @@ class Trainer:
     """
 
     def __init__(self, tc: TrainConfig, resume: bool = False, print_fn: Callable[[str], None] = print,
-                 tty: bool | None = None):
+                 tty: bool | None = None, overwrite: bool = False):
+        tc = absolute_paths(tc)
         self.tc, self.print = tc, print_fn
         self.run_dir = Path(tc.out)
+        if not resume:
+            check_foreign_dir(self.run_dir)  # before the lock file goes into someone else's folder
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        elif not self.run_dir.is_dir():
+            raise CheckpointError(f"nothing to resume: {self.run_dir} does not exist")
+        self.lock = RunLock(self.run_dir).acquire()  # held until train() returns (or close())
+        try:
+            self._setup(resume, tty, overwrite)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def close(self) -> None:
+        """Release the run directory's lock (train() does so when it returns)."""
+        self.lock.release()
+
+    def __del__(self) -> None:
+        lock = self.__dict__.get("lock")
+        if lock is not None:
+            try:
+                lock.release()
+            except Exception:  # noqa: BLE001 - interpreter shutdown: the OS drops the flock anyway
+                pass
+
+    def _setup(self, resume: bool, tty: bool | None, overwrite: bool) -> None:
+        tc = self.tc
         self.tty = tty
         self.on_step_start: list[Callable[["Trainer", int], None]] = []
         self.on_step_end: list[Callable[["Trainer", dict], None]] = []
@@ -151,7 +139,7 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         torch.set_flush_denormal(True)
 
-        ckpt, saved = self._checkpoint_to_resume(resume)
+        ckpt, saved = self._checkpoint_to_resume(resume, overwrite)
         self.model_config = resolve_model_config(tc)
         if saved is not None:
             self._check_same_model(K3Config.from_dict(saved["model_config"]))
@@ -168,6 +156,7 @@ class Trainer:
         self.qk_clip = QKClip(self.model, tc.qk_clip, self.model_config) if tc.qk_clip else None
         self.autocast_dtype = _autocast_dtype(tc.dtype, self.device)
         self.step, self.skips, self.tokens_seen = 0, 0, 0
+        self.last_saved_step: int | None = None
         records: list[dict] = []
         if saved is not None:
             load_model_weights(self.model, ckpt / "model")
@@ -177,20 +166,24 @@ class Trainer:
             self.step, self.skips = saved["step"], saved["skips"]
             self.tokens_seen = saved["tokens_seen"]
             records = saved["metrics"]
+            self.last_saved_step = self.step
             set_rng_state(saved["rng"])  # last: building the model above consumed random numbers
+        check_free_space(self.run_dir, checkpoint_bytes(self))  # fail now, not after training
         self.metrics = MetricsLog(self.run_dir, records)
         self._write_run_info(resumed_from=self.step if saved is not None else None)
 
     # -------------------------------------------------------------------------------- setup
-    def _checkpoint_to_resume(self, resume: bool) -> tuple[Path | None, dict | None]:
+    def _checkpoint_to_resume(self, resume: bool, overwrite: bool) -> tuple[Path | None, dict | None]:
+        """Resume: the verified checkpoint (corrupt -> CheckpointCorrupt naming the file). Fresh:
+        claim the folder (refuses foreign folders and existing checkpoints without overwrite)."""
+        if not resume:
+            claim_run_dir(self.run_dir, "k3 train", overwrite=overwrite)
+            return None, None
         ckpt = find_checkpoint(self.run_dir)
-        if resume and ckpt is None:
-            raise FileNotFoundError(f"nothing to resume: {self.run_dir} holds no complete checkpoint")
-        if not resume and ckpt is not None:
-            raise ValueError(f"{self.run_dir} already holds a checkpoint (step "
-                             f"{load_trainer_state(ckpt)['step']}); pass --resume {self.run_dir} to "
-                             "continue it or choose another --out")
-        return (ckpt, load_trainer_state(ckpt)) if resume else (None, None)
+        if ckpt is None:
+            raise CheckpointError(f"nothing to resume: {self.run_dir} holds no checkpoint")
+        mark_resumed_run(self.run_dir)  # a run from before markers: resuming it shows it is k3's
+        return ckpt, load_trainer_state(ckpt)
 
     def _check_same_model(self, old: K3Config) -> None:
         new_fp, old_fp = dict(self.model_config.fingerprint()), dict(old.fingerprint())
@@ -204,8 +197,8 @@ class Trainer:
         tc = self.tc
         self.corpus: Corpus = load_corpus(tc.data, tc.val_percent)
         if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
-            raise ValueError(f"cannot resume {self.run_dir}: the corpus ({self.corpus.name}) differs "
-                             "from the one the checkpoint was trained on")
+            raise CheckpointError(f"cannot resume {self.run_dir}: "
+                                  + corpus_difference(saved.get("corpus_docs"), self.corpus))
         if saved is not None:
             self.tokenizer = Tokenizer.load(ckpt / "tokenizer.json")
         else:
@@ -227,26 +220,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- bookkeeping
     def _write_run_info(self, resumed_from: int | None) -> None:
-        import json
-        import platform
-        import sys
-
-        import k3
-        path = self.run_dir / "run.json"
-        info = json.loads(path.read_text()) if resumed_from is not None and path.is_file() else {}
-        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        code = {"k3_version": k3.__version__, **_git_commit(), "python": platform.python_version(),
-                "torch": torch.__version__}
-        if resumed_from is None:
-            info = {"train_config": self.tc.to_dict(), "model_config": self.model_config.to_text_dict(),
-                    "corpus": {"name": self.corpus.name, "fingerprint": self.corpus.fingerprint,
-                               "train_tokens": len(self.train_tokens), "val_tokens": len(self.val_tokens),
-                               "val_bytes": self.corpus.val_bytes},
-                    **code, "argv": sys.argv, "started": now}
-        else:
-            info.setdefault("resumes", []).append({"step": resumed_from, "time": now,
-                                                   "train_config": self.tc.to_dict(), **code})
-        atomic_write(path, lambda f: f.write(json.dumps(info, indent=2) + "\n"))
+        write_run_info(self, resumed_from)
 
     def save(self) -> Path:
         """Checkpoint the current state (atomically; see k3.train.state)."""
@@ -258,8 +232,12 @@ class Trainer:
                         "data": self.data.state_dict(), "rng": rng_state(),
                         "metrics": self.metrics.records, "train_config": self.tc.to_dict(),
                         "model_config": self.model_config.to_text_dict(),
-                        "corpus_fingerprint": self.corpus.fingerprint}, folder / "trainer_state.pt")
-        return save_checkpoint(self.run_dir, self.step, write)
+                        "corpus_fingerprint": self.corpus.fingerprint,
+                        "corpus_docs": self.corpus.doc_digests()}, folder / "trainer_state.pt")
+        with RunLock(self.run_dir):  # re-entrant: a no-op while this trainer holds it
+            path = save_checkpoint(self.run_dir, self.step, write, need_bytes=checkpoint_bytes(self))
+        self.last_saved_step = self.step
+        return path
 
     # --------------------------------------------------------------------------------- step
     def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -287,7 +265,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss_sum, reason = 0.0, None
+        start = self.data.state_dict(), rng_state()
         for micro in range(tc.grad_accum):
+            if self.stop_signal is not None:  # stop within one micro-batch: undo this step's part
+                self._abandon_step(*start)
+                return {"kind": "stopped", "step": self.step}
             x, y = self.data.next_batch(seq_len)
             loss = self._loss(x, y)
             lv = loss.item()
@@ -316,8 +298,8 @@ class Trainer:
             if self.skips >= tc.max_skips:
                 raise TrainingDiverged(
                     f"training stopped at step {self.step}: {self.skips} consecutive steps skipped "
-                    f"(max_skips={tc.max_skips}); last reason: {reason}. The last good checkpoint "
-                    f"is in {self.run_dir}; lower the lr or check the data")
+                    f"(max_skips={tc.max_skips}); last reason: {reason}. " + self._last_good() +
+                    "; lower the lr or check the data")
             return rec
         self.optimizer.step()
         clip = self.qk_clip.apply() if self.qk_clip is not None else {}
@@ -331,11 +313,24 @@ class Trainer:
             load_cv=sum(cv) / len(cv) if cv else None, load_cv_layers=cv,
             load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None, **clip)
 
+    def _abandon_step(self, data_state: dict, rng: dict) -> None:
+        """Drop a step interrupted between micro-batches: the state is as after the last step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.balancer.begin_step()
+        self.data.load_state_dict(data_state)
+        set_rng_state(rng)
+
+    def _last_good(self) -> str:
+        if self.last_saved_step is None:
+            return f"No checkpoint was written ({self.run_dir} holds none)"
+        return f"The last checkpoint (step {self.last_saved_step}) is in {self.run_dir}"
+
     # --------------------------------------------------------------------------------- eval
     @torch.no_grad()
-    def evaluate(self, max_batches: int = 0) -> dict[str, float]:
+    def evaluate(self, max_batches: int = 0) -> dict[str, float] | None:
         """Validation loss (nats/token) and bits per byte over the first ``max_batches`` batches
-        (0: the whole validation split), at the curriculum's longest sequence length."""
+        (0: the whole validation split), at the curriculum's longest sequence length; None when a
+        stop signal arrived meanwhile (checked per batch)."""
         self.model.eval()
         self.balancer.recording(False)
         if self.qk_clip is not None:
@@ -344,6 +339,8 @@ class Trainer:
         try:
             for x, y in eval_batches(self.val_tokens, self.tc.batch_size, self.curriculum.max_seq_len,
                                      max_batches or None):
+                if self.stop_signal is not None:
+                    return None
                 nats += self._loss(x, y, reduction="sum").item()
                 keep = y[y != IGNORE_INDEX]
                 ntok += keep.numel()
@@ -355,8 +352,10 @@ class Trainer:
         return {"val_loss": nats / ntok, "val_bpb": nats / math.log(2) / max(nbytes, 1),
                 "val_tokens": ntok, "val_bytes": nbytes}
 
-    def log_eval(self, max_batches: int) -> dict[str, float]:
+    def log_eval(self, max_batches: int) -> dict[str, float] | None:
         v = self.evaluate(max_batches)
+        if v is None:
+            return None
         self.metrics.log("val", step=self.step, **v)
         return v
 
@@ -380,6 +379,8 @@ class Trainer:
         try:
             while self.step < tc.steps:
                 rec = self.train_step()
+                if rec["kind"] == "stopped":
+                    break
                 for cb in self.on_step_end:
                     cb(self, rec)
                 if rec["kind"] == "skip":
@@ -396,19 +397,22 @@ class Trainer:
                     break
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.steps:
                     v = self.log_eval(tc.eval_batches)
-                    prog.write(f"step {self.step}: val loss {v['val_loss']:.4f}  "
-                               f"val bpb {v['val_bpb']:.4f}")
+                    if v is not None:
+                        prog.write(f"step {self.step}: val loss {v['val_loss']:.4f}  "
+                                   f"val bpb {v['val_bpb']:.4f}")
                 if tc.ckpt_interval and self.step % tc.ckpt_interval == 0 and self.step < tc.steps:
                     self.save()
             if self.stop_signal is None:
                 val = self.log_eval(tc.final_eval_batches)
-                prog.write(f"step {self.step}: final val loss {val['val_loss']:.4f}  "
-                           f"val bpb {val['val_bpb']:.4f} ({val['val_tokens']:,} tokens)")
+                if val is not None:
+                    prog.write(f"step {self.step}: final val loss {val['val_loss']:.4f}  "
+                               f"val bpb {val['val_bpb']:.4f} ({val['val_tokens']:,} tokens)")
             self.save()
         finally:
             prog.close()
             for sig, h in handlers.items():
                 signal.signal(sig, h)
+            self.lock.release()
         if tc.plot:
             try:
                 plot_run(self.run_dir)

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from k3.fsutil import ensure_dir
+
 __all__ = ["MetricsLog", "Progress", "read_metrics", "plot_run", "METRICS_NAME", "PLOT_NAME"]
 
 METRICS_NAME = "metrics.jsonl"
@@ -152,7 +154,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
         a.grid(alpha=0.3)
     fig.suptitle(str(Path(run_dir).name))
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(out.parent)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -1,0 +1,123 @@
+"""``k3 sample``: load a trained run's model and tokenizer, continue a prompt.
+
+``load_run_model(path)`` accepts a run directory (its current checkpoint, verified against the
+manifest), a checkpoint folder itself, or a plain model directory (config.json + safetensors, with a
+``tokenizer.json`` beside it). A run whose checkpoint fails verification is an error naming the
+failing file, never "no checkpoint".
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["load_run_model", "sample_main", "check_prompt"]
+
+
+def load_run_model(path: str | Path, device: str = "cpu"):
+    """(model, tokenizer) from a run directory, its checkpoint folder, or a model directory."""
+    from k3.train.state import read_checkpoint
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(2, "no run or checkpoint here", str(path))
+    if not path.is_dir():
+        raise NotADirectoryError(20, "expected a run or checkpoint directory", str(path))
+    if (path / "trainer_state.pt").is_file() or (path / "config.json").is_file():
+        return _load_folder(path.resolve(), device)  # a checkpoint pointer: pin the version now
+    # a run directory: retried once if a concurrent save swaps the checkpoint mid-load
+    return read_checkpoint(path, lambda ckpt: _load_folder(ckpt, device, verify=False))  # verified
+
+
+def _load_folder(folder: Path, device: str, verify: bool = True):
+    import torch
+
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import Tokenizer
+    from k3.errors import CheckpointError
+    from k3.train.state import MANIFEST, load_trainer_state, verify_checkpoint
+
+    by_manifest = (folder / MANIFEST).is_file()
+    if verify and by_manifest:
+        verify_checkpoint(folder)
+    if (folder / "trainer_state.pt").is_file():
+        model_dir, qat = folder / "model", load_trainer_state(folder)["train_config"].get("qat", False)
+    else:
+        model_dir, qat = folder, False
+    tok_path = folder / "tokenizer.json"
+    if not tok_path.is_file():
+        raise CheckpointError(f"{tok_path}: no tokenizer.json beside the model")
+    # a run checkpoint's manifest already covers the model files; a bare model dir has its index hashes
+    model = from_pretrained(model_dir, dtype=torch.float32, device=device, verify=verify and not by_manifest)
+    if qat:  # the weights were trained through MXFP4 fake quantization: sample the same way
+        from k3.train.qat import enable_qat
+        enable_qat(model)
+    model.eval()
+    return model, Tokenizer.load(tok_path)
+
+
+def check_prompt(ids: list[int], max_new_tokens: int, max_positions: int) -> None:
+    """Reject a prompt before anything is printed: empty, or too long for the model."""
+    from k3.errors import K3Error
+
+    if not ids:
+        raise K3Error("--prompt: the prompt is empty")
+    if max_new_tokens < 0:
+        raise K3Error(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if len(ids) + max_new_tokens > max_positions:
+        raise K3Error(f"--prompt: {len(ids)} tokens + --max-new-tokens {max_new_tokens} exceeds the "
+                      f"model's max_position_embeddings={max_positions}")
+
+
+def _stream_printer(tok, prompt_len: int, ids_so_far: list[int]):
+    printed = [""]
+
+    def on_token(nxt) -> None:
+        ids_so_far.append(int(nxt[0]))
+        text = tok.decode(ids_so_far[prompt_len:])
+        if text.endswith("\ufffd"):  # a UTF-8 sequence split across tokens: wait for the rest
+            return
+        sys.stdout.write(text[len(printed[0]):])
+        sys.stdout.flush()
+        printed[0] = text
+    return on_token
+
+
+def sample_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3 sample", description="Continue a prompt with a trained model.")
+    p.add_argument("run", help="run directory (or its checkpoint folder)")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
+    args = p.parse_args(argv)
+
+    def run() -> int:
+        import math
+
+        import torch
+
+        from k3.errors import K3Error
+
+        from k3.infer.sample import generate, sample_next_token
+        model, tok = load_run_model(args.run, args.device)
+        ids = tok.encode(args.prompt)
+        check_prompt(ids, args.max_new_tokens, model.config.max_position_embeddings)
+        if not math.isfinite(args.temperature):
+            raise K3Error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+        sample_next_token(torch.zeros(1, 2), args.temperature, args.top_k, args.top_p)  # validates
+        sys.stdout.write(args.prompt)
+        out_ids: list[int] = list(ids)
+        generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k,
+                 args.top_p, args.seed, eos=None if args.no_stop else tok.eos_token_id,
+                 on_token=_stream_printer(tok, len(ids), out_ids))
+        sys.stdout.write("\n")
+        return 0
+
+    from k3.cliutil import guarded
+    return guarded("sample", run)
