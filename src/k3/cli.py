@@ -101,12 +101,14 @@ def _run_delegate(target: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from k3.cliutil import guarded, pop_debug_flag
+    from k3.cliutil import guarded, leave_now_if_stopping, pop_debug_flag
 
     argv = pop_debug_flag(sys.argv[1:] if argv is None else list(argv))
     args, rest = build_parser().parse_known_args(argv)
     if getattr(args, "delegate", None):
-        return guarded(args.cmd, lambda: _run_delegate(args.delegate, rest))
+        code = guarded(args.cmd, lambda: _run_delegate(args.delegate, rest))
+        leave_now_if_stopping(code)  # stopped by a signal: exit before finalization (see cliutil)
+        return code
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     import torch

@@ -16,7 +16,8 @@ from typing import Callable
 
 from k3.errors import K3Error
 
-__all__ = ["guarded", "describe_error", "pop_debug_flag", "debug_enabled", "exit_quietly_on_signals"]
+__all__ = ["guarded", "describe_error", "pop_debug_flag", "debug_enabled", "exit_quietly_on_signals",
+           "leave_now_if_stopping"]
 
 _ERRNO_TEXT = {
     errno.ENOENT: "no such file or directory",
@@ -77,20 +78,61 @@ def exit_quietly_on_signals() -> None:
     import signal
     import threading
 
+    global _stopping
+    _stopping = True
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
 
 
+_stopping = False
+
+
+def leave_now_if_stopping(code: int) -> None:
+    """At the top of the ``k3`` command: a command stopped by a signal ends the process here,
+    skipping interpreter finalization -- which puts back the default SIGINT action, so a second
+    Ctrl-C landing during a slow torch shutdown would kill the process by signal. Everything that
+    must survive (the checkpoint, metrics) is already on disk; only stdio needs a flush."""
+    if _stopping:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _interrupt_once_then_exit(signum, frame) -> None:
+    """SIGINT while a command runs: the first raises KeyboardInterrupt (the command stops cleanly),
+    any further one ends the process at once -- even when both arrive before Python could run the
+    first handler's cleanup (a loaded machine delivers them together)."""
+    global _interrupts
+    _interrupts += 1
+    if _interrupts > 1:
+        os._exit(128 + signum)
+    raise KeyboardInterrupt
+
+
+_interrupts = 0
+
+
 def guarded(cmd: str, fn: Callable[[], int]) -> int:
     """Run ``fn()``; map user-facing errors to one stderr line and exit 2 (see module docstring)."""
+    import signal
+    import threading
+
+    global _interrupts
+    previous = None
+    if threading.current_thread() is threading.main_thread() and not debug_enabled():
+        _interrupts = 0
+        previous = signal.signal(signal.SIGINT, _interrupt_once_then_exit)
     try:
         return fn() or 0
     except KeyboardInterrupt:
         if debug_enabled():
             raise
-        exit_quietly_on_signals()
+        exit_quietly_on_signals()  # the process is on its way out: stays installed (see finally)
         print(f"k3 {cmd}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - classified below; bugs are re-raised
@@ -99,3 +141,7 @@ def guarded(cmd: str, fn: Callable[[], int]) -> int:
             raise
         print(f"k3 {cmd}: error: {line}", file=sys.stderr)
         return 2
+    finally:
+        # put back the caller's handler unless the command left a quiet exit in place
+        if previous is not None and signal.getsignal(signal.SIGINT) is _interrupt_once_then_exit:
+            signal.signal(signal.SIGINT, previous)
