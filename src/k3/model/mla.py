@@ -146,7 +146,8 @@ class GatedMLA(nn.Module):
 
     def _query_chunk(self, B: int, S: int) -> int:
         """Query rows per SDPA call so that one call's scores hold ≤ ``score_budget`` elements."""
-        return max(16, min(self.prefill_query_chunk, self.score_budget // max(1, B * self.num_heads * S)))
+        most = self.prefill_query_chunk
+        return max(min(16, most), min(most, self.score_budget // max(1, B * self.num_heads * S)))
 
     def _naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
                starts: torch.Tensor | None = None) -> torch.Tensor:
