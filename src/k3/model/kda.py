@@ -134,7 +134,7 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x2), self.k_proj(x2), self.v_proj(x2)], -1)  # [B, 3P]
         prev = state.conv if state.conv is not None else qkv.new_zeros(B, 3 * P, self.conv_kernel_size - 1)
         xp = torch.cat([prev.to(qkv.dtype), qkv[:, :, None]], -1)               # [B, 3P, K]
-        state.conv = xp[:, :, 1:]
+        state.conv = xp[:, :, 1:].contiguous()
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)[:, 0]  # [3P, K]
         acc = torch.promote_types(xp.dtype, torch.float32)                      # ≥ fp32 taps
         h = F.silu((xp.to(acc) * w.to(acc)).sum(-1)).view(B, 3, nh, d)
