@@ -10,7 +10,7 @@ import torch
 
 from k3.config import get_preset
 from k3.errors import K3Error
-from k3.infer.prefix_cache import PrefixCache, cache_length, set_cache_length
+from k3.infer.prefix_cache import PrefixCache
 from k3.model.cache import K3Cache, KDAState
 from k3.model.decoder import K3ForCausalLM
 
@@ -38,14 +38,14 @@ def fake_cache(tokens):
             st.recurrent = torch.full((1, LAC.num_heads, LAC.head_dim, LAC.head_dim), float(len(tokens)))
         else:
             st.append(latent(tokens, CFG.kv_lora_rank)[None], latent(tokens, CFG.qk_rope_head_dim)[None])
-    set_cache_length(cache, len(tokens))
+    cache.seq_len = len(tokens)
     return cache
 
 
 def check_hit(hit, tokens):
     """The hit cache holds exactly the synthetic state of ``tokens[:hit.length]``."""
     n = hit.length
-    assert cache_length(hit.cache) == n and hit.cache.batch_size == 1
+    assert hit.cache.seq_len == n and hit.cache.batch_size == 1
     for st in hit.cache.layers:
         if isinstance(st, KDAState):
             assert torch.equal(st.conv, torch.full_like(st.conv, float(n)))
@@ -158,12 +158,12 @@ def test_bad_arguments_are_refused():
         pc.insert([], K3Cache(CFG, 1))
     with pytest.raises(K3Error, match="layer 0 state is empty"):
         c = K3Cache(CFG, 1)
-        set_cache_length(c, 4)
+        c.seq_len = 4
         pc.insert(A[:4], c)
     pc.insert(A[:4], fake_cache(A[:4]))  # positive control
     other = K3Cache(get_preset("nano", vocab_size=1024), 1)
     other.layers = fake_cache(A[:4]).layers
-    set_cache_length(other, 4)
+    other.seq_len = 4
     with pytest.raises(K3Error, match="different config"):
         pc.insert(A[:4], other)
     assert pc.stats()["entries"] == 1 and pc.match(A[:5]).length == 4

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.infer.prefix_cache import cache_length
 from k3.infer.transfer import (DecodeWorker, InProcessTransport, PrefillWorker, SocketTransport,
                                TransferError, decode_message, decode_state, encode_state)
 from k3.model.cache import KDAState
@@ -63,7 +62,7 @@ def test_round_trip_restores_every_tensor_and_dtype(model):
             m(torch.tensor([prompt_of(21, 1)]), cache=cache)
         msg = encode_state(cache, CFG, meta={"x": 1})
         back, meta = decode_message(msg, CFG)
-        assert meta == {"x": 1} and cache_length(back) == 21
+        assert meta == {"x": 1} and back.seq_len == 21
         for a, b in zip(cache.layers, back.layers):
             pairs = [(a.conv, b.conv), (a.recurrent, b.recurrent)] if isinstance(a, KDAState) else \
                 [(a.c, b.c), (a.k_pe, b.k_pe)]
@@ -78,7 +77,7 @@ def test_bad_messages_are_refused_by_name(model):
     with torch.no_grad():
         model(torch.tensor([prompt_of(9, 2)]), cache=cache)
     msg = encode_state(cache, CFG)
-    assert cache_length(decode_state(msg, CFG)) == 9  # positive control
+    assert decode_state(msg, CFG).seq_len == 9  # positive control
     other = get_preset("nano", vocab_size=1024)
     cases = {
         "magic": b"XXXX" + msg[4:],
@@ -139,7 +138,7 @@ def test_last_prompt_token_is_fed_exactly_once(model):
     prompt = prompt_of(15, 4)
     want = greedy_full(model, prompt, 6)
     msg = PrefillWorker(model).prefill(prompt)
-    assert cache_length(decode_state(msg, CFG)) == 14
+    assert decode_state(msg, CFG).seq_len == 14
     assert DecodeWorker(model).decode(msg, max_tokens=6) == want
     # The classic bug: the prefill runs all N tokens and the decode side feeds the last one again.
     # It changes the output here, so the equality above could not hold with it.

@@ -36,25 +36,6 @@ from k3.model.cache import K3Cache, KDAState, MLAState
 __all__ = ["PrefixCache", "PrefixHit"]
 
 
-def cache_length(cache: K3Cache) -> int:
-    """Tokens seen by a cache whose rows all have the same length."""
-    lens = getattr(cache, "seq_lens", None)
-    if lens is not None:
-        lens = torch.as_tensor(lens).flatten().tolist()
-        if len(set(lens)) != 1:
-            raise K3Error(f"cache rows have different lengths {lens}; expected one length")
-        return int(lens[0])
-    return int(cache.seq_len)
-
-
-def set_cache_length(cache: K3Cache, n: int) -> None:
-    """Mark every row of ``cache`` as having seen ``n`` tokens."""
-    if hasattr(cache, "seq_lens"):
-        cache.seq_lens = torch.full((cache.batch_size,), n, dtype=torch.long)
-    else:
-        cache.seq_len = n
-
-
 def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
@@ -178,7 +159,7 @@ class PrefixCache:
             st: KDAState = cache.layers[l]
             conv, rec = next(kda_states)
             st.conv, st.recurrent = conv.unsqueeze(0).clone(), rec.unsqueeze(0).clone()
-        set_cache_length(cache, last.depth)
+        cache.seq_len = last.depth
         return cache
 
     # ------------------------------------------------------------------ insert
@@ -189,8 +170,8 @@ class PrefixCache:
             raise K3Error(f"PrefixCache.insert: cache must hold one sequence, got batch_size={cache.batch_size}")
         if not tokens:
             raise K3Error("PrefixCache.insert: tokens must not be empty")
-        if cache_length(cache) != len(tokens):
-            raise K3Error(f"PrefixCache.insert: cache has seen {cache_length(cache)} tokens, "
+        if cache.seq_len != len(tokens):
+            raise K3Error(f"PrefixCache.insert: cache has seen {cache.seq_len} tokens, "
                           f"tokens has {len(tokens)}")
         if self._fingerprint is not None and cache.fingerprint != self._fingerprint:
             raise K3Error("PrefixCache.insert: cache was built for a different config than the tree's")

@@ -31,7 +31,6 @@ from typing import Sequence
 import torch
 
 from k3.errors import K3Error
-from k3.infer.prefix_cache import cache_length, set_cache_length
 from k3.model.cache import K3Cache, KDAState
 
 __all__ = ["TransferError", "encode_state", "decode_state", "decode_message", "config_hash",
@@ -77,7 +76,7 @@ def encode_state(cache: K3Cache, config, *, meta: dict | None = None) -> bytes:
             blobs.append(t.view(torch.uint8).numpy().tobytes())
         layers.append(entry)
     header = json.dumps({"fingerprint": config_hash(config), "byteorder": sys.byteorder,
-                         "batch_size": cache.batch_size, "seq_len": cache_length(cache),
+                         "batch_size": cache.batch_size, "seq_len": cache.seq_len,
                          "layers": layers, "meta": meta or {}}).encode()
     return b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *blobs])
 
@@ -153,7 +152,7 @@ def decode_message(data: bytes, config) -> tuple[K3Cache, dict]:
             raise TransferError(f"state message layer {l} has no KV for seq_len={T}")
     if off != len(data):
         raise TransferError(f"state message has {len(data) - off} bytes after its last tensor")
-    set_cache_length(cache, T)
+    cache.seq_len = T
     meta = header.get("meta")
     return cache, meta if isinstance(meta, dict) else {}
 
@@ -334,8 +333,8 @@ class DecodeWorker:
         last, n = meta.get("last_token"), meta.get("prompt_len")
         if not isinstance(last, int) or not 0 <= last < cfg.vocab_size:
             raise TransferError(f"state message meta last_token={last!r} is not a token id")
-        if n != cache_length(cache) + 1:
-            raise TransferError(f"state message holds {cache_length(cache)} tokens of a {n!r}-token prompt; "
+        if n != cache.seq_len + 1:
+            raise TransferError(f"state message holds {cache.seq_len} tokens of a {n!r}-token prompt; "
                                 "a prefill message carries the state of the first N−1 tokens")
         if cache.batch_size != 1:
             raise TransferError(f"DecodeWorker decodes one sequence, the message holds {cache.batch_size}")
