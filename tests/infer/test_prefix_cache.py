@@ -190,12 +190,13 @@ def prefill_with_snapshots(model, pc, prompt, block):
     return cache
 
 
-def test_resume_from_every_boundary_equals_cold_forward(model):
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(1, CFG.vocab_size, (37,), generator=g).tolist()
-    pc = PrefixCache(cache_block=8, max_bytes=10**9)
-    prefill_with_snapshots(model, pc, prompt, 8)
-    for d in (8, 16, 24, 32, 37):
+@pytest.mark.parametrize("block", [8, 16, 64])
+def test_resume_from_every_boundary_equals_cold_forward(model, block):
+    g = torch.Generator().manual_seed(block)
+    prompt = torch.randint(1, CFG.vocab_size, (2 * block + 5,), generator=g).tolist()
+    pc = PrefixCache(cache_block=block, max_bytes=10**9)
+    prefill_with_snapshots(model, pc, prompt, block)
+    for d in (block, 2 * block, len(prompt)):  # every boundary: two blocks and the prompt end
         suffix = torch.randint(1, CFG.vocab_size, (9,), generator=g).tolist()
         if d < len(prompt) and suffix[0] == prompt[d]:
             suffix[0] = prompt[d] % (CFG.vocab_size - 1) + 1

@@ -90,9 +90,21 @@ def test_bad_messages_are_refused_by_name(model):
     for what, bad in cases.items():
         with pytest.raises(TransferError, match=what):
             decode_state(bad, CFG) if bad is not None else decode_state(msg, other)
-    forged = msg.replace(b'"seq_len": 9', b'"seq_len": 8')
-    with pytest.raises(TransferError, match="does not fit the config"):
-        decode_state(forged, CFG)
+    forged = {  # header edits of the same length, so the framing stays valid
+        "does not fit the config": [(b'"seq_len": 9', b'"seq_len": 8'), (b'"float32"', b'"uint832"')],
+        "is 'mla', the config's is 'kda'": [(b'"kind": "kda"', b'"kind": "mla"')],
+    }
+    for what, edits in forged.items():
+        bad = msg
+        for old, new in edits:
+            assert old in bad and len(old) == len(new)
+            bad = bad.replace(old, new, 1)
+        with pytest.raises(TransferError, match=what):
+            decode_state(bad, CFG)
+    stateless = cache.clone()  # a KDA layer without its state although 9 tokens were seen
+    stateless.layers[0] = KDAState(1, LAC.num_heads, LAC.head_dim, LAC.short_conv_kernel_size)
+    with pytest.raises(TransferError, match=r"layer 0 has tensors \[\] at seq_len=9"):
+        decode_state(encode_state(stateless, CFG), CFG)
 
 
 def test_socket_transport_frames_messages_and_reports_a_cut_connection():

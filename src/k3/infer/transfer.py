@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import queue
 import socket
 import struct
@@ -95,6 +96,8 @@ def _read_header(data: bytes, config) -> tuple[dict, int]:
         header = json.loads(data[_PREFIX.size:_PREFIX.size + hlen])
     except ValueError as e:
         raise TransferError(f"state message header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise TransferError(f"state message header is a {type(header).__name__}, not a JSON object")
     if header.get("fingerprint") != config_hash(config):
         raise TransferError("state message was encoded for a different model config "
                             f"(fingerprint {str(header.get('fingerprint'))[:12]}…, this model's "
@@ -112,6 +115,34 @@ def _expected_shapes(config, l: int, B: int, T: int) -> dict[str, list[int]]:
     return {"c": [B, T, config.kv_lora_rank], "k_pe": [B, T, config.qk_rope_head_dim]}
 
 
+def _read_layer(data: bytes, off: int, config, l: int, entry, B: int, T: int) -> tuple[dict, int]:
+    """The tensors of layer ``l`` (name -> tensor) read from ``data`` at ``off``; the next offset."""
+    kind = "kda" if config.is_kda_layer(l) else "mla"
+    specs = entry.get("tensors") if isinstance(entry, dict) else None
+    if not isinstance(specs, list) or not all(isinstance(t, dict) for t in specs):
+        raise TransferError(f"state message layer {l} entry is malformed: {entry!r:.200}")
+    if entry.get("kind") != kind:
+        raise TransferError(f"state message layer {l} is {entry.get('kind')!r}, the config's is {kind!r}")
+    want, got = _expected_shapes(config, l, B, T), {}
+    for spec in specs:
+        name, dtype = spec.get("name"), _DTYPES.get(spec.get("dtype"))
+        if name not in want or name in got or dtype is None or spec.get("shape") != want[name]:
+            raise TransferError(f"state message layer {l} tensor {spec} does not fit the config "
+                                f"(expected one of {want}, dtypes {sorted(_DTYPES)})")
+        n = dtype.itemsize * math.prod(want[name])
+        if n == 0:
+            raise TransferError(f"state message layer {l} has an empty {name} tensor (seq_len={T})")
+        if off + n > len(data):
+            raise TransferError(f"state message truncated in layer {l} {name}: "
+                                f"needs {off + n} bytes, got {len(data)}")
+        raw = torch.frombuffer(bytearray(data[off:off + n]), dtype=torch.uint8)  # owns a copy
+        got[name], off = raw.view(dtype).reshape(want[name]), off + n
+    if set(got) != (set(want) if T else set()):  # a state exists once a token has been seen
+        raise TransferError(f"state message layer {l} has tensors {sorted(got)} at seq_len={T}, "
+                            f"needs {sorted(want) if T else 'none'}")
+    return got, off
+
+
 def decode_message(data: bytes, config) -> tuple[K3Cache, dict]:
     """Rebuild the cache (CPU tensors) and the ``meta`` dict of a message from :func:`encode_state`."""
     header, off = _read_header(data, config)
@@ -123,33 +154,11 @@ def decode_message(data: bytes, config) -> tuple[K3Cache, dict]:
                             f"layers, the config {config.num_hidden_layers}")
     cache = K3Cache(config, B)
     for l, (entry, st) in enumerate(zip(layers, cache.layers)):
-        kind = "kda" if config.is_kda_layer(l) else "mla"
-        if entry.get("kind") != kind:
-            raise TransferError(f"state message layer {l} is {entry.get('kind')!r}, the config's is {kind!r}")
-        want = _expected_shapes(config, l, B, T)
-        got = {}
-        for spec in entry.get("tensors", []):
-            name, dtype = spec.get("name"), _DTYPES.get(spec.get("dtype"))
-            if name not in want or name in got or dtype is None or spec.get("shape") != want[name]:
-                raise TransferError(f"state message layer {l} tensor {spec} does not fit the config "
-                                    f"(expected one of {want}, dtypes {sorted(_DTYPES)})")
-            n = dtype.itemsize
-            for s in want[name]:
-                n *= s
-            if off + n > len(data):
-                raise TransferError(f"state message truncated in layer {l} {name}: "
-                                    f"needs {off + n} bytes, got {len(data)}")
-            raw = torch.frombuffer(bytearray(data[off:off + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-            got[name] = raw.view(dtype).reshape(want[name])
-            off += n
-        if got and set(got) != set(want):
-            raise TransferError(f"state message layer {l} has tensors {sorted(got)}, needs {sorted(want)}")
-        if kind == "kda" and got:
+        got, off = _read_layer(data, off, config, l, entry, B, T)
+        if "conv" in got:
             st.conv, st.recurrent = got["conv"], got["recurrent"]
         elif got:
             st.append(got["c"], got["k_pe"])
-        elif kind == "mla" and T:
-            raise TransferError(f"state message layer {l} has no KV for seq_len={T}")
     if off != len(data):
         raise TransferError(f"state message has {len(data) - off} bytes after its last tensor")
     cache.seq_len = T
