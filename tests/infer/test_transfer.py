@@ -14,7 +14,8 @@ import torch
 from k3.config import get_preset
 from k3.infer.transfer import (DecodeWorker, InProcessTransport, PrefillWorker, SocketTransport,
                                TransferError, decode_message, decode_state, encode_state)
-from k3.model.cache import KDAState
+from k3.errors import K3Error
+from k3.model.cache import K3Cache, KDAState
 from k3.model.decoder import K3ForCausalLM
 
 CFG = get_preset("nano")
@@ -101,6 +102,11 @@ def test_bad_messages_are_refused_by_name(model):
             bad = bad.replace(old, new, 1)
         with pytest.raises(TransferError, match=what):
             decode_state(bad, CFG)
+    with torch.no_grad():  # rows of different lengths: one message per sequence, refused
+        longer = model.new_cache(1)
+        model(torch.tensor([prompt_of(10, 2)]), cache=longer)
+    with pytest.raises(K3Error, match="different lengths"):
+        encode_state(K3Cache.cat([cache, longer]), CFG)
     stateless = cache.clone()  # a KDA layer without its state although 9 tokens were seen
     stateless.layers[0] = KDAState(1, LAC.num_heads, LAC.head_dim, LAC.short_conv_kernel_size)
     with pytest.raises(TransferError, match=r"layer 0 has tensors \[\] at seq_len=9"):
@@ -133,6 +139,12 @@ def test_socket_transport_frames_messages_and_reports_a_cut_connection():
         with SocketTransport.connect(listener.port) as t, listener.accept(timeout=30) as conn:
             with pytest.raises(TransferError, match="within 0.2 s"):
                 conn.recv(timeout=0.2)
+            conn.max_message_bytes = 5
+            t.send(b"12345")
+            assert conn.recv(timeout=30) == b"12345"  # positive control: at the limit
+            t.send(b"123456")
+            with pytest.raises(TransferError, match="exceeds max_message_bytes=5"):
+                conn.recv(timeout=30)
 
 
 def test_in_process_workers_equal_full_forward_greedy(model):
