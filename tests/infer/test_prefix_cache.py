@@ -78,6 +78,70 @@ def test_match_returns_deepest_snapshot_leaving_one_token():
     assert s["hit_tokens"] == 10 + 8 + 8 + 4 + 4 + 10 + 8 + 4 + 6 + 6 + 10 + 0
 
 
+def test_prompt_end_leaf_beside_a_kv_only_block_is_found():
+    pc = PrefixCache(cache_block=4, max_bytes=10**9)
+    pc.insert(A[:6], fake_cache(A[:6]))              # prompt-end leaf at 6 under the node at 4
+    pc.insert(A[:8] + C[:4], fake_cache(A[:8] + C[:4]))  # makes 4 and 8 KV-only block nodes
+    assert lengths(pc, A[:9] + [1], A[:8] + C[:5]) == [6, 12]
+    check_hit(pc.match(A[:9] + [1]), A)
+
+
+class NaiveStore:
+    """Reference for the tree, written without one: live snapshots {prefix: last use}; the stored
+    nodes are every prefix of a live snapshot cut at multiples of B, plus the snapshot itself."""
+
+    def __init__(self, block, budget):
+        self.block, self.budget, self.snaps, self.clock, self.evictions = block, budget, {}, 0, 0
+
+    def nodes(self):
+        return {p[:d] for p in self.snaps for d in [*range(self.block, len(p) + 1, self.block), len(p)]}
+
+    def nbytes(self):
+        kv = sum(len(n) - (len(n) - 1) // self.block * self.block for n in self.nodes())
+        return kv * KV_PER_TOKEN + len(self.snaps) * SNAPSHOT
+
+    def touch(self, p):
+        self.clock += 1
+        self.snaps[p] = self.clock
+
+    def insert(self, p):
+        self.touch(p)
+        while self.nbytes() > self.budget:
+            del self.snaps[min(self.snaps, key=self.snaps.get)]
+            self.evictions += 1
+
+    def match(self, q):
+        fits = [p for p in self.snaps if len(p) < len(q) and q[:len(p)] == p]
+        if not fits:
+            return 0
+        best = max(fits, key=len)
+        self.touch(best)
+        return len(best)
+
+
+@pytest.mark.parametrize("block", [2, 3])
+def test_random_operations_agree_with_a_naive_store(block):
+    g = torch.Generator().manual_seed(block)
+    budget = 40 * KV_PER_TOKEN + 5 * SNAPSHOT
+    pc, ref = PrefixCache(cache_block=block, max_bytes=budget), NaiveStore(block, budget)
+    for step in range(300):
+        n = int(torch.randint(1, 11, (1,), generator=g))
+        seq = tuple(torch.randint(1, 4, (n,), generator=g).tolist())  # 3 symbols: many shared prefixes
+        if step % 2:
+            pc.insert(list(seq), fake_cache(list(seq)))
+            ref.insert(seq)
+        else:
+            hit = pc.match(list(seq))
+            assert hit.length == ref.match(seq), step
+            if hit.length:
+                check_hit(hit, list(seq))
+        s = pc.stats()
+        assert (s["bytes"], s["entries"], s["nodes"], s["evictions"]) == \
+            (ref.nbytes(), len(ref.snaps), len(ref.nodes()), ref.evictions), step
+        assert s["bytes"] <= budget
+    assert ref.evictions > 20  # the budget was binding
+
+
 def test_kv_only_boundaries_are_never_matched():
     pc = PrefixCache(cache_block=4, max_bytes=10**9)
     pc.insert(A[:12], fake_cache(A[:12]))  # nodes at 4 and 8 hold KV only

@@ -25,6 +25,7 @@ need. KV is therefore freed leaves first.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -89,61 +90,60 @@ class PrefixCache:
         self._config = None
         self._fingerprint = None
         self._clock = 0
-        self._bytes = 0
+        self._bytes = self._n_nodes = self._n_entries = 0
+        self._lru: list[tuple[int, _Node]] = []  # (last_used, node), lazily invalidated min-heap
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0)
 
     # ------------------------------------------------------------------ queries
     def stats(self) -> dict:
-        nodes = list(self._nodes())
-        return dict(self._counts, bytes=self._bytes, entries=sum(n.kda is not None for n in nodes),
-                    nodes=len(nodes))
+        """Counters kept up to date by insert/match/evict (cheap; safe to read from another thread)."""
+        return dict(self._counts, bytes=self._bytes, entries=self._n_entries, nodes=self._n_nodes)
 
-    def _nodes(self):
-        stack = list(self._root.children.values())
-        while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
-
-    def _tick(self) -> int:
+    def _touch(self, node: _Node) -> None:
+        """Mark ``node``'s snapshot as used now (for LRU)."""
         self._clock += 1
-        return self._clock
+        node.last_used = self._clock
+        heapq.heappush(self._lru, (node.last_used, node))
+        if len(self._lru) > 2 * self._n_entries + 64:  # drop stale heap entries now and then
+            self._lru = [(n.last_used, n) for t, n in self._lru if n.kda is not None and n.last_used == t]
+            heapq.heapify(self._lru)
 
-    def _child(self, node: _Node, tokens: Sequence[int], limit: int) -> _Node | None:
-        """The child of ``node`` whose segment continues ``tokens`` within ``tokens[:limit]``:
-        the block child if one fits, else the longest prompt-end child."""
-        d, B = node.depth, self.cache_block
-        if d + B <= limit:
-            child = node.children.get(tuple(tokens[d:d + B]))
-            if child is not None:
-                return child
-        for n in range(min(B - 1, limit - d), 0, -1):
+    def _tail(self, node: _Node, tokens: list[int], limit: int) -> _Node | None:
+        """The longest prompt-end child of ``node`` (a leaf, shorter than a block) that continues
+        ``tokens`` within ``tokens[:limit]``."""
+        d = node.depth
+        for n in range(min(self.cache_block - 1, limit - d), 0, -1):
             child = node.children.get(tuple(tokens[d:d + n]))
-            if child is not None:
+            if child is not None and child.kda is not None:
                 return child
         return None
 
     def match(self, tokens: Sequence[int]) -> PrefixHit:
         """Deepest snapshot covering a prefix of ``tokens`` (at most ``len(tokens) − 1`` of them)."""
         tokens = [int(t) for t in tokens]
-        node, best, limit = self._root, None, len(tokens) - 1
-        path: list[_Node] = []
+        limit, B = len(tokens) - 1, self.cache_block
+        node, path = self._root, []
+        best: tuple[int, _Node | None] | None = None  # (block nodes of path used, prompt-end leaf)
         while True:
-            node = self._child(node, tokens, limit)
+            tail = self._tail(node, tokens, limit)
+            if tail is not None:
+                best = (len(path), tail)
+            d = node.depth
+            node = node.children.get(tuple(tokens[d:d + B])) if d + B <= limit else None
             if node is None:
                 break
             path.append(node)
-            if node.kda is not None:
-                best = node
-            if len(node.key) < self.cache_block:  # a prompt-end leaf
-                break
+            if node.kda is not None:  # deeper than any prompt-end leaf above it
+                best = (len(path), None)
         if best is None:
             self._counts["misses"] += 1
             return PrefixHit(0, None)
-        best.last_used = self._tick()
+        nodes = path[: best[0]] + ([best[1]] if best[1] is not None else [])
+        hit = nodes[-1]
+        self._touch(hit)
         self._counts["hits"] += 1
-        self._counts["hit_tokens"] += best.depth
-        return PrefixHit(best.depth, self._build(path[: path.index(best) + 1]))
+        self._counts["hit_tokens"] += hit.depth
+        return PrefixHit(hit.depth, self._build(nodes))
 
     def _build(self, path: list[_Node]) -> K3Cache:
         """A fresh batch-1 cache: KV concatenated along ``path``, the last node's snapshot copied."""
@@ -187,7 +187,6 @@ class PrefixCache:
             self._config, self._fingerprint = cache.config, cache.fingerprint
         cfg, L, B = self._config, len(tokens), self.cache_block
         mla = [cache.layers[l] for l in cfg.mla_layer_ids]
-        now = self._tick()
         node = self._root
         for d in range(0, L, B):
             end = min(d + B, L)
@@ -198,23 +197,25 @@ class PrefixCache:
                 child = _Node(depth=end, parent=node, kv=kv, key=key)
                 node.children[key] = child
                 self._bytes += child.kv_bytes
+                self._n_nodes += 1
             node = child
         if node.kda is None:
             node.kda = [(cache.layers[l].conv[0].clone(), cache.layers[l].recurrent[0].clone())
                         for l in cfg.kda_layer_ids]
             self._bytes += node.kda_bytes
-        node.last_used = now
+            self._n_entries += 1
+        self._touch(node)
         self._evict()
 
     # ------------------------------------------------------------------ eviction
     def _evict(self) -> None:
-        while self._bytes > self.max_bytes:
-            victims = [n for n in self._nodes() if n.kda is not None]
-            if not victims:  # every KV-only node has a snapshot below it, so the tree is empty
-                break
-            victim = min(victims, key=lambda n: n.last_used)
+        while self._bytes > self.max_bytes and self._lru:
+            t, victim = heapq.heappop(self._lru)
+            if victim.kda is None or victim.last_used != t:  # stale: evicted or used since
+                continue
             self._bytes -= victim.kda_bytes
             victim.kda = None
+            self._n_entries -= 1
             self._counts["evictions"] += 1
             self._prune(victim)
 
@@ -224,4 +225,5 @@ class PrefixCache:
             parent = node.parent
             del parent.children[node.key]
             self._bytes -= node.kv_bytes
+            self._n_nodes -= 1
             node = parent

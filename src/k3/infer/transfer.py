@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from k3.errors import K3Error
-from k3.model.cache import K3Cache, KDAState
+from k3.model.cache import K3Cache
 
 __all__ = ["TransferError", "encode_state", "decode_state", "decode_message", "config_hash",
            "InProcessTransport", "SocketTransport", "SocketListener", "PrefillWorker", "DecodeWorker"]
@@ -192,10 +192,24 @@ class InProcessTransport:
         return data
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the queue goes with the object."""
 
 
-class SocketTransport:
+class _OwnsSocket:
+    """Closes ``self._sock`` on ``close()`` and at the end of a ``with`` block."""
+    _sock: socket.socket
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SocketTransport(_OwnsSocket):
     """Length-prefixed messages (u64 big-endian length, then the bytes) over a TCP connection.
 
     ``SocketTransport.listen()`` binds a free loopback port (``listener.port``) and ``accept()``\\ s one
@@ -243,17 +257,9 @@ class SocketTransport:
         self.bytes_received += len(data)
         return data
 
-    def close(self) -> None:
-        self._sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
-class SocketListener:
+class SocketListener(_OwnsSocket):
     """A bound, listening socket (port 0 = a free port chosen by the OS, read ``.port``)."""
 
     def __init__(self, host: str, port: int):
@@ -269,14 +275,6 @@ class SocketListener:
         conn.settimeout(None)
         return SocketTransport(conn)
 
-    def close(self) -> None:
-        self._sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # ---------------------------------------------------------------------- workers
