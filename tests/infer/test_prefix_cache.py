@@ -142,6 +142,15 @@ def test_random_operations_agree_with_a_naive_store(block):
     assert ref.evictions > 20  # the budget was binding
 
 
+def test_token_ids_may_be_a_tensor_or_numpy_ints_but_not_floats():
+    import numpy as np
+    pc = PrefixCache(cache_block=4, max_bytes=10**9)
+    pc.insert(torch.tensor(A[:8]), fake_cache(A[:8]))
+    assert pc.match(np.array(A[:9])).length == 8 and pc.match(torch.tensor(A[:9])).length == 8
+    with pytest.raises(K3Error, match="token ids must be integers"):
+        pc.match([float(t) for t in A[:9]])
+
+
 def test_kv_only_boundaries_are_never_matched():
     pc = PrefixCache(cache_block=4, max_bytes=10**9)
     pc.insert(A[:12], fake_cache(A[:12]))  # nodes at 4 and 8 hold KV only

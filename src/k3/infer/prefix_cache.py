@@ -26,6 +26,7 @@ need. KV is therefore freed leaves first.
 from __future__ import annotations
 
 import heapq
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -35,6 +36,17 @@ from k3.errors import K3Error
 from k3.model.cache import K3Cache, KDAState, MLAState
 
 __all__ = ["PrefixCache", "PrefixHit"]
+
+
+def _token_ids(tokens) -> list[int]:
+    """``tokens`` as a list of Python ints (dict keys must hash like ints; 0-d tensors do not)."""
+    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    if set(map(type, ids)) - {int}:
+        try:
+            ids = [operator.index(t) for t in ids]
+        except TypeError:
+            raise K3Error(f"token ids must be integers, got {sorted({type(t).__name__ for t in ids})}") from None
+    return ids
 
 
 def _nbytes(ts) -> int:
@@ -56,6 +68,7 @@ class _Node:
     kda: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per KDA layer: (conv, recurrent)
     key: tuple[int, ...] = ()
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    tail_lengths: set[int] = field(default_factory=set)  # key lengths of prompt-end children
     last_used: int = 0
 
     @property
@@ -91,6 +104,7 @@ class PrefixCache:
         self._fingerprint = None
         self._clock = 0
         self._bytes = self._n_nodes = self._n_entries = 0
+        self._cursor: tuple[list[int], _Node] | None = None  # last block node inserted at
         self._lru: list[tuple[int, _Node]] = []  # (last_used, node), lazily invalidated min-heap
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0)
 
@@ -112,15 +126,15 @@ class PrefixCache:
         """The longest prompt-end child of ``node`` (a leaf, shorter than a block) that continues
         ``tokens`` within ``tokens[:limit]``."""
         d = node.depth
-        for n in range(min(self.cache_block - 1, limit - d), 0, -1):
-            child = node.children.get(tuple(tokens[d:d + n]))
+        for n in sorted(node.tail_lengths, reverse=True):
+            child = node.children.get(tuple(tokens[d:d + n])) if d + n <= limit else None
             if child is not None and child.kda is not None:
                 return child
         return None
 
     def match(self, tokens: Sequence[int]) -> PrefixHit:
         """Deepest snapshot covering a prefix of ``tokens`` (at most ``len(tokens) − 1`` of them)."""
-        tokens = [int(t) for t in tokens]
+        tokens = _token_ids(tokens)
         limit, B = len(tokens) - 1, self.cache_block
         node, path = self._root, []
         best: tuple[int, _Node | None] | None = None  # (block nodes of path used, prompt-end leaf)
@@ -181,14 +195,14 @@ class PrefixCache:
 
     def insert(self, tokens: Sequence[int], cache: K3Cache) -> None:
         """Record the state of ``cache`` (batch 1, has seen exactly ``tokens``) at depth len(tokens)."""
-        tokens = [int(t) for t in tokens]
+        tokens = _token_ids(tokens)
         self._check_insert(tokens, cache)
         if self._config is None:
             self._config, self._fingerprint = cache.config, cache.fingerprint
         cfg, L, B = self._config, len(tokens), self.cache_block
         mla = [cache.layers[l] for l in cfg.mla_layer_ids]
-        node = self._root
-        for d in range(0, L, B):
+        node = self._resume_point(tokens)
+        for d in range(node.depth, L, B):
             end = min(d + B, L)
             key = tuple(tokens[d:end])
             child = node.children.get(key)
@@ -196,9 +210,13 @@ class PrefixCache:
                 kv = [(st.c[0, d:end].clone(), st.k_pe[0, d:end].clone()) for st in mla]
                 child = _Node(depth=end, parent=node, kv=kv, key=key)
                 node.children[key] = child
+                if end - d < B:
+                    node.tail_lengths.add(end - d)
                 self._bytes += child.kv_bytes
                 self._n_nodes += 1
             node = child
+        if L % B == 0:
+            self._cursor = (tokens, node)
         if node.kda is None:
             node.kda = [(cache.layers[l].conv[0].clone(), cache.layers[l].recurrent[0].clone())
                         for l in cfg.kda_layer_ids]
@@ -206,6 +224,16 @@ class PrefixCache:
             self._n_entries += 1
         self._touch(node)
         self._evict()
+
+    def _resume_point(self, tokens: list[int]) -> _Node:
+        """Where an insert's walk can start: the block node of the previous insert when ``tokens``
+        extend its prefix and it is still in the tree (the engine inserts one prompt's boundaries
+        in order, so each insert walks only the new blocks), else the root."""
+        if self._cursor is not None:
+            prev, node = self._cursor
+            if node.parent is not None and len(tokens) > node.depth and tokens[:node.depth] == prev[:node.depth]:
+                return node
+        return self._root
 
     # ------------------------------------------------------------------ eviction
     def _evict(self) -> None:
@@ -224,6 +252,9 @@ class PrefixCache:
         while node is not self._root and not node.children and node.kda is None:
             parent = node.parent
             del parent.children[node.key]
+            if len(node.key) < self.cache_block and not any(len(k) == len(node.key) for k in parent.children):
+                parent.tail_lengths.discard(len(node.key))
+            node.parent = None  # detached (see _resume_point)
             self._bytes -= node.kv_bytes
             self._n_nodes -= 1
             node = parent
