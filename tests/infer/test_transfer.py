@@ -154,6 +154,8 @@ def test_in_process_workers_equal_full_forward_greedy(model):
     msg = PrefillWorker(model, t, prefill_chunk=7).prefill(prompt)
     assert DecodeWorker(model, t).decode(max_tokens=10) == want
     assert t.bytes_sent == t.bytes_received == len(msg) == header_len(msg) + tensor_bytes(18)
+    stop = want[3]  # decoding ends at (and includes) the first stop token
+    assert DecodeWorker(model).decode(msg, max_tokens=10, stop_token_ids=[stop]) == want[:want.index(stop) + 1]
     assert DecodeWorker(model).decode(PrefillWorker(model).prefill(prompt[:1]), max_tokens=4) == \
         greedy_full(model, prompt[:1], 4)  # N = 1: an empty state, the one token fed on decode
 
@@ -223,3 +225,20 @@ def test_prefill_and_decode_in_two_processes_over_a_socket(model, tmp_path):
     assert worker.bytes_received == report["bytes_sent"]
     assert expected < worker.bytes_received <= expected + 4096  # the header is small JSON
     assert worker.bytes_received == expected + header_len(PrefillWorker(model).prefill(prompt))
+
+
+def test_worker_bad_input_is_refused_by_name(model):
+    pre, dec = PrefillWorker(model), DecodeWorker(model)
+    for bad, what in (([], "must not be empty"), ([1, CFG.vocab_size], "outside the vocabulary"),
+                      ([1] * (CFG.max_position_embeddings + 1), "max_position_embeddings")):
+        with pytest.raises(K3Error, match=what):
+            pre.prefill(bad)
+    with pytest.raises(K3Error, match="prefill_chunk"):
+        PrefillWorker(model, prefill_chunk=0)
+    msg = pre.prefill([1, 2, 3])
+    for n in (0, -1, True):
+        with pytest.raises(K3Error, match="max_tokens"):
+            dec.decode(msg, max_tokens=n)
+    with pytest.raises(K3Error, match="no transport"):
+        dec.decode(max_tokens=1)
+    assert dec.decode(msg, max_tokens=2) == greedy_full(model, [1, 2, 3], 2)  # positive control
