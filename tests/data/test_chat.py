@@ -176,7 +176,7 @@ def _base():
     return [{"role": "user", "content": [{"type": "text", "text": "Weather "}, {"type": "text", "text": "?"}]},
             {"role": "assistant", "reasoning_content": "r", "content": None, "tool_calls": [
                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "ok"}]
 
 
 BAD = [
@@ -195,6 +195,7 @@ BAD = [
     (lambda m: m[2].update(tool_call_id="c2"), r"messages\[2\]\.tool_call_id 'c2' matches no earlier"),
     (lambda m: m[2].pop("tool_call_id"), r"messages\[2\]\.tool_call_id is required"),
     (lambda m: m.append("hello"), r"messages\[3\] must be an object"),
+    (lambda m: m[2].update(name="other"), r"messages\[2\]\.name 'other' is not the function of call 'c1'"),
 ]
 
 

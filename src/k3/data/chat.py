@@ -99,12 +99,14 @@ class _Calls:
 
     def __init__(self):
         self.rendered: dict[str, str] = {}
+        self.names: dict[str, str] = {}  # rendered id -> function name
         self.count = 0
 
-    def add(self, sent_id: str | None, rendered_id: str) -> None:
+    def add(self, sent_id: str | None, rendered_id: str, name: str) -> None:
         if sent_id:
             self.rendered[sent_id] = rendered_id
         self.rendered[rendered_id] = rendered_id
+        self.names[rendered_id] = name
         self.count += 1
 
 
@@ -236,7 +238,12 @@ class ChatFormat:
             raise K3Error(f"{where}.tool_call_id is required on a tool message (a str)")
         if cid not in calls_seen.rendered:
             raise K3Error(f"{where}.tool_call_id {cid!r} matches no earlier assistant tool call")
-        body = f"Result of {calls_seen.rendered[cid]}\n" + _text(m.get("content"), f"{where}.content")
+        rid = calls_seen.rendered[cid]
+        name = m.get("name")
+        if name is not None and name != calls_seen.names[rid]:
+            raise K3Error(f"{where}.name {name!r} is not the function of call {cid!r} "
+                          f"({calls_seen.names[rid]!r})")
+        body = f"Result of {rid}\n" + _text(m.get("content"), f"{where}.content")
         self._turn(ids, mask, "system", "tool", [body])
 
     def _assistant(self, ids, mask, m, where, calls_seen, allow_missing_reasoning) -> None:
@@ -276,7 +283,7 @@ class ChatFormat:
             if not ok:
                 raise K3Error(f"{w}.function.arguments is not a JSON object: {args[:80]!r}")
             rid = self._call_id(c.get("id"), name, calls_seen.count, w)
-            calls_seen.add(c.get("id"), rid)
+            calls_seen.add(c.get("id"), rid, name)
             out += [self.ids["<|tool_call_begin|>"], *self.tok.encode(rid),
                     self.ids["<|tool_call_argument_begin|>"], *self.tok.encode(args),
                     self.ids["<|tool_call_end|>"]]
