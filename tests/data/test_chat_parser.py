@@ -127,6 +127,11 @@ def test_a_rejected_call_retracts_its_index(fmt):
     assert [e.index for e in events if isinstance(e, ToolCallBegin)] == [0, 0]
 
 
+def test_an_id_the_tokenizer_lacks_reads_as_replacement_character(fmt):
+    _, res = run(fmt, [fmt.tok.vocab_size + 3, fmt.ids["</think>"], *gen_ids(fmt, "ok")])
+    assert res.reasoning == "\ufffd" and res.content == "ok"
+
+
 def test_feeding_after_the_end_is_refused(fmt):
     p = fmt.parser()
     p.feed(fmt.ids["</think>"])  # positive control: a token before the end is accepted
@@ -138,7 +143,8 @@ def test_feeding_after_the_end_is_refused(fmt):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_arbitrary_ids_never_raise_and_deltas_add_up(fmt, data):
-    ids = data.draw(st.lists(st.integers(0, fmt.tok.vocab_size - 1), max_size=60))
+    # ids past the tokenizer's too: a model may have more embedding rows than the tokenizer has ids
+    ids = data.draw(st.lists(st.integers(0, fmt.tok.vocab_size + 8), max_size=60))
     events, res = run(fmt, ids)
     assert joined(events, ReasoningDelta) == res.reasoning
     assert joined(events, ContentDelta) == res.content

@@ -12,7 +12,7 @@ A call whose header is not ``functions.{name}:{i}`` or whose arguments are not a
 not a tool call: its raw text (markers spelled out) comes back as content. Its ``ToolCallEnd`` says
 ``valid=False`` and its index is reused by the next call, so a consumer that must never show a
 retracted call holds a call's deltas until its end. A special token where the format has no place
-for it is text of the current channel. Nothing the model writes makes the parser raise.
+for it is text of the current channel; an id the tokenizer does not have reads as U+FFFD. Nothing the model writes makes the parser raise.
 
 ``finish(reason)`` flushes and returns the ``ChatResult`` (reasoning, content, tool_calls in the
 OpenAI schema, finish_reason "tool_calls" | "stop" after ``<|im_end|>``, else ``reason`` or
@@ -98,6 +98,7 @@ class ChatParser:
 
     def __init__(self, fmt, in_reasoning: bool = True):
         self.tok = fmt.tok
+        self._n_ids = fmt.tok.vocab_size
         ids = fmt.ids
         self._end_ids = {ids["<|im_end|>"], self.tok.eos_token_id}
         self._think_end = ids["</think>"]
@@ -122,7 +123,8 @@ class ChatParser:
         if self.ended:
             raise K3Error("the chat parser already finished (<|im_end|> or finish()); "
                           f"token {token_id} has no message to go to")
-        b = self.tok.token_bytes(token_id)
+        # an id past the tokenizer (a model may have more embedding rows) reads as U+FFFD
+        b = self.tok.token_bytes(token_id) if 0 <= token_id < self._n_ids else "\ufffd".encode()
         ev: list = []
         if token_id in self._end_ids:
             self._close(ev)
