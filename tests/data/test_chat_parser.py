@@ -4,7 +4,7 @@ import json
 import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from k3.data.chat import ChatFormat
@@ -188,6 +188,16 @@ def conversations(draw):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(conv=conversations())
+@example(conv=(  # empty reasoning, three calls (one foreign id, one model id, one without), unicode
+    [{"role": "user", "content": "天気? 🎉"},
+     {"role": "assistant", "reasoning_content": "", "content": "", "tool_calls": [
+         {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": '{"k": "é"}'}},
+         {"id": "functions.x:5", "type": "function", "function": {"name": "x", "arguments": "{}"}},
+         {"type": "function", "function": {"name": "b.c", "arguments": '{"n": [1, null]}'}}]},
+     {"role": "tool", "tool_call_id": "call_1", "content": "<|im_end|>"},
+     {"role": "tool", "tool_call_id": "functions.x:5", "content": ""},
+     {"role": "assistant", "reasoning_content": "世界", "content": "<think>done</think>"}],
+    [{"type": "function", "function": {"name": "a"}}], "low"))
 def test_render_parse_round_trip(fmt, conv):
     msgs, tools, effort = conv
     n_calls = 0
