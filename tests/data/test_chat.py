@@ -189,6 +189,8 @@ BAD = [
     (lambda m: m[1]["tool_calls"][0]["function"].update(arguments={}), r"arguments must be a JSON string"),
     (lambda m: m[1]["tool_calls"][0]["function"].update(arguments="{bad"), r"arguments is not a JSON object"),
     (lambda m: m[1]["tool_calls"][0]["function"].update(arguments="[1]"), r"arguments is not a JSON object"),
+    (lambda m: m[1]["tool_calls"][0]["function"].update(arguments='{"a": "\ud800"}'),
+     r"arguments is not a JSON object"),
     (lambda m: m[1]["tool_calls"][0]["function"].update(name="a b"), r"tool_calls\[0\]\.function\.name"),
     (lambda m: m[1]["tool_calls"][0].update(type="code"), r"tool_calls\[0\] must be"),
     (lambda m: m[1].update(reasoning="other"), r"reasoning_content and reasoning differ"),
@@ -217,6 +219,10 @@ def test_bad_tools_and_effort_are_refused(fmt):
         fmt.render(msgs, tools=[{"type": "function", "function": {"name": ""}}])
     with pytest.raises(K3Error, match=r"tools\[0\]\.function has unknown fields \['x'\]"):
         fmt.render(msgs, tools=[{"type": "function", "function": {"name": "f", "x": 1}}])
+    with pytest.raises(K3Error, match=r"tools\[0\]\.function is not JSON text"):
+        fmt.render(msgs, tools=[{"type": "function", "function": {"name": "f", "parameters": {1, 2}}}])
+    with pytest.raises(K3Error, match=r"tools\[0\]\.function is not JSON text"):
+        fmt.render(msgs, tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}])
     with pytest.raises(K3Error, match="messages must be a list"):
         fmt.render("hello")
 

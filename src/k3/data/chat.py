@@ -212,6 +212,10 @@ class ChatFormat:
         unknown = set(fn) - {"name", "description", "parameters", "strict"}
         if unknown:
             raise K3Error(f"{where}.function has unknown fields {sorted(unknown)}")
+        try:
+            canonical_json(dict(fn)).encode("utf-8")
+        except (TypeError, ValueError) as e:  # e.g. a set, or a lone surrogate
+            raise K3Error(f"{where}.function is not JSON text ({e})") from None
         return dict(fn)
 
     def _check_keys(self, m: Any, where: str) -> str:
@@ -277,8 +281,8 @@ class ChatFormat:
             if not isinstance(args, str):
                 raise K3Error(f"{w}.function.arguments must be a JSON string, got {type(args).__name__}")
             try:
-                ok = isinstance(json.loads(args), dict)
-            except ValueError:
+                ok = isinstance(json.loads(args), dict) and bool(args.encode("utf-8"))
+            except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
                 ok = False
             if not ok:
                 raise K3Error(f"{w}.function.arguments is not a JSON object: {args[:80]!r}")
