@@ -1,6 +1,8 @@
 """The chat renderer of SPEC §6.3: exact ids, SFT masks, preserved thinking, refusals."""
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from k3.data.chat import ChatFormat, thinking_budget
 from k3.data.tokenizer import train_tokenizer
@@ -242,3 +244,36 @@ def test_thinking_budget_table():
         thinking_budget("medium")
     with pytest.raises(K3Error, match="thinking cap for 'low'"):
         thinking_budget("low", caps={"low": -1})
+
+
+_KEYS = ["role", "content", "reasoning_content", "reasoning", "tool_calls", "tool_call_id", "name",
+         "type", "function", "arguments", "id", "text", "refusal"]
+_VAL = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_subnormal=False)
+                    | st.text(max_size=8) | st.sampled_from(["system", "user", "assistant", "tool",
+                                                              "function", "text", "{}", "f"]),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(_KEYS), c, max_size=4),
+                    max_leaves=12)
+
+
+_CALL = st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g", "a b"]), "arguments": st.sampled_from(["{}", '{"a": 1}', "[", 3])})},
+    optional={"id": st.sampled_from(["c1", "functions.f:0", "c2"])})
+_MSG = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "bot"])}, optional={
+    "content": st.none() | st.text(max_size=8) | _VAL, "reasoning_content": st.text(max_size=4) | _VAL,
+    "tool_calls": st.lists(_CALL, max_size=2) | _VAL, "tool_call_id": st.sampled_from(["c1", "functions.f:0"]),
+    "name": _VAL})
+_TOOLS = st.none() | st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", ""])}, optional={"parameters": _VAL})}), max_size=2) | _VAL
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(_MSG, max_size=5) | _VAL, tools=_TOOLS,
+       effort=st.sampled_from([None, "low", "max"]) | _VAL)
+def test_any_json_input_renders_or_raises_k3error(fmt, messages, tools, effort):
+    # what the server must turn into a 400, never a 500; both outcomes occur (see the events)
+    try:
+        ids = fmt.render(messages, tools=tools, reasoning_effort=effort)
+        assert ids[-1] == fmt.ids["<think>"]
+        event("rendered")
+    except K3Error:
+        event("refused")
