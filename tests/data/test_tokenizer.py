@@ -5,6 +5,7 @@ import pytest
 import k3.data.tokenizer as tokmod
 from k3.data.corpus import Corpus
 from k3.data.tokenizer import EOS_TOKEN, Tokenizer, get_tokenizer, train_tokenizer
+from k3.errors import K3Error
 
 
 def _small_corpus() -> Corpus:
@@ -36,7 +37,7 @@ def test_round_trip_is_exact_on_arbitrary_unicode(tok):
 
 def test_eos_is_id_zero_and_not_injectable_from_data(tok):
     assert tok.eos_token_id == 0 and tok.token_to_id(EOS_TOKEN) == 0
-    assert 256 + 8 < tok.vocab_size <= 320  # fewer when the text runs out of pairs to merge
+    assert 256 + 14 < tok.vocab_size <= 320  # fewer when the text runs out of pairs to merge
     ids = tok.encode("a <|endoftext|> b")
     assert 0 not in ids and tok.decode(ids) == "a <|endoftext|> b"
     assert tok.encode(EOS_TOKEN, allow_special=True) == [0]
@@ -93,3 +94,80 @@ def test_truncated_tokenizer_cache_is_named_and_retrained(tmp_path, monkeypatch)
     with pytest.warns(UserWarning, match=f"cached tokenizer unusable, retraining it: {path}"):
         t2 = get_tokenizer(c, 300)
     assert t2.fingerprint == t1.fingerprint and Tokenizer.load(path).fingerprint == t1.fingerprint
+
+
+CHAT_STRINGS = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
+                "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                "<|media_placeholder|>"]  # SPEC §6.3, written out here
+
+
+def test_chat_tokens_have_ids_one_to_thirteen_stored_in_the_file(tok, tmp_path):
+    assert [tok.token_to_id(s) for s in CHAT_STRINGS] == list(range(1, 14))
+    back = Tokenizer.load(tok.save(tmp_path))
+    assert back.chat_token_ids == dict(zip(CHAT_STRINGS, range(1, 14)))
+    assert back.missing_chat_tokens == ()
+
+
+def test_literal_chat_token_text_encodes_as_ordinary_bytes(tok):
+    specials = set(range(14))
+    for s in CHAT_STRINGS:
+        text = f"see {s} here"
+        ids = tok.encode(text)
+        assert not specials & set(ids) and tok.decode(ids) == text
+        assert len(ids) > 3  # spelled out in byte tokens
+        # positive control: a template that means the token gets its id
+        assert tok.encode(s, allow_special=True) == [tok.token_to_id(s)]
+        assert tok.token_to_id(s) in tok.encode(text, allow_special=True)
+    assert not specials & set(tok.encode_batch(["<|im_end|><think>"])[0])
+
+
+def test_old_tokenizer_file_without_chat_tokens_loads(tmp_path):
+    old = ["<|endoftext|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+           "<|im_end|>", "<think>", "</think>"]  # what k3 trained before the tool-call tokens
+    path = train_tokenizer(_small_corpus().documents("train"), 300, old).save(tmp_path)
+    back = Tokenizer.load(path)
+    assert back.eos_token_id == 0 and back.decode(back.encode("for x")) == "for x"
+    assert back.chat_token_ids is None
+    assert "<|tool_calls_section_begin|>" in back.missing_chat_tokens
+    assert "<|im_end|>" not in back.missing_chat_tokens
+
+
+def test_token_bytes_spell_the_utf8_of_the_text(tok):
+    rnd = random.Random(3)
+    for n in (1, 10, 300):
+        s = _random_text(rnd, n)
+        assert b"".join(tok.token_bytes(i) for i in tok.encode(s)) == s.encode("utf-8")
+    assert tok.token_bytes(5) == b"<|im_end|>"
+    assert tok.token_bytes(tok.vocab_size - 1)  # positive control beside the refusal
+    with pytest.raises(K3Error, match="token id"):
+        tok.token_bytes(tok.vocab_size)
+
+
+def test_cache_key_changes_with_the_special_tokens(tmp_path, monkeypatch):
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path))
+    c = _small_corpus()
+    old = ["<|endoftext|>", "<|im_end|>"]
+    t_old = get_tokenizer(c, 300, old)
+    t_new = get_tokenizer(c, 300)
+    assert len(list((tmp_path / "tokenizers").glob("*/tokenizer.json"))) == 2
+    assert t_old.chat_token_ids is None and t_new.chat_token_ids is not None
+    assert get_tokenizer(c, 300).fingerprint == t_new.fingerprint  # the new one is cached
+
+
+def test_tokenizer_cached_by_older_k3_is_not_reused(tmp_path, monkeypatch):
+    # Where k3 before the chat tokens cached it: key = sha256("1\0{corpus}\0{vocab}\0{specials}")
+    import hashlib
+
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path))
+    c = _small_corpus()
+    old = ["<|endoftext|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+           "<|im_end|>", "<think>", "</think>"]
+    old_key = hashlib.sha256(f"1\0{c.fingerprint}\0300\0{chr(0).join(old)}".encode()).hexdigest()[:24]
+    old_file = tmp_path / "tokenizers" / old_key / "tokenizer.json"
+    old_file.parent.mkdir(parents=True)
+    train_tokenizer(c.documents("train"), 300, old).save(old_file)
+    new = get_tokenizer(c, 300)
+    assert new.chat_token_ids is not None
+    assert len(list((tmp_path / "tokenizers").glob("*/tokenizer.json"))) == 2
+    assert Tokenizer.load(old_file).chat_token_ids is None  # still there, untouched

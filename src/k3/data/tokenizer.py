@@ -6,12 +6,18 @@ Byte-level pre-tokenization without a prefix space and the byte-level decoder ma
 ``decode(encode(s)) == s`` for every str that is valid Unicode (no lone surrogates).
 
 Special-token strings that occur *in data* are encoded as ordinary text (``encode_special_tokens``)
-so a corpus can never inject an EOS; pass ``allow_special=True`` to ``encode`` where a template
-means them.
+so a corpus can never inject an EOS or a chat marker; pass ``allow_special=True`` to ``encode`` where
+a template means them (the chat renderer, ``k3.data.chat``, inserts their ids directly).
+
+The special tokens are ``<|endoftext|>`` then the chat tokens of SPEC §6.3 (``CHAT_TOKENS``, ids
+1..13 in that order, stored in the tokenizer file as its added tokens). Tokenizer files written by
+older k3 (without some chat token) still load; ``chat_token_ids`` is then ``None`` and the chat
+renderer refuses them with a K3Error.
 
 A trained tokenizer is cached at ``$K3_CACHE_DIR/tokenizers/<key>/tokenizer.json``
 (``K3_CACHE_DIR`` defaults to ``~/.cache/k3``), key = sha256 of (corpus fingerprint, vocab size,
-special tokens, format version), and saved beside a checkpoint as ``tokenizer.json``. A cached file
+special tokens, format version: 2 since the chat tokens joined, so a tokenizer cached by an older
+k3 is never reused for a new run), and saved beside a checkpoint as ``tokenizer.json``. A cached file
 that does not parse (truncated, edited) is retrained with a warning naming it.
 """
 
@@ -32,13 +38,22 @@ from k3.errors import K3Error
 from k3.fsutil import atomic_write
 
 __all__ = ["Tokenizer", "train_tokenizer", "get_tokenizer", "cache_dir", "EOS_TOKEN",
-           "SPECIAL_TOKENS"]
+           "CHAT_TOKENS", "SPECIAL_TOKENS"]
 
 EOS_TOKEN = "<|endoftext|>"
-# Reserved for the chat template (Kimi's role markers and thinking tags); order fixes their ids.
-SPECIAL_TOKENS = (EOS_TOKEN, "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
-                  "<|im_end|>", "<think>", "</think>")
-_FORMAT_VERSION = 1
+# The chat format's markers (SPEC §6.3): roles, thinking tags, tool calls, media; order fixes ids.
+CHAT_TOKENS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
+               "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+               "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+               "<|media_placeholder|>")
+SPECIAL_TOKENS = (EOS_TOKEN, *CHAT_TOKENS)
+_FORMAT_VERSION = 2
+# GPT-2's byte alphabet: printable Latin-1 bytes stand for themselves, the other 68 bytes are
+# spelled with code points 256.. in byte order. Byte-level BPE token strings use it.
+_PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+_CHAR_TO_BYTE = {chr(b): b for b in _PRINTABLE}
+_CHAR_TO_BYTE.update({chr(256 + n): b for n, b in
+                      enumerate(b for b in range(256) if b not in set(_PRINTABLE))})
 
 
 def cache_dir(sub: str = "") -> Path:
@@ -57,6 +72,12 @@ class Tokenizer:
         if eos is None:
             raise ValueError(f"tokenizer has no {EOS_TOKEN} token")
         self.eos_token_id = eos
+        ids = {t: hf.token_to_id(t) for t in CHAT_TOKENS}
+        # None for a tokenizer file of older k3 (no chat tokens): the chat renderer refuses it
+        self.chat_token_ids: dict[str, int] | None = (
+            None if any(i is None for i in ids.values()) else ids)
+        self.missing_chat_tokens = tuple(t for t, i in ids.items() if i is None)
+        self._bytes: list[bytes] | None = None
 
     # --------------------------------------------------------------------------------- io
     @classmethod
@@ -101,6 +122,23 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The UTF-8 bytes id ``i`` stands for (a special token: its string's bytes).
+
+        Concatenating these for ``encode(s)`` gives ``s.encode()``; streaming decoders feed them to
+        an incremental UTF-8 decoder (one BPE token may hold part of a character).
+        """
+        if self._bytes is None:
+            specials = self.hf.get_added_tokens_decoder()
+            table = [b""] * self.vocab_size
+            for tok, j in self.hf.get_vocab(with_added_tokens=True).items():
+                table[j] = (tok.encode("utf-8") if j in specials
+                            else bytes(_CHAR_TO_BYTE[c] for c in tok))
+            self._bytes = table
+        if not 0 <= i < len(self._bytes):
+            raise K3Error(f"token id {i} is outside the tokenizer's {len(self._bytes)} ids")
+        return self._bytes[i]
 
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)

@@ -1,0 +1,304 @@
+"""The chat format (SPEC §6.3): OpenAI-style messages -> token ids, SFT loss masks, thinking caps.
+
+A message renders as ``<|im_{role}|>{role}<|im_middle|>{body}<|im_end|>`` (a tool result as
+``<|im_system|>tool``); an assistant body is ``<think>{reasoning}</think>{content}`` followed, when
+it calls tools, by ``<|tool_calls_section_begin|>`` + per call ``<|tool_call_begin|>{id}
+<|tool_call_argument_begin|>{arguments}<|tool_call_end|>`` + ``<|tool_calls_section_end|>``, with
+``id = functions.{name}:{i}``. The generation prompt is ``<|im_assistant|>assistant<|im_middle|>
+<think>``. The system turn carries the tools and the reasoning effort (docs/CHAT.md has the exact
+text). Markers are inserted as ids; every text piece is encoded as ordinary text, so a literal
+``<|im_end|>`` in a message stays bytes.
+
+Preserved thinking: every assistant turn keeps its reasoning and rendering is a pure function of
+the messages, so the prompt of turn N+1 starts with the ids of turn N's prompt plus its generated
+tokens (when those are the tokenizer's own encoding of the text, which greedy BPE output is not
+always; the prefix cache then hits up to the first differing token).
+
+The streaming parser (ids -> reasoning, content, tool calls) is ``k3.data.chat_parser``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping, Sequence
+
+from k3.data.tokenizer import CHAT_TOKENS, Tokenizer
+from k3.errors import K3Error
+
+__all__ = ["ChatFormat", "EFFORTS", "DEFAULT_EFFORT", "THINKING_CAPS", "thinking_budget",
+           "CHAT_TOKENS", "TOOL_CALL_ID", "canonical_json"]
+
+EFFORTS = ("low", "high", "max")
+DEFAULT_EFFORT = "max"  # what the server uses when a request names none (SPEC §6.4)
+# Thinking-token caps per effort for small models; None = unlimited (only max_tokens bounds it).
+THINKING_CAPS: dict[str, int | None] = {"low": 512, "high": 4096, "max": None}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+TOOL_CALL_ID = re.compile(r"functions\.([A-Za-z0-9_.\-]{1,64}):(\d+)")
+_ROLE_KEYS = {"system": {"content"}, "user": {"content"}, "tool": {"content", "tool_call_id", "name"},
+              "assistant": {"content", "reasoning_content", "reasoning", "tool_calls"}}
+# Fields OpenAI clients echo back on messages; accepted only while empty.
+_EMPTY_OK = {"name", "refusal", "audio", "function_call", "annotations", "tool_calls"}
+
+
+def thinking_budget(effort: str | None = None, caps: Mapping[str, int | None] | None = None) -> int | None:
+    """Thinking tokens allowed for ``effort`` (None -> DEFAULT_EFFORT): low 512, high 4096, max None.
+
+    ``caps`` overrides the table (e.g. larger caps for a large model). None means no cap of its own;
+    at the cap the engine emits ``</think>`` itself and the answer follows.
+    """
+    table = THINKING_CAPS if caps is None else dict(caps)
+    effort = DEFAULT_EFFORT if effort is None else effort
+    if effort not in table:
+        raise K3Error(f"reasoning_effort must be one of {', '.join(table)}, got {effort!r}")
+    cap = table[effort]
+    if cap is not None and (not isinstance(cap, int) or cap < 0):
+        raise K3Error(f"thinking cap for {effort!r} must be an int >= 0 or None, got {cap!r}")
+    return cap
+
+
+def canonical_json(obj: Any) -> str:
+    """The one JSON spelling the renderer uses (sorted keys, no spaces, UTF-8 kept)."""
+    return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def _text(value: Any, where: str, optional: bool = False) -> str:
+    """A message content: a str, or a list of ``{"type": "text", "text": str}`` parts (joined)."""
+    if value is None and optional:
+        return ""
+    if isinstance(value, str):
+        out = value
+    elif isinstance(value, list):
+        parts = []
+        for j, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise K3Error(f"{where}[{j}]: only text parts are supported "
+                              f"(type 'text' with a str 'text'), got type {kind!r}")
+            parts.append(part["text"])
+        out = "".join(parts)
+    else:
+        raise K3Error(f"{where} must be a string or a list of text parts, got {type(value).__name__}")
+    try:
+        out.encode("utf-8")
+    except UnicodeEncodeError:
+        raise K3Error(f"{where} is not valid Unicode (a lone surrogate)") from None
+    return out
+
+
+def _reasoning(m: Mapping, where: str) -> str | None:
+    a, b = m.get("reasoning_content"), m.get("reasoning")
+    if a is not None and b is not None and a != b:
+        raise K3Error(f"{where}: reasoning_content and reasoning differ; send one")
+    r = a if a is not None else b
+    return None if r is None else _text(r, f"{where}.reasoning_content")
+
+
+class _Calls:
+    """Tool calls rendered so far: the id each was sent with -> the id it rendered as."""
+
+    def __init__(self):
+        self.rendered: dict[str, str] = {}
+        self.names: dict[str, str] = {}  # rendered id -> function name
+        self.count = 0
+
+    def add(self, sent_id: str | None, rendered_id: str, name: str) -> None:
+        if sent_id:
+            self.rendered[sent_id] = rendered_id
+        self.rendered[rendered_id] = rendered_id
+        self.names[rendered_id] = name
+        self.count += 1
+
+
+class ChatFormat:
+    """Renderer of SPEC §6.3 over a tokenizer that has the chat tokens.
+
+    ``render(messages)`` -> ids; ``render_for_training(messages)`` -> (ids, loss_mask);
+    ``parser()`` -> a streaming ``ChatParser`` of the same format.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        if tokenizer.chat_token_ids is None:
+            raise K3Error("tokenizer has no chat tokens (missing "
+                          f"{', '.join(tokenizer.missing_chat_tokens)}): it was trained by an older "
+                          "k3; retrain it (a new run does) to render chats")
+        self.tok = tokenizer
+        self.ids = dict(tokenizer.chat_token_ids)
+        self.end_id = self.ids["<|im_end|>"]
+        self.think_end_id = self.ids["</think>"]
+
+    # ------------------------------------------------------------------------------ public
+    def render(self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | None = None,
+               reasoning_effort: str | None = None, add_generation_prompt: bool = True,
+               allow_missing_reasoning: bool = False) -> list[int]:
+        """Token ids of the conversation, ending with the generation prompt unless told not to."""
+        ids, _ = self._render(messages, tools, reasoning_effort, add_generation_prompt,
+                              allow_missing_reasoning)
+        return ids
+
+    def render_for_training(self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | None = None,
+                            reasoning_effort: str | None = None,
+                            allow_missing_reasoning: bool = False) -> tuple[list[int], list[int]]:
+        """(ids, loss_mask): mask 1 exactly on assistant bodies after ``<think>`` (reasoning,
+        ``</think>``, content, the tool-call section) and their closing ``<|im_end|>``."""
+        return self._render(messages, tools, reasoning_effort, False, allow_missing_reasoning)
+
+    def generation_prompt(self) -> list[int]:
+        return [self.ids["<|im_assistant|>"], *self.tok.encode("assistant"),
+                self.ids["<|im_middle|>"], self.ids["<think>"]]
+
+    def parser(self, in_reasoning: bool = True):
+        """A streaming parser for one generated assistant message (after the generation prompt)."""
+        from k3.data.chat_parser import ChatParser
+
+        return ChatParser(self, in_reasoning=in_reasoning)
+
+    def parse(self, ids: Sequence[int], finish_reason: str | None = None):
+        """Parse a whole generated message at once (see ``ChatParser.finish``)."""
+        p = self.parser()
+        for i in ids:
+            p.feed(i)
+        return p.finish(finish_reason)
+
+    # ----------------------------------------------------------------------------- render
+    def _render(self, messages, tools, effort, add_generation_prompt, allow_missing_reasoning):
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+            raise K3Error(f"messages must be a list of message objects, got {type(messages).__name__}")
+        if effort is not None and effort not in EFFORTS:
+            raise K3Error(f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {effort!r}")
+        ids: list[int] = []
+        mask: list[int] = []
+        msgs = list(messages)
+        system_extra = self._system_extra(tools, effort)
+        if system_extra and not (msgs and isinstance(msgs[0], Mapping) and msgs[0].get("role") == "system"):
+            self._turn(ids, mask, "system", "system", [system_extra])
+        calls_seen = _Calls()
+        for i, m in enumerate(msgs):
+            where = f"messages[{i}]"
+            role = self._check_keys(m, where)
+            if role == "assistant":
+                self._assistant(ids, mask, m, where, calls_seen, allow_missing_reasoning)
+            elif role == "tool":
+                self._tool_result(ids, mask, m, where, calls_seen)
+            else:
+                body = _text(m.get("content"), f"{where}.content")
+                pieces = [body, system_extra] if i == 0 and role == "system" else [body]
+                self._turn(ids, mask, role, role, pieces)
+        if add_generation_prompt:
+            gen = self.generation_prompt()
+            ids += gen
+            mask += [0] * len(gen)
+        return ids, mask
+
+    def _system_extra(self, tools, effort) -> str:
+        parts = []
+        if tools:
+            if not isinstance(tools, Sequence):
+                raise K3Error(f"tools must be a list, got {type(tools).__name__}")
+            lines = [canonical_json(self._tool_spec(t, f"tools[{j}]")) for j, t in enumerate(tools)]
+            parts.append("# Tools\n" + "\n".join(lines))
+        if effort is not None:
+            parts.append(f"# Reasoning effort: {effort}")
+        return "\n\n".join(parts)
+
+    @staticmethod
+    def _tool_spec(t: Any, where: str) -> dict:
+        if not isinstance(t, Mapping) or t.get("type", "function") != "function":
+            raise K3Error(f"{where} must be {{'type': 'function', 'function': {{...}}}}")
+        fn = t.get("function")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) \
+                or not TOOL_NAME.fullmatch(fn["name"]):
+            raise K3Error(f"{where}.function.name must be 1-64 characters of [A-Za-z0-9_.-]")
+        unknown = set(fn) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise K3Error(f"{where}.function has unknown fields {sorted(unknown)}")
+        try:
+            canonical_json(dict(fn)).encode("utf-8")
+        except (TypeError, ValueError) as e:  # e.g. a set, or a lone surrogate
+            raise K3Error(f"{where}.function is not JSON text ({e})") from None
+        return dict(fn)
+
+    def _check_keys(self, m: Any, where: str) -> str:
+        if not isinstance(m, Mapping):
+            raise K3Error(f"{where} must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in _ROLE_KEYS:
+            raise K3Error(f"{where}.role must be one of {', '.join(_ROLE_KEYS)}, got {role!r}")
+        for k, v in m.items():
+            if k != "role" and k not in _ROLE_KEYS[role] and not (k in _EMPTY_OK and not v):
+                raise K3Error(f"{where}.{k} is not supported on a {role} message")
+        return role
+
+    def _turn(self, ids, mask, marker_role: str, name: str, pieces: Sequence[str]) -> None:
+        body = "\n\n".join(p for p in pieces if p)
+        head = [self.ids[f"<|im_{marker_role}|>"], *self.tok.encode(name), self.ids["<|im_middle|>"]]
+        seg = head + self.tok.encode(body) + [self.end_id]
+        ids += seg
+        mask += [0] * len(seg)
+
+    def _tool_result(self, ids, mask, m, where, calls_seen) -> None:
+        cid = m.get("tool_call_id")
+        if not isinstance(cid, str) or not cid:
+            raise K3Error(f"{where}.tool_call_id is required on a tool message (a str)")
+        if cid not in calls_seen.rendered:
+            raise K3Error(f"{where}.tool_call_id {cid!r} matches no earlier assistant tool call")
+        rid = calls_seen.rendered[cid]
+        name = m.get("name")
+        if name is not None and name != calls_seen.names[rid]:
+            raise K3Error(f"{where}.name {name!r} is not the function of call {cid!r} "
+                          f"({calls_seen.names[rid]!r})")
+        body = f"Result of {rid}\n" + _text(m.get("content"), f"{where}.content")
+        self._turn(ids, mask, "system", "tool", [body])
+
+    def _assistant(self, ids, mask, m, where, calls_seen, allow_missing_reasoning) -> None:
+        calls = m.get("tool_calls") or []
+        reasoning = _reasoning(m, where)
+        if calls and reasoning is None and not allow_missing_reasoning:
+            raise K3Error(f"{where}: an assistant message with tool_calls must carry its reasoning "
+                          "(reasoning_content or reasoning) so the history renders as generated; "
+                          "allow_missing_reasoning=True renders it with empty thinking")
+        head = self.generation_prompt()
+        body = [*self.tok.encode(reasoning or ""), self.think_end_id,
+                *self.tok.encode(_text(m.get("content"), f"{where}.content", optional=True))]
+        if calls:
+            body += self._tool_calls(calls, where, calls_seen)
+        body.append(self.end_id)
+        ids += head + body
+        mask += [0] * len(head) + [1] * len(body)
+
+    def _tool_calls(self, calls, where, calls_seen) -> list[int]:
+        if not isinstance(calls, list):
+            raise K3Error(f"{where}.tool_calls must be a list")
+        out = [self.ids["<|tool_calls_section_begin|>"]]
+        for j, c in enumerate(calls):
+            w = f"{where}.tool_calls[{j}]"
+            fn = c.get("function") if isinstance(c, Mapping) else None
+            if not isinstance(fn, Mapping) or c.get("type", "function") != "function":
+                raise K3Error(f"{w} must be {{'type': 'function', 'function': {{name, arguments}}}}")
+            name, args = fn.get("name"), fn.get("arguments")
+            if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+                raise K3Error(f"{w}.function.name must be 1-64 characters of [A-Za-z0-9_.-]")
+            if not isinstance(args, str):
+                raise K3Error(f"{w}.function.arguments must be a JSON string, got {type(args).__name__}")
+            try:
+                ok = isinstance(json.loads(args), dict) and bool(args.encode("utf-8"))
+            except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+                ok = False
+            if not ok:
+                raise K3Error(f"{w}.function.arguments is not a JSON object: {args[:80]!r}")
+            rid = self._call_id(c.get("id"), name, calls_seen.count, w)
+            calls_seen.add(c.get("id"), rid, name)
+            out += [self.ids["<|tool_call_begin|>"], *self.tok.encode(rid),
+                    self.ids["<|tool_call_argument_begin|>"], *self.tok.encode(args),
+                    self.ids["<|tool_call_end|>"]]
+        out.append(self.ids["<|tool_calls_section_end|>"])
+        return out
+
+    @staticmethod
+    def _call_id(cid: Any, name: str, index: int, where: str) -> str:
+        """An id already of the form functions.{name}:{n} is kept (it is what the model wrote);
+        any other id (another provider's) renders as functions.{name}:{index in the conversation}."""
+        if cid is not None and not isinstance(cid, str):
+            raise K3Error(f"{where}.id must be a str, got {type(cid).__name__}")
+        hit = TOOL_CALL_ID.fullmatch(cid) if cid else None
+        return cid if hit and hit.group(1) == name else f"functions.{name}:{index}"
