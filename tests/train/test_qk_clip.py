@@ -187,11 +187,18 @@ def test_k3_train_qk_clip_flag_clips_every_step(corpus, capsys):
     free = [r for r in t.metrics.records if r["kind"] == "train"]
     assert all("max_logit" not in r for r in free)
     tau = 0.03                                  # below nano's initial max logits (≈ 0.06)
-    rc, (t,) = _train(base, data, "clip", "--qk-clip", str(tau))
+    rc, (t,) = _train(base, data, "clip", "--qk-clip", str(tau), "--lr", "1e-3")
     assert rc == 0 and t.tc.qk_clip == tau
     recs = [r for r in t.metrics.records if r["kind"] == "train"]
     assert recs[0]["max_logit"] > tau and recs[0]["clipped_heads"] > 0
-    assert all(r["max_logit"] <= 1.3 * tau for r in recs[1:]), [r["max_logit"] for r in recs]
+    # The clip uses the step's forward and lands after that step's update, so the next forward may
+    # sit above tau by one update's growth (exact without an update: see the tests above).
+    assert all(r["max_logit"] <= 1.5 * tau for r in recs[1:]), [r["max_logit"] for r in recs]
+    # control: the same run with a tau nothing reaches records the logits and they stay above 1.5 tau
+    rc, (t,) = _train(base, data, "unclipped", "--qk-clip", "1e6", "--lr", "1e-3")
+    ctrl = [r for r in t.metrics.records if r["kind"] == "train"]
+    assert rc == 0 and all(r["clipped_heads"] == 0 for r in ctrl)
+    assert min(r["max_logit"] for r in ctrl[1:]) > 1.5 * tau, [r["max_logit"] for r in ctrl]
     capsys.readouterr()
     rc, _ = _train(base, data, "bad", "--qk-clip", "0")
     assert rc == 2 and "qk_clip" in capsys.readouterr().err
