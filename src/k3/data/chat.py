@@ -222,7 +222,7 @@ class ChatFormat:
         if not isinstance(m, Mapping):
             raise K3Error(f"{where} must be an object, got {type(m).__name__}")
         role = m.get("role")
-        if role not in _ROLE_KEYS:
+        if not isinstance(role, str) or role not in _ROLE_KEYS:
             raise K3Error(f"{where}.role must be one of {', '.join(_ROLE_KEYS)}, got {role!r}")
         for k, v in m.items():
             if k != "role" and k not in _ROLE_KEYS[role] and not (k in _EMPTY_OK and not v):
