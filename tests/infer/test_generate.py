@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.infer.sample import generate, sample_next_token
+from k3.infer.generate import generate
+from k3.infer.sampling import sample_next_token
 from k3.model.decoder import K3ForCausalLM
 
 
