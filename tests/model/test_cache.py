@@ -124,8 +124,7 @@ def test_cat_rejects_mismatches(layers):
     a, b = K3Cache(CFG, 1), K3Cache(CFG, 1)
     run(layers, a, torch.randn(1, 3, CFG.hidden_size))
     run(layers, b, torch.randn(1, 2, CFG.hidden_size))
-    with pytest.raises(ValueError, match="seq_len"):
-        K3Cache.cat([a, b])
+    assert K3Cache.cat([a, b]).seq_lens.tolist() == [3, 2]   # different lengths are fine
     with pytest.raises(ValueError, match="different configs"):
         K3Cache.cat([K3Cache(CFG, 1), K3Cache(CFG.replace(kv_lora_rank=16), 1)])
     with pytest.raises(ValueError):

@@ -127,7 +127,11 @@ class K3Model(nn.Module):
         AttnResPair.reset(self, "output_attn_res")
 
     def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
-        """input_ids [B,T] int64 -> final normed hidden states [B,T,H]."""
+        """input_ids [B,T] int64 -> final normed hidden states [B,T,H].
+
+        With a cache, row b's T tokens continue its sequence at positions ``cache.seq_lens[b]`` ..
+        ``+T−1`` (rows may differ in length; K3 is NoPE, so only the MLA mask depends on it).
+        """
         cfg = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -143,8 +147,9 @@ class K3Model(nn.Module):
             if not isinstance(cache, K3Cache):
                 raise TypeError(f"cache must be a K3Cache, got {type(cache).__name__}")
             cache.check(cfg, B)
-        if (cache.seq_len if cache is not None else 0) + T > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {T} (+{cache.seq_len if cache else 0} cached) exceeds "
+        seen = cache.max_seq_len if cache is not None else 0
+        if seen + T > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {T} (+{seen} cached) exceeds "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         states = cache.layers if cache is not None else [None] * len(self.layers)
         x = self.embed_tokens(input_ids)
@@ -162,7 +167,7 @@ class K3Model(nn.Module):
                 partial = layer.forward_attn_res(blocks, partial, st)
             x = AttnResPair.mix(self, "output_attn_res", blocks + [partial])
         if cache is not None:
-            cache.seq_len += T
+            cache.seq_lens = cache.seq_lens + T
         return self.norm(x)
 
 

@@ -17,6 +17,12 @@ Two paths compute the same thing (DeepSeek-V3 inference style):
 ``attn_impl='auto'`` uses ``naive`` for prefill and ``absorb`` to decode (≤ ``absorb_max_tokens`` new
 tokens) from a non-empty cache. The cache (:class:`~k3.model.cache.MLAState`) stores c and k_pe.
 
+Rows of one cache may hold different numbers of tokens L_b: the T new tokens of row b sit at
+positions L_b .. L_b+T−1 and query t attends key j iff j ≤ L_b + t (causality and the row's zero
+padding in one mask). The naive path runs its queries in chunks (``prefill_query_chunk``, fewer
+when the key range is long: ``score_budget``), each over the decompressed keys of its causal
+range, so a long prefill never builds [T, T] scores: memory grows linearly in T.
+
 QK-Clip support: with ``record_max_logits = True`` each forward stores ``last_max_logits`` [nh] fp32,
 the largest pre-softmax score s_ij = (q_i·k_j)·scale over the causal pairs of the batch, per head
 (detached, computed under no_grad in query blocks; off by default, so inference pays nothing).
@@ -38,16 +44,28 @@ __all__ = ["GatedMLA", "ATTN_IMPLS"]
 ATTN_IMPLS = ("naive", "absorb", "auto")
 
 
-def _causal_mask(T: int, S: int, device: torch.device) -> torch.Tensor:
-    """[T, S] bool, True where new query i (absolute position S−T+i) may attend key j."""
-    return torch.arange(S, device=device)[None, :] <= torch.arange(S - T, S, device=device)[:, None]
+def _query_mask(starts: torch.Tensor | None, t0: int, t1: int, S: int, offset: int,
+                device: torch.device) -> torch.Tensor:
+    """True where new query t (t0 ≤ t < t1) may attend cached key j < S.
+
+    Query t of row b sits at absolute position ``starts[b] + t`` (the row's length before this
+    call): the result is [B, 1, t1−t0, S]. With ``starts=None`` every row sits at ``offset + t``
+    and the result is [t1−t0, S]. One rule covers causality and each row's padding.
+    """
+    j = torch.arange(S, device=device)
+    t = torch.arange(t0, t1, device=device)
+    if starts is None:
+        return j[None, :] <= (offset + t)[:, None]
+    return (j[None, None, :] <= (starts[:, None] + t[None, :])[:, :, None])[:, None]
 
 
 class GatedMLA(nn.Module):
     """Gated MLA (NoPE). ``forward(x [B,T,H], state: MLAState | None = None) -> [B,T,H]``."""
 
-    absorb_max_tokens = 16  # 'auto' absorbs when a cached sequence gets at most this many new tokens
-    max_logit_block = 256   # query rows per block when measuring the max logits
+    absorb_max_tokens = 16      # 'auto' absorbs when a cached sequence gets at most this many new tokens
+    max_logit_block = 256       # query rows per block when measuring the max logits
+    prefill_query_chunk = 1024  # most query rows per SDPA call in the naive path ...
+    score_budget = 1 << 24      # ... and fewer when B·nh·rows·keys would exceed this many scores
 
     def __init__(self, config: K3Config, layer_idx: int, attn_impl: str = "auto"):
         super().__init__()
@@ -113,46 +131,68 @@ class GatedMLA(nn.Module):
         return self.kv_a_layernorm(c), k_pe
 
     @torch.no_grad()
-    def _max_logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    def _max_logits(self, q: torch.Tensor, k: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
         """q [B,nh,T,n+p], k [B,nh,S,n+p] (last T keys are the queries') -> per-head max score [nh] fp32."""
         T, S = q.shape[2], k.shape[2]
         best = q.new_full((q.shape[1],), float("-inf"), dtype=torch.float32)
-        mask = _causal_mask(T, S, q.device)
         with torch.autocast(q.device.type, enabled=False):                    # fp32 scores
             for t0 in range(0, T, self.max_logit_block):
                 qb = q[:, :, t0:t0 + self.max_logit_block].float()
                 s = (qb @ k.float().transpose(-1, -2)) * self.softmax_scale      # [B, nh, tb, S]
-                s = s.masked_fill(~mask[t0:t0 + qb.shape[2]], float("-inf"))
+                mask = _query_mask(starts, t0, t0 + qb.shape[2], S, S - T, q.device)
+                s = s.masked_fill(~mask, float("-inf"))
                 best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
         return best
 
-    def _naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-        """q [B,T,nh,n+p], c [B,S,r], k_pe [B,S,p] (last T tokens are the queries) -> [B,T,nh,v]."""
+    def _query_chunk(self, B: int, S: int) -> int:
+        """Query rows per SDPA call so that one call's scores hold ≤ ``score_budget`` elements."""
+        most = self.prefill_query_chunk
+        return max(min(16, most), min(most, self.score_budget // max(1, B * self.num_heads * S)))
+
+    def _naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
+               starts: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B,T,nh,n+p], c [B,S,r], k_pe [B,S,p] (the queries are the last T tokens of each row,
+        row b's at positions ``starts[b]`` .. ; ``None``: all at S−T) -> [B,T,nh,v].
+
+        Keys and values are decompressed once ([B, nh, S, ·], linear in S); queries run in chunks
+        of ``_query_chunk`` rows, each attending only keys 0 .. (its last position), so no [T, S]
+        score or mask tensor is built. A plain causal self-attention (S = T, no cache) that fits one
+        chunk, or that is differentiated (training), is one fused causal SDPA call.
+        """
         B, T, nh, _ = q.shape
         S = c.shape[1]
         k_nope, v = self.kv_b_proj(c).view(B, S, nh, -1).split([self.qk_nope_head_dim, self.v_head_dim], -1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, nh, self.qk_rope_head_dim)], -1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, nh, ·, ·]
         if self.record_max_logits:
-            self.last_max_logits = self._max_logits(q, k)
-        if S == T:
+            self.last_max_logits = self._max_logits(q, k, starts)
+        step = self._query_chunk(B, S)
+        if S == T and starts is None and (T <= step or torch.is_grad_enabled()):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(T, S, q.device),
-                                               scale=self.softmax_scale)
+            return o.transpose(1, 2)
+        outs = []
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            end = S - T + t1                     # no query of this chunk reaches a key ≥ end
+            mask = _query_mask(starts, t0, t1, end, S - T, q.device)
+            outs.append(F.scaled_dot_product_attention(q[:, :, t0:t1], k[:, :, :end], v[:, :, :end],
+                                                       attn_mask=mask, scale=self.softmax_scale))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
         return o.transpose(1, 2)
 
-    def _absorb(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    def _absorb(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
+                starts: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as ``_naive``, attending over the latents (W_UK into q, W_UV onto the output)."""
         B, T, nh, _ = q.shape
-        n = self.qk_nope_head_dim
+        n, S = self.qk_nope_head_dim, c.shape[1]
         w = self.kv_b_proj.weight.view(nh, n + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, :n], w[:, n:]                                  # [nh, n, r], [nh, v, r]
         q_nope, q_pe = q.split([n, self.qk_rope_head_dim], -1)
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)            # [B,T,nh,r]
         scores = (torch.einsum("bthr,bsr->bhts", q_lat, c)
                   + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)).float() * self.softmax_scale
-        scores = scores.masked_fill(~_causal_mask(T, c.shape[1], q.device), float("-inf"))
+        if T > 1 or starts is not None:  # one query at the end of equal rows sees every key
+            scores = scores.masked_fill(~_query_mask(starts, 0, T, S, S - T, q.device), float("-inf"))
         if self.record_max_logits:
             self.last_max_logits = scores.detach().amax(dim=(0, 2, 3))
         probs = scores.softmax(-1).to(q.dtype)
@@ -167,12 +207,15 @@ class GatedMLA(nn.Module):
         q = self._query(x)
         c, k_pe = self._latent(x)
         cached = state is not None and not state.is_empty
+        starts = None                      # rows of different lengths: each masked at its own
         if state is not None:
+            if not state.uniform:
+                starts = state.lengths.to(x.device)
             c, k_pe = state.append(c, k_pe)
         impl = self.attn_impl
         if impl == "auto":
             impl = "absorb" if cached and T <= self.absorb_max_tokens else "naive"
-        o = (self._absorb if impl == "absorb" else self._naive)(q, c, k_pe)  # [B,T,nh,v]
+        o = (self._absorb if impl == "absorb" else self._naive)(q, c, k_pe, starts)  # [B,T,nh,v]
         if self.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x)).view(B, T, self.num_heads, self.v_head_dim)
         return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim))
