@@ -29,20 +29,9 @@ from k3.errors import K3Error
 from k3.infer.detok import TextStream
 from k3.infer.sampling import Sampler, SamplingParams
 from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
-from k3.model.cache import KDAState, MLAState
+from k3.model.cache import KDAState, MLAState, cache_bytes_per_sequence
 
-__all__ = ["Engine", "sequence_cache_bytes"]
-
-
-def sequence_cache_bytes(config, T: int, dtype: torch.dtype) -> int:
-    """Bytes of one sequence's cache after ``T`` tokens: per KDA layer conv [3P, K-1] in ``dtype``
-    and recurrent [nh, d, d] fp32; per MLA layer T·(kv_lora_rank + qk_rope_head_dim) in ``dtype``."""
-    lac = config.linear_attn_config
-    P, K = lac.num_heads * lac.head_dim, lac.short_conv_kernel_size
-    kda = 3 * P * (K - 1) * dtype.itemsize + lac.num_heads * lac.head_dim ** 2 * 4
-    mla = T * (config.kv_lora_rank + config.qk_rope_head_dim) * dtype.itemsize
-    n_kda = sum(config.is_kda_layer(l) for l in range(config.num_hidden_layers))
-    return n_kda * kda + (config.num_hidden_layers - n_kda) * mla
+__all__ = ["Engine"]
 
 
 def _load(path, dtype, device, tokenizer):
@@ -180,7 +169,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise K3Error("SamplingParams.stop: stop strings need a tokenizer (Engine(..., tokenizer=))")
         max_tokens = min(params.max_tokens, max_pos - len(prompt))
-        reserved = sequence_cache_bytes(self.config, len(prompt) + max_tokens, self.dtype)
+        reserved = cache_bytes_per_sequence(self.config, len(prompt) + max_tokens, self.dtype)["total"]
         if self.max_cache_bytes is not None and reserved > self.max_cache_bytes:
             raise K3Error(f"max_cache_bytes={self.max_cache_bytes} is smaller than this request's cache "
                           f"({reserved} bytes for {len(prompt)} prompt + {max_tokens} new tokens)")
