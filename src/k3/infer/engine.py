@@ -4,12 +4,12 @@
 that raises its ``K3Error`` and never reaches the model, so the others are unaffected. The
 scheduler thread repeats one *step*: apply cancels, admit waiting requests (up to ``max_batch``
 active, within ``max_cache_bytes``), run one prefill chunk of the oldest prefilling request
-(batch 1, at most ``prefill_chunk`` tokens, ends aligned to ``cache_block`` boundaries so the
-prefix cache can snapshot them), then one decode step (one token) for every running request.
-Requests join and leave the decode batch between steps; a finished or cancelled request's cache
+(batch 1, at most ``prefill_chunk`` tokens; with the prefix cache also cut at every
+``cache_block`` boundary so each one can be snapshotted), then one decode step (one token) for
+every running request. Requests join and leave the decode batch between steps; a finished or cancelled request's cache
 rows are dropped at once.
 
-Prefix cache (SPEC §6.2) through its API only: ``match(prompt[:-1])`` gives the request its own
+Prefix cache (SPEC §6.2) through its API only: ``match(prompt)`` gives the request its own
 batch-1 cache at the deepest snapshotted boundary (at least one prompt token is always fed, so
 the first token's logits come from the model), and ``insert(prompt[:b], cache)`` is called after
 prefilling exactly ``b`` tokens, for every chunk end on a ``cache_block`` boundary and at the
@@ -282,17 +282,17 @@ class Engine:
             self._drop_finished()
 
     def _chunk_end(self, pos: int, n: int) -> int:
+        """End of the next prefill chunk: at most ``prefill_chunk`` tokens, and with the prefix cache
+        never past the next ``cache_block`` boundary (each boundary gets its snapshot)."""
         end = min(pos + self.prefill_chunk, n)
-        if self.prefix_cache is not None and end < n:
-            aligned = end - end % self.cache_block
-            if aligned > pos:
-                end = aligned
+        if self.prefix_cache is not None:
+            end = min(end, (pos // self.cache_block + 1) * self.cache_block)
         return end
 
     def _prefill_chunk(self, req: Request) -> None:
         n = len(req.prompt)
         if req.cache is None:
-            hit = self.prefix_cache.match(req.prompt[: n - 1]) if self.prefix_cache is not None else None
+            hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else None
             if hit is not None and hit.length > 0 and hit.cache is not None:
                 req.cache, req.pos = hit.cache, hit.length
             else:
