@@ -79,4 +79,4 @@ def test_prefix_cache_on_and_off_agree_in_a_batch(model):
         st = on.stats()
     assert got == want and first.token_ids == reference_greedy(model, base, GREEDY.max_tokens)
     assert st["prefix_hits"] >= 4
-    assert st["active"] == 0 and st["kda_state"] == 0 and st["mla_latent"] == 0
+    assert st["active"] == 0 and st["kda_state_bytes"] == 0 and st["mla_latent_bytes"] == 0

@@ -45,6 +45,8 @@ BAD = [
     ([1] * 2048, GREEDY, "max_position_embeddings=2048"),
     ([1, 2, 512], GREEDY, "token id 512 outside the vocabulary"),
     ([1, -1], GREEDY, "token id -1 outside"),
+    ([1, "a"], GREEDY, "prompt: must be a sequence of int token ids"),
+    (7, GREEDY, "prompt: must be a sequence of int token ids"),
     ([1, 2], {"temperature": -1.0}, "SamplingParams.temperature"),
     ([1, 2], {"top_p": 0.0}, "SamplingParams.top_p"),
     ([1, 2], {"top_p": 1.5}, "SamplingParams.top_p"),
@@ -80,6 +82,14 @@ def sequence_cache_bytes(config, T: int) -> int:
     return 4 * (n_kda * kda + (config.num_hidden_layers - n_kda) * mla)
 
 
+def test_output_stops_at_max_position_embeddings(model):
+    with Engine(model) as eng:
+        out = eng.submit([3] * 2040, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)).result()
+        short = eng.submit([3] * 20, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)).result()
+    assert len(out.token_ids) == 2048 - 2040 and out.finish_reason == "length"
+    assert len(short.token_ids) == 100  # positive control: the cap is the model's limit, not max_tokens
+
+
 def test_cache_budget_smaller_than_one_sequence(model):
     need = sequence_cache_bytes(model.config, 10 + 8)
     with Engine(model, max_cache_bytes=need - 1) as eng:
@@ -99,8 +109,8 @@ def test_reserved_bytes_formula_matches_the_real_cache(model):
                 st = eng.stats()
                 break
         h.cancel()
-    assert st["kda_state"] + st["mla_latent"] in {sequence_cache_bytes(model.config, T) for T in range(28, 70)}
-    assert st["kda_state"] == sequence_cache_bytes(model.config, 0)
+    assert st["kda_state_bytes"] + st["mla_latent_bytes"] in {sequence_cache_bytes(model.config, T) for T in range(28, 70)}
+    assert st["kda_state_bytes"] == sequence_cache_bytes(model.config, 0)
 
 
 def test_cancel_mid_stream_frees_the_slot_and_memory(model):
@@ -117,7 +127,7 @@ def test_cancel_mid_stream_frees_the_slot_and_memory(model):
         assert len(queued.result().token_ids) == 8
         assert len(other.result().token_ids) == 30
         st = eng.stats()
-    assert st["active"] == 0 and st["kda_state"] == 0 and st["mla_latent"] == 0
+    assert st["active"] == 0 and st["kda_state_bytes"] == 0 and st["mla_latent_bytes"] == 0
 
 
 def test_200_random_submits_and_cancels_leak_nothing(model):
@@ -138,7 +148,7 @@ def test_200_random_submits_and_cancels_leak_nothing(model):
         reasons = [h.result().finish_reason for h in live]
         st = eng.stats()
     assert set(reasons) <= {"length", "cancelled"}
-    assert st["active"] == 0 and st["waiting"] == 0 and st["kda_state"] == 0 and st["mla_latent"] == 0
+    assert st["active"] == 0 and st["waiting"] == 0 and st["kda_state_bytes"] == 0 and st["mla_latent_bytes"] == 0
     assert st["finished"] + st["failed"] >= 120 and st["failed"] == 0
     assert time.monotonic() - t0 < 120
 

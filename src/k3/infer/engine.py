@@ -19,6 +19,7 @@ prompt's end.
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 import time
 from pathlib import Path
@@ -84,7 +85,8 @@ class Engine:
         self._next_id = 0
         self._stop = False
         self._counters = dict(prompt_tokens=0, generated_tokens=0, finished=0, failed=0)
-        self._bytes = dict(kda_state=0, mla_latent=0)
+        self._bytes = dict(kda_state_bytes=0, mla_latent_bytes=0)
+        self._prefix_stats: dict = {}
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
@@ -119,11 +121,11 @@ class Engine:
 
     def stats(self) -> dict:
         """Active / waiting requests, cache bytes (KDA state, MLA latent KV, prefix cache), prefix
-        hits and misses, token counters."""
+        hits and misses, token and request counters; bytes as of the end of the last step."""
         with self._cv:
             out = dict(active=len(self._prefill) + sum(len(g.reqs) for g in self._groups),
                        waiting=len(self._waiting), **self._bytes, **self._counters)
-        pc = self.prefix_cache.stats() if self.prefix_cache is not None else {}
+            pc = self._prefix_stats
         out.update(prefix_cache_bytes=pc.get("bytes", 0), prefix_hits=pc.get("hits", 0),
                    prefix_misses=pc.get("misses", 0), prefix_hit_tokens=pc.get("hit_tokens", 0))
         return out
@@ -151,12 +153,13 @@ class Engine:
             raise K3Error(f"params must be SamplingParams or a dict, got {type(params).__name__}")
         if isinstance(prompt_ids, torch.Tensor):
             prompt_ids = prompt_ids.flatten().tolist()
-        prompt = list(prompt_ids)
+        try:
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise K3Error("prompt: must be a sequence of int token ids") from None
         V, max_pos = self.config.vocab_size, self.config.max_position_embeddings
         if not prompt:
             raise K3Error("prompt: empty (at least one token id is needed)")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise K3Error("prompt: token ids must be ints")
         bad = [t for t in prompt if not 0 <= t < V]
         if bad:
             raise K3Error(f"prompt: token id {bad[0]} outside the vocabulary [0, {V})")
@@ -293,7 +296,7 @@ class Engine:
         n = len(req.prompt)
         if req.cache is None:
             hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else None
-            if hit is not None and hit.length > 0 and hit.cache is not None:
+            if hit is not None and 0 < hit.length < n and hit.cache is not None:
                 req.cache, req.pos = hit.cache, hit.length
             else:
                 req.cache, req.pos = self.model.new_cache(1), 0
@@ -362,4 +365,6 @@ class Engine:
                 elif isinstance(s, MLAState):
                     mla += s.nbytes()
         with self._cv:
-            self._bytes.update(kda_state=kda, mla_latent=mla)
+            self._bytes.update(kda_state_bytes=kda, mla_latent_bytes=mla)
+            if self.prefix_cache is not None:  # read here, in the thread that mutates the tree
+                self._prefix_stats = self.prefix_cache.stats()
