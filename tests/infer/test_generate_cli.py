@@ -52,6 +52,9 @@ def test_generate_streams_the_greedy_continuation(ckpt):
                           SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)).result()
     assert r.stdout == want.text + "\n"
     assert "12 tokens" in r.stderr and "tokens/s decode" in r.stderr and "finish: length" in r.stderr
+    cached = k3("generate", d, "--prompt", "hello world", "--max-tokens", 12, "--temperature", 0, "--ignore-eos",
+                "--prefix-cache-mb", 64, "--prefill-chunk", 3)
+    assert cached.returncode == 0 and cached.stdout == r.stdout, cached.stderr
 
 
 @pytest.mark.parametrize("flags,msg", [
@@ -59,6 +62,8 @@ def test_generate_streams_the_greedy_continuation(ckpt):
     (["--prompt", "x", "--top-p", "1.5"], "--top-p must be a number in (0, 1]"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--prompt", "x", "--max-tokens", "0"], "--max-tokens must be an int > 0"),
+    (["--prompt", "x", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--prompt", "x", "--prefix-cache-mb", "-1"], "--prefix-cache-mb must be >= 0"),
 ])
 def test_generate_bad_input_is_one_line_and_exit_2(ckpt, flags, msg):
     r = k3("generate", ckpt[0], *flags)

@@ -23,7 +23,7 @@ __all__ = ["generate_main", "chat_main", "render_chat"]
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
-def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+def _sampling_args(p: argparse.ArgumentParser, temperature: float, prefix_cache_mb: int) -> None:
     p.add_argument("ckpt", help="run directory, checkpoint folder, or model directory with tokenizer.json")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=temperature, help="0: greedy")
@@ -38,6 +38,8 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--prefix-cache-mb", type=int, default=prefix_cache_mb,
+                   help=f"prefix cache budget in MiB, 0 = off (default {prefix_cache_mb})")
 
 
 def _params(args, stop_token_ids=()):
@@ -62,8 +64,15 @@ def _engine(args):
     from k3.infer.engine import Engine
     from k3.infer.run_model import load_run_model
 
+    from k3.errors import K3Error
+
+    if args.prefix_cache_mb < 0:
+        raise K3Error(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if args.prefill_chunk < 1:
+        raise K3Error(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     model, tok = load_run_model(args.ckpt, args.device)
-    return Engine(model, max_batch=1, prefill_chunk=args.prefill_chunk, tokenizer=tok), tok
+    return Engine(model, max_batch=1, prefill_chunk=args.prefill_chunk, tokenizer=tok,
+                  prefix_cache_bytes=args.prefix_cache_mb << 20), tok
 
 
 def _rate(n: int, t0: float, t_first: float | None, t_end: float) -> str:
@@ -76,7 +85,7 @@ def _rate(n: int, t0: float, t_first: float | None, t_end: float) -> str:
 
 def generate_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3 generate", description="Continue a prompt, streaming the text.")
-    _sampling_args(p, temperature=0.8)
+    _sampling_args(p, temperature=0.8, prefix_cache_mb=0)
     p.add_argument("--prompt", required=True, help="text to continue")
     args = p.parse_args(argv)
     from k3.errors import K3Error
@@ -164,7 +173,7 @@ def _reply(engine, tok, ids, params, show_thinking: bool, out) -> tuple[str, str
 def chat_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3 chat", description="Chat with a model (one line per message; "
                                 "/exit or end of input quits).")
-    _sampling_args(p, temperature=0.6)
+    _sampling_args(p, temperature=0.6, prefix_cache_mb=256)  # each turn resumes from the last
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--show-thinking", action="store_true", help="show the reasoning (dimmed)")
     args = p.parse_args(argv)
