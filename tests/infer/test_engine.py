@@ -72,6 +72,7 @@ def test_batch_of_8_mixed_lengths_equals_batch_1(model, references):
         st = eng.stats()
     assert [o.token_ids for o in outs] == references
     assert st["active"] == 0 and st["generated_tokens"] == 8 * GREEDY.max_tokens
+    assert st["max_decode_batch"] == 8  # all eight lengths decoded in one batch at some step
     assert st["prompt_tokens"] == sum(LENGTHS)
 
 

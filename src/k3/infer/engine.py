@@ -84,7 +84,8 @@ class Engine:
         self._closing: list = []  # handle closures waiting for the end of the step
         self._next_id = 0
         self._stop = False
-        self._counters = dict(prompt_tokens=0, generated_tokens=0, finished=0, failed=0)
+        self._counters = dict(prompt_tokens=0, generated_tokens=0, finished=0, failed=0, decode_steps=0,
+                              max_decode_batch=0)
         self._bytes = dict(kda_state_bytes=0, mla_latent_bytes=0)
         self._prefix_stats: dict = {}
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
@@ -324,6 +325,9 @@ class Engine:
 
     def _decode(self, g: DecodeGroup) -> None:
         logits = self.model(g.last_tokens(self.device), cache=g.cache, logits_to_keep=1).logits[:, -1]
+        c = self._counters
+        c["decode_steps"] += 1
+        c["max_decode_batch"] = max(c["max_decode_batch"], len(g.reqs))
         fast = [r.params.greedy and not r.sampler.penalised and r.params.logprobs is None for r in g.reqs]
         argmax = logits.argmax(-1).tolist() if any(fast) else None
         for i, r in enumerate(g.reqs):
