@@ -213,25 +213,33 @@ class Engine:
 
     # ------------------------------------------------------------------------ the thread
     def _loop(self) -> None:
-        with torch.no_grad():
-            while True:
-                with self._cv:
-                    while not (self._stop or self._waiting or self._prefill or self._groups):
-                        self._cv.wait()
-                    if self._stop:
-                        break
-                    cancels, self._cancels = self._cancels, set()
-                    self._admit()
-                self._apply_cancels(cancels)
-                self._step()
-                self._measure()
-                self._release()
-        with self._cv:
-            for r in [*self._waiting, *self._prefill, *(r for g in self._groups for r in g.reqs)]:
-                self._end(r, err=K3Error("Engine: closed before the request finished"))
-            self._waiting.clear(), self._prefill.clear(), self._groups.clear()
-        self._measure()
-        self._release()
+        why = "Engine: closed before the request finished"
+        try:
+            with torch.no_grad():
+                while True:
+                    with self._cv:
+                        while not (self._stop or self._waiting or self._prefill or self._groups):
+                            self._cv.wait()
+                        if self._stop:
+                            break
+                        cancels, self._cancels = self._cancels, set()
+                        self._admit()
+                    self._apply_cancels(cancels)
+                    self._step()
+                    self._measure()
+                    self._release()
+        except BaseException as e:  # a bug in the loop itself: no request may wait forever
+            why = f"Engine: scheduler stopped by {e!r}"
+            raise
+        finally:
+            with self._cv:
+                self._stop = True
+                for r in [*self._waiting, *self._prefill, *(r for g in self._groups for r in g.reqs)]:
+                    if not r.finished:
+                        self._end(r, err=K3Error(why))
+                self._waiting.clear(), self._prefill.clear(), self._groups.clear()
+            self._measure()
+            self._release()
 
     def _admit(self) -> None:
         active = self._prefill + [r for g in self._groups for r in g.reqs]
