@@ -10,6 +10,8 @@ Measured in one process on random weights (greedy, EOS ignored, so every request
 * ``roofline_b1``: batch-1 decode against this machine's limit, active weight bytes per token
   (every parameter but the embedding, routed experts k of E) ÷ measured memory read bandwidth
   (the median time of summing a 256 MiB fp32 tensor).
+* ``decode_tps_b1_kimi_linear`` (``--transformers``): the same geometry in Kimi-Linear mode, k3's
+  engine against transformers' ``KimiLinearForCausalLM.generate`` on the same saved weights.
 * ``ttft_prefix``: time to first token for a prompt sharing 90% of its tokens with a cached one,
   against the same engine on an unrelated prompt of the same length (cold).
 
@@ -107,6 +109,62 @@ def ttft_prefix(model, prompt_len: int, block: int, device) -> tuple[float, floa
     return cold, warm
 
 
+def kimi_linear_geometry(cfg):
+    """``cfg``'s geometry in Kimi-Linear mode (SwiGLU, plain MoE, no AttnRes / gates): a model
+    transformers' ``KimiLinearForCausalLM`` runs with the same weights."""
+    from k3.config import get_preset
+
+    lac = cfg.linear_attn_config
+    return get_preset(
+        "kimi-linear-48b", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, intermediate_size=cfg.intermediate_size,
+        num_experts=cfg.num_experts, num_experts_per_token=cfg.num_experts_per_token,
+        moe_intermediate_size=cfg.moe_intermediate_size, first_k_dense_replace=cfg.first_k_dense_replace,
+        max_position_embeddings=cfg.max_position_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        linear_attn_config={"kda_layers": lac.kda_layers, "full_attn_layers": lac.full_attn_layers,
+                            "num_heads": lac.num_heads, "head_dim": lac.head_dim,
+                            "short_conv_kernel_size": lac.short_conv_kernel_size, "gate_lower_bound": None,
+                            "use_full_rank_gate": False})
+
+
+@torch.no_grad()
+def vs_transformers(cfg, prompt_len: int, n: int) -> tuple[float, float, bool]:
+    """(k3 engine, transformers generate) batch-1 greedy decode tokens/s on the same weights, and
+    whether both produced the same tokens."""
+    import tempfile
+
+    from transformers import KimiLinearForCausalLM
+
+    from k3.checkpoint import save_pretrained
+    from k3.infer.engine import Engine
+    from k3.model.decoder import K3ForCausalLM
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(kimi_linear_geometry(cfg)).eval()
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d)
+        hf = KimiLinearForCausalLM.from_pretrained(d).eval()
+    ids = torch.tensor(_prompts(1, prompt_len, cfg.vocab_size))
+
+    def hf_time(steps: int) -> float:
+        t0 = time.perf_counter()
+        out = hf.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        assert out.shape[1] == prompt_len + steps
+        return time.perf_counter() - t0
+
+    hf_time(2)
+    hf_tps = (n - 1) / (hf_time(n) - hf_time(1))
+    with Engine(model, max_batch=1) as eng:
+        engine_time(eng, [ids[0].tolist()], 2)
+        k3_tps = (n - 1) / (engine_time(eng, [ids[0].tolist()], n) - engine_time(eng, [ids[0].tolist()], 1))
+        from k3.infer.sampling import SamplingParams
+        mine = eng.submit(ids[0].tolist(), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)).result()
+    theirs = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, prompt_len:].tolist()
+    return k3_tps, hf_tps, mine.token_ids == theirs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small")
@@ -117,6 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--skip-recompute", action="store_true")
+    p.add_argument("--transformers", action="store_true",
+                   help="also time transformers' KimiLinearForCausalLM.generate on the same weights")
     args = p.parse_args(argv)
 
     from k3.config import get_preset
@@ -149,6 +209,10 @@ def main(argv=None) -> int:
     active = parameter_breakdown(model).activated * next(model.parameters()).element_size()
     bw = read_bandwidth(args.device)
     emit("roofline_b1", b1, bw / active, f"tokens/s (baseline: {active / 1e6:.1f} MB active / {bw / 1e9:.1f} GB/s)")
+    if args.transformers:
+        k3_tps, hf_tps, same = vs_transformers(cfg, args.prompt_len, args.gen)
+        emit("decode_tps_b1_kimi_linear", k3_tps, hf_tps,
+             f"tokens/s (baseline: transformers generate; same tokens: {same})")
     cold, warm = ttft_prefix(model, args.ttft_len, 64, args.device)
     emit("ttft_90pct_prefix_vs_cold", warm * 1000, cold * 1000, f"ms for {args.ttft_len} tokens (ratio < 1 = faster)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
