@@ -111,3 +111,38 @@ def test_chat_streams_thinking_dimmed_or_collapsed(ckpt):
     assert shown.stdout.startswith(DIM + first.text)
     assert "(thinking: 6 tokens, unfinished)" in hidden.stdout and first.text not in hidden.stdout
     assert shown.stderr.count("tokens/s") == 1 and hidden.stderr.count("tokens/s") == 2  # one per turn
+
+
+def test_chat_reply_after_the_thinking_is_shown_plainly(ckpt, tmp_path):
+    """A model edited so that ``</think>`` wins within the first steps: the reasoning (dimmed, or
+    collapsed into a count) then the content, exactly the text of the engine's tokens."""
+    from k3.checkpoint import save_pretrained
+    from k3.infer.engine import Engine
+    from k3.infer.sampling import SamplingParams
+
+    _, model, tok = ckpt
+    end_think, im_end = tok.token_to_id("</think>"), tok.token_to_id("<|im_end|>")
+    prompt = render_chat(tok, [{"role": "user", "content": "hello"}])
+    params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[im_end])
+    with Engine(model) as eng:
+        free = eng.submit(prompt, params).result().token_ids
+    edited = K3ForCausalLM(model.config)
+    edited.load_state_dict(model.state_dict())
+    with torch.no_grad():  # </think> scores twice what the third free token scores
+        edited.lm_head.weight[end_think] = 2 * edited.lm_head.weight[free[2]]
+    edited.eval()
+    save_pretrained(edited, tmp_path)
+    tok.save(tmp_path)
+    with Engine(edited) as eng:
+        ids = eng.submit(prompt, params).result().token_ids
+    assert end_think in ids[:3]
+    cut = ids.index(end_think)
+    body = [t for t in ids[cut + 1:] if t != im_end]
+    reasoning, content = tok.decode(ids[:cut]), tok.decode(body)
+    assert body and content, ids  # there is a reply after the thinking
+    flags = ["--max-tokens", 8, "--temperature", 0]
+    shown = k3("chat", tmp_path, *flags, "--show-thinking", stdin="hello\n")
+    hidden = k3("chat", tmp_path, *flags, stdin="hello\n")
+    assert shown.returncode == 0 and hidden.returncode == 0, shown.stderr + hidden.stderr
+    assert shown.stdout == f"{DIM}{reasoning}\x1b[0m\n{content}\n"
+    assert hidden.stdout == f"{DIM}(thinking: {cut} tokens; --show-thinking shows them)\x1b[0m\n{content}\n"
