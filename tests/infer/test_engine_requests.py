@@ -179,3 +179,7 @@ def test_engine_from_a_checkpoint_directory(model, tmp_path):
     assert out.token_ids == want and out.text == tok.decode(want)
     with pytest.raises(K3Error, match="max_batch must be an int >= 1"):
         Engine(model, max_batch=0)
+    with pytest.raises(K3Error, match="prefix_cache_bytes must be an int >= 0"):
+        Engine(model, prefix_cache_bytes=-1)
+    with pytest.raises(K3Error, match="max_cache_bytes must be an int >= 0"):
+        Engine(model, max_cache_bytes=1.5)

@@ -61,6 +61,9 @@ class Engine:
         for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("cache_block", cache_block)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise K3Error(f"Engine: {name} must be an int >= 1, got {v!r}")
+        for name, v in (("prefix_cache_bytes", prefix_cache_bytes), ("max_cache_bytes", max_cache_bytes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise K3Error(f"Engine: {name} must be an int >= 0, got {v!r}")
         if isinstance(model_or_dir, (str, Path)):
             model_or_dir, tokenizer = _load(model_or_dir, dtype, device, tokenizer)
         elif dtype is not None or device is not None:
