@@ -3,11 +3,11 @@
 ``submit`` validates a request in the caller's thread and queues it; a bad request gets a handle
 that raises its ``K3Error`` and never reaches the model, so the others are unaffected. The
 scheduler thread repeats one *step*: apply cancels, admit waiting requests (up to ``max_batch``
-active, within ``max_cache_bytes``), run one prefill chunk of the oldest prefilling request
-(batch 1, at most ``prefill_chunk`` tokens; with the prefix cache also cut at every
-``cache_block`` boundary so each one can be snapshotted), then one decode step (one token) for
-every running request. Requests join and leave the decode batch between steps; a finished or cancelled request's cache
-rows are dropped at once.
+active, within ``max_cache_bytes``), run prefill chunks of the prefilling requests, oldest
+first, until ``prefill_chunk`` prompt tokens have run this step (each chunk batch 1; with the
+prefix cache also cut at every ``cache_block`` boundary so each one can be snapshotted), then one
+decode step (one token) for every running request. Requests join and leave the decode batch
+between steps; a finished or cancelled request's cache rows are dropped at once.
 
 Prefix cache (SPEC §6.2) through its API only: ``match(prompt)`` gives the request its own
 batch-1 cache at the deepest snapshotted boundary (at least one prompt token is always fed, so
@@ -277,10 +277,11 @@ class Engine:
         self._groups = [g for g in self._groups if g.reqs]
 
     def _step(self) -> None:
-        if self._prefill:
+        budget = self.prefill_chunk  # prompt tokens per step, over as many requests as they cover
+        while budget > 0 and self._prefill:
             req = self._prefill[0]
             try:
-                self._prefill_chunk(req)
+                budget -= self._prefill_chunk(req, budget)
             except Exception as e:  # noqa: BLE001 - a failure of this request's forward fails it alone
                 with self._cv:
                     self._prefill.remove(req)
@@ -296,15 +297,17 @@ class Engine:
         with self._cv:
             self._drop_finished()
 
-    def _chunk_end(self, pos: int, n: int) -> int:
-        """End of the next prefill chunk: at most ``prefill_chunk`` tokens, and with the prefix cache
-        never past the next ``cache_block`` boundary (each boundary gets its snapshot)."""
-        end = min(pos + self.prefill_chunk, n)
+    def _chunk_end(self, pos: int, n: int, budget: int) -> int:
+        """End of the next prefill chunk: at most ``budget`` tokens, and with the prefix cache never
+        past the next ``cache_block`` boundary (each boundary gets its snapshot)."""
+        end = min(pos + budget, n)
         if self.prefix_cache is not None:
             end = min(end, (pos // self.cache_block + 1) * self.cache_block)
         return end
 
-    def _prefill_chunk(self, req: Request) -> None:
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        """Run the next chunk of ``req``'s prompt (at most ``budget`` tokens); returns its length.
+        After the last chunk the first token is sampled and the request joins the decode batch."""
         n = len(req.prompt)
         if req.cache is None:
             hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else None
@@ -312,27 +315,28 @@ class Engine:
                 req.cache, req.pos = hit.cache, hit.length
             else:
                 req.cache, req.pos = self.model.new_cache(1), 0
-        end = self._chunk_end(req.pos, n)
+        end = self._chunk_end(req.pos, n, budget)
         ids = torch.tensor([req.prompt[req.pos: end]], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=req.cache, logits_to_keep=1).logits[0, -1]
-        self._counters["prompt_tokens"] += end - req.pos
-        req.pos = end
+        ran, req.pos = end - req.pos, end
+        self._counters["prompt_tokens"] += ran
         if self.prefix_cache is not None and (end % self.cache_block == 0 or end == n):
             self.prefix_cache.insert(req.prompt[:end], req.cache)
         if end < n:
-            return
+            return ran
         with self._cv:
             self._prefill.remove(req)
         self._emit(req, logits)
         if req.finished:
             req.cache = None
-            return
+            return ran
         with self._cv:
-            for g in self._groups:
-                if g.accepts(req):
-                    g.join(req)
-                    return
-            self._groups.append(DecodeGroup(req))
+            group = next((g for g in self._groups if g.accepts(req)), None)
+            if group is None:
+                self._groups.append(DecodeGroup(req))
+            else:
+                group.join(req)
+        return ran
 
     def _decode(self, g: DecodeGroup) -> None:
         logits = self.model(g.last_tokens(self.device), cache=g.cache, logits_to_keep=1).logits[:, -1]
