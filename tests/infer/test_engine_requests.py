@@ -109,7 +109,8 @@ def test_reserved_bytes_formula_matches_the_real_cache(model):
                 st = eng.stats()
                 break
         h.cancel()
-    assert st["kda_state_bytes"] + st["mla_latent_bytes"] in {sequence_cache_bytes(model.config, T) for T in range(28, 70)}
+    used = st["kda_state_bytes"] + st["mla_latent_bytes"]
+    assert used in {sequence_cache_bytes(model.config, T) for T in range(28, 70)}
     assert st["kda_state_bytes"] == sequence_cache_bytes(model.config, 0)
 
 
