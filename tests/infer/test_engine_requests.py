@@ -184,3 +184,18 @@ def test_engine_from_a_checkpoint_directory(model, tmp_path):
         Engine(model, prefix_cache_bytes=-1)
     with pytest.raises(K3Error, match="max_cache_bytes must be an int >= 0"):
         Engine(model, max_cache_bytes=1.5)
+
+
+def test_a_handle_read_twice_and_result_after_iterating(model):
+    with Engine(model) as eng:
+        h = eng.submit(_prompt(5), GREEDY)
+        first = next(iter(h))
+        rest = list(h)
+        assert [first, *rest] == h.events and list(h) == []  # read to its end: nothing more
+        res = h.result()
+        assert res.token_ids == [e.token_id for e in [first, *rest]] and res.finish_reason == "length"
+        assert res == h.result() and len(res.token_ids) == GREEDY.max_tokens
+        bad = eng.submit([], GREEDY)
+        for _ in range(2):  # a failed handle raises every time it is read
+            with pytest.raises(K3Error, match="prompt: empty"):
+                list(bad)

@@ -57,6 +57,7 @@ class RequestHandle:
         self.error: BaseException | None = None
         self.finish_reason: str | None = None
         self.done = False
+        self.events: list[TokenEvent] = []  # every event handed out so far
 
     def _put(self, ev: TokenEvent) -> None:
         self._q.put(ev)
@@ -72,21 +73,25 @@ class RequestHandle:
         self._engine._cancel(self)
 
     def __iter__(self):
-        while True:
+        while not self.done:  # a handle already read to its end yields nothing more
             ev = self._q.get()
             if ev is _END:
                 self.done = True
-                if self.error is not None:
-                    raise self.error
-                return
+                break
             if ev.finish_reason is not None:
                 self.finish_reason = ev.finish_reason
+            self.events.append(ev)
             yield ev
+        if self.error is not None:
+            raise self.error
 
     def result(self) -> Completion:
-        """Block until the request ends; all its tokens, text and finish reason."""
+        """Block until the request ends; all its tokens, text and finish reason (also those events
+        already read by iterating)."""
+        for _ in self:
+            pass
         ids, text, lps, reason = [], [], [], None
-        for ev in self:
+        for ev in self.events:
             if ev.token_id is not None:
                 ids.append(ev.token_id)
                 lps.append(ev.logprob)
