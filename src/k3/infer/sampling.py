@@ -45,7 +45,8 @@ class SamplingParams:
     ``stop`` strings are matched on the decoded text and never emitted; ``stop_token_ids`` end the
     request when sampled (the id is reported, its text is not emitted); the model's EOS does the
     same unless ``ignore_eos``. ``logprobs=n`` reports the top-n alternatives of every token.
-    ``seed=None`` draws a fresh seed per request.
+    ``seed=None`` draws a fresh seed per request from torch's global generator (at submit), so
+    ``torch.manual_seed`` makes unseeded requests repeatable too.
     """
 
     max_tokens: int = 16
