@@ -1,14 +1,16 @@
 """Inference: the engine (continuous batching, SPEC §6.1), sampling, and one-call generation.
 
-Names load lazily so ``import k3.infer`` stays light (the CLI's help must not build the stack).
+``generate`` is bound eagerly: the submodule ``k3.infer.generate`` has the same name, and the
+function must win the package attribute. The other names load lazily.
 """
+
+from k3.infer.generate import generate
 
 __all__ = ["Engine", "SamplingParams", "TokenEvent", "generate", "sample_next_token", "load_run_model",
            "sample_main"]
 
 _WHERE = {"Engine": "engine", "SamplingParams": "sampling", "sample_next_token": "sampling",
-          "TokenEvent": "scheduler", "generate": "generate", "load_run_model": "run_model",
-          "sample_main": "run_model"}
+          "TokenEvent": "scheduler", "load_run_model": "run_model", "sample_main": "run_model"}
 
 
 def __getattr__(name):
