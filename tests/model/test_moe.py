@@ -266,6 +266,17 @@ def test_grouped_linear_matches_loop_with_empty_groups_and_odd_widths():
         torch.testing.assert_close(a, b)
 
 
+def test_grouped_linear_inference_path_matches_loop():
+    """Under no_grad on CPU only the non-empty groups run (the decode path); same products."""
+    x, w = torch.randn(9, 7), torch.randn(4, 5, 7)
+    offs = torch.tensor([0, 2, 2, 9], dtype=torch.int32)       # groups 0 and 2 empty
+    ref = torch.cat([x[:2] @ w[1].T, x[2:9] @ w[3].T])
+    with torch.no_grad():
+        torch.testing.assert_close(grouped_linear(x, w, offs), ref)
+        torch.testing.assert_close(grouped_linear(x.bfloat16(), w, offs), ref.bfloat16(), rtol=2e-2, atol=2e-2)
+        assert grouped_linear(x[:0], w, torch.zeros(4, dtype=torch.int32)).shape == (0, 5)
+
+
 def test_empty_batch_and_single_token():
     cfg = make_cfg()
     m = LatentMoE(cfg)

@@ -41,6 +41,7 @@ class KimiDeltaAttention(nn.Module):
     """
 
     _FP32_PARAMS = ("A_log", "dt_bias")
+    fast_decode = True  # T = 1 with a state: ``_decode_step`` (same math as the general path)
 
     def __init__(self, config: K3Config, layer_idx: int):
         super().__init__()
@@ -120,10 +121,44 @@ class KimiDeltaAttention(nn.Module):
             state.conv = xp[..., xp.shape[-1] - (K - 1):].contiguous()
         return F.silu(F.conv1d(xp, w.to(xp.dtype), groups=C)).transpose(1, 2)
 
+    def _decode_step(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
+        """One new token per row from a cached state, x [B,1,H] -> [B,1,H]: the math of ``forward``
+        with few kernels (the per-step Python / dispatch overhead is what a decode step costs).
+
+        conv:  h = SiLU(Σ_k w[:, k] · [prev | x_t][:, k])  over the K−1 cached inputs and this one
+        delta: S' = diag(e^g) S;  u = β (v − S'ᵀ k);  S ← S' + k uᵀ;  o = Sᵀ (q / √d)   (fp32)
+        """
+        B = x.shape[0]
+        nh, d, P = self.num_heads, self.head_dim, self.num_heads * self.head_dim
+        x2 = x[:, 0]                                                            # [B, H]
+        qkv = torch.cat([self.q_proj(x2), self.k_proj(x2), self.v_proj(x2)], -1)  # [B, 3P]
+        prev = state.conv if state.conv is not None else qkv.new_zeros(B, 3 * P, self.conv_kernel_size - 1)
+        xp = torch.cat([prev.to(qkv.dtype), qkv[:, :, None]], -1)               # [B, 3P, K]
+        state.conv = xp[:, :, 1:].contiguous()
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)[:, 0]  # [3P, K]
+        acc = torch.promote_types(xp.dtype, torch.float32)                      # ≥ fp32 taps
+        h = F.silu((xp.to(acc) * w.to(acc)).sum(-1)).view(B, 3, nh, d)
+        qk = l2_normalize(h[:, :2])                                             # [B, 2, nh, d] fp32
+        q, k, v = (qk[:, 0] * d ** -0.5).float(), qk[:, 1].float(), h[:, 2].float()  # recurrence in fp32
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, 1, nh, d)
+        g = kda_gate(f, self.A_log, self.dt_bias, self.gate_lower_bound)[:, 0]  # [B, nh, d]
+        beta = torch.sigmoid(self.b_proj(x2).float())                           # [B, nh]
+        S = state.recurrent if state.recurrent is not None else q.new_zeros(B, nh, d, d)
+        S = S.float() * g.exp()[..., None]                                       # [B, nh, d(k), d(v)]
+        u = beta[..., None] * (v - (k[:, :, None, :] @ S)[:, :, 0])             # [B, nh, d]
+        S = torch.baddbmm(S.view(B * nh, d, d), k.reshape(B * nh, d, 1), u.reshape(B * nh, 1, d)).view(B, nh, d, d)
+        state.recurrent = S
+        o = (q[:, :, None, :] @ S)[:, :, 0]                                     # [B, nh, d]
+        gate = self.g_proj(x2) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x2))
+        o = self.o_norm(o) * torch.sigmoid(gate.view(B, nh, d).float())
+        return self.o_proj(o.to(x.dtype).reshape(B, 1, P))
+
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         """x [B,T,H] -> [B,T,H]; ``state`` (this layer's cache entry) is updated in place."""
         self._check(x, state)
         B, T, _ = x.shape
+        if state is not None and T == 1 and self.fast_decode:
+            return self._decode_step(x, state)
         nh, d = self.num_heads, self.head_dim
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state)
         q, k, v = (t.reshape(B, T, nh, d) for t in qkv.split(nh * d, dim=-1))

@@ -182,22 +182,29 @@ class GatedMLA(nn.Module):
 
     def _absorb(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
                 starts: torch.Tensor | None = None) -> torch.Tensor:
-        """Same contract as ``_naive``, attending over the latents (W_UK into q, W_UV onto the output)."""
+        """Same contract as ``_naive``, attending over the latents (W_UK into q, W_UV onto the output).
+
+        Per head h: q_lat = W_UK[h]ᵀ q_nope [r]; s_j = (q_lat·c_j + q_pe·k_pe_j)·scale;
+        out = W_UV[h] Σ_j softmax(s)_j c_j. Heads and queries share one [nh·T, ·] matmul per row.
+        """
         B, T, nh, _ = q.shape
-        n, S = self.qk_nope_head_dim, c.shape[1]
-        w = self.kv_b_proj.weight.view(nh, n + self.v_head_dim, self.kv_lora_rank)
+        n, p, r, S = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank, c.shape[1]
+        w = self.kv_b_proj.weight.view(nh, n + self.v_head_dim, r)
         w_uk, w_uv = w[:, :n], w[:, n:]                                  # [nh, n, r], [nh, v, r]
-        q_nope, q_pe = q.split([n, self.qk_rope_head_dim], -1)
-        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)            # [B,T,nh,r]
-        scores = (torch.einsum("bthr,bsr->bhts", q_lat, c)
-                  + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)).float() * self.softmax_scale
+        qh = q.permute(2, 0, 1, 3).reshape(nh, B * T, n + p)            # [nh, B·T, n+p]
+        q_lat = torch.bmm(qh[..., :n], w_uk)                             # [nh, B·T, r]
+        q_lat = q_lat.view(nh, B, T, r).transpose(0, 1).reshape(B, nh * T, r)
+        q_pe = qh[..., n:].reshape(nh, B, T, p).transpose(0, 1).reshape(B, nh * T, p)
+        scores = torch.baddbmm(torch.bmm(q_pe, k_pe.transpose(1, 2)), q_lat, c.transpose(1, 2))
+        scores = scores.view(B, nh, T, S).float() * self.softmax_scale   # [B, nh, T, S]
         if T > 1 or starts is not None:  # one query at the end of equal rows sees every key
             scores = scores.masked_fill(~_query_mask(starts, 0, T, S, S - T, q.device), float("-inf"))
         if self.record_max_logits:
             self.last_max_logits = scores.detach().amax(dim=(0, 2, 3))
-        probs = scores.softmax(-1).to(q.dtype)
-        o_lat = torch.einsum("bhts,bsr->bthr", probs, c)                # [B,T,nh,r]
-        return torch.einsum("bthr,hvr->bthv", o_lat, w_uv)
+        probs = scores.softmax(-1).to(q.dtype).view(B, nh * T, S)
+        o_lat = torch.bmm(probs, c).view(B, nh, T, r).transpose(0, 1).reshape(nh, B * T, r)
+        o = torch.bmm(o_lat, w_uv.transpose(1, 2))                       # [nh, B·T, v]
+        return o.view(nh, B, T, self.v_head_dim).permute(1, 2, 0, 3)      # [B, T, nh, v]
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, state: MLAState | None = None) -> torch.Tensor:
