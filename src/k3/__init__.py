@@ -4,7 +4,7 @@ from k3.config import K3Config, get_preset, list_presets
 
 __version__ = "0.1.0"
 __all__ = ["K3Config", "get_preset", "list_presets", "K3Model", "K3ForCausalLM", "from_pretrained",
-           "save_pretrained", "__version__"]
+           "save_pretrained", "generate", "__version__"]
 
 
 def __getattr__(name):  # lazy: importing k3 must not build the model stack
@@ -14,4 +14,7 @@ def __getattr__(name):  # lazy: importing k3 must not build the model stack
     if name in ("from_pretrained", "save_pretrained"):  # k3.from_pretrained(dir), k3.save_pretrained(model, dir)
         from k3.checkpoint import pretrained
         return getattr(pretrained, name)
+    if name == "generate":  # k3.generate(model, input_ids, max_new_tokens, ...): via k3.infer.Engine
+        from k3.infer.generate import generate
+        return generate
     raise AttributeError(name)

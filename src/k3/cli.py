@@ -1,4 +1,5 @@
-"""The ``k3`` command: ``k3 params | train | sample | plot | convert | inspect | quantize | demo``."""
+"""The ``k3`` command: ``k3 params | train | sample | generate | chat | plot | convert | inspect |
+quantize | demo``."""
 
 from __future__ import annotations
 
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 _DELEGATED = [
     ("train", "k3.train.commands:train_main", "train a K3 model (k3 train --preset tiny --out runs/tiny)"),
     ("sample", "k3.infer.run_model:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
+    ("generate", "k3.infer.cli:generate_main", "continue a prompt, streaming (k3 generate CKPT --prompt ...)"),
+    ("chat", "k3.infer.cli:chat_main", "chat with a model in the terminal (k3 chat CKPT --show-thinking)"),
     ("plot", "k3.train.commands:plot_main", "plot a run's losses and expert load (PNG)"),
     ("demo", "k3.train.commands:demo_main", "the main job: train tiny on the stdlib, report bits/byte, sample"),
     ("convert", "k3.checkpoint.tools:convert_main", "re-export a checkpoint in k3's layout"),

@@ -104,7 +104,8 @@ def sample_main(argv: list[str] | None = None) -> int:
 
         from k3.errors import K3Error
 
-        from k3.infer.sample import generate, sample_next_token
+        from k3.infer.generate import generate
+        from k3.infer.sampling import sample_next_token
         model, tok = load_run_model(args.run, args.device)
         ids = tok.encode(args.prompt)
         check_prompt(ids, args.max_new_tokens, model.config.max_position_embeddings)

@@ -213,7 +213,7 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
     import torch
 
     from k3.data.tokenizer import EOS_TOKEN
-    from k3.infer.sample import generate
+    from k3.infer.generate import generate
     from k3.train.loop import Trainer
 
     t0 = time.perf_counter()

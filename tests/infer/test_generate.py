@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.infer.sample import generate, sample_next_token
+from k3.infer.generate import generate
+from k3.infer.sampling import sample_next_token
 from k3.model.decoder import K3ForCausalLM
 
 
@@ -90,3 +91,12 @@ def test_bad_arguments_are_rejected(model):
         generate(model, torch.zeros(1, 2, dtype=torch.long), 3, temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         generate(model, torch.zeros(1, 2, dtype=torch.long), 3, temperature=1.0, top_p=0.0)
+
+
+def test_top_level_k3_generate_is_the_engine_wrapper(model):
+    import k3
+    from k3.infer import generate as from_infer
+
+    assert k3.generate is generate and from_infer is generate
+    out = k3.generate(model, torch.tensor([[1, 2, 3]]), 5)
+    assert out.shape == (1, 8) and torch.equal(out, _greedy_full_forward(model, torch.tensor([[1, 2, 3]]), 5))

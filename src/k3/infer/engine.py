@@ -1,0 +1,389 @@
+"""The inference engine (SPEC §6.1): continuous batching over one model owned by one thread.
+
+``submit`` validates a request in the caller's thread and queues it; a bad request gets a handle
+that raises its ``K3Error`` and never reaches the model, so the others are unaffected. The
+scheduler thread repeats one *step*: apply cancels, admit waiting requests (up to ``max_batch``
+active, within ``max_cache_bytes``), run prefill chunks of the prefilling requests, oldest
+first, until ``prefill_chunk`` prompt tokens have run this step (each chunk batch 1; with the
+prefix cache also cut at every ``cache_block`` boundary so each one can be snapshotted), then one
+decode step (one token) for every running request. Requests join and leave the decode batch
+between steps; a finished or cancelled request's cache rows are dropped at once.
+
+Prefix cache (SPEC §6.2) through its API only: ``match(prompt)`` gives the request its own
+batch-1 cache at the deepest snapshotted boundary (at least one prompt token is always fed, so
+the first token's logits come from the model), and ``insert(prompt[:b], cache)`` is called after
+prefilling exactly ``b`` tokens, for every chunk end on a ``cache_block`` boundary and at the
+prompt's end.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from k3.errors import K3Error
+from k3.infer.detok import TextStream
+from k3.infer.sampling import Sampler, SamplingParams
+from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
+from k3.model.cache import KDAState, MLAState, cache_bytes_per_sequence
+
+__all__ = ["Engine"]
+
+
+def _load(path, dtype, device, tokenizer):
+    from k3.checkpoint import from_pretrained
+    from k3.data.tokenizer import Tokenizer
+
+    path = Path(path)
+    model = from_pretrained(path, dtype=dtype or torch.float32, device=device)
+    if tokenizer is None and (path / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.load(path / "tokenizer.json")
+    return model, tokenizer
+
+
+class Engine:
+    """``Engine(model_or_checkpoint_dir, max_batch=16, prefill_chunk=512, cache_block=64, ...)``.
+
+    ``prefix_cache_bytes`` > 0 turns the prefix cache on with that byte budget;
+    ``max_cache_bytes`` bounds the running sequences' caches (each reserves its worst case,
+    prompt + max_tokens, at admission; one that alone exceeds the budget fails).
+    Use as a context manager or call ``close()`` (joins the scheduler thread).
+    """
+
+    def __init__(self, model_or_dir, max_batch: int = 16, prefill_chunk: int = 512, cache_block: int = 64,
+                 prefix_cache_bytes: int = 0, max_cache_bytes: int | None = None,
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None, tokenizer=None):
+        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("cache_block", cache_block)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise K3Error(f"Engine: {name} must be an int >= 1, got {v!r}")
+        for name, v in (("prefix_cache_bytes", prefix_cache_bytes), ("max_cache_bytes", max_cache_bytes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise K3Error(f"Engine: {name} must be an int >= 0, got {v!r}")
+        if isinstance(model_or_dir, (str, Path)):
+            model_or_dir, tokenizer = _load(model_or_dir, dtype, device, tokenizer)
+        elif dtype is not None or device is not None:
+            model_or_dir = model_or_dir.to(dtype=dtype, device=device)
+        self.model = model_or_dir.eval()
+        self.config = self.model.config
+        self.tokenizer = tokenizer
+        p = next(self.model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_batch, self.prefill_chunk, self.cache_block = max_batch, prefill_chunk, cache_block
+        self.max_cache_bytes = max_cache_bytes
+        self.prefix_cache = None
+        if prefix_cache_bytes:
+            from k3.infer.prefix_cache import PrefixCache
+            self.prefix_cache = PrefixCache(cache_block, prefix_cache_bytes)
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._prefill: list[Request] = []
+        self._groups: list[DecodeGroup] = []
+        self._cancels: set[int] = set()
+        self._closing: list = []  # handle closures waiting for the end of the step
+        self._next_id = 0
+        self._stop = False
+        self._counters = dict(prompt_tokens=0, generated_tokens=0, finished=0, failed=0, decode_steps=0,
+                              max_decode_batch=0)
+        self._bytes = dict(kda_state_bytes=0, mla_latent_bytes=0)
+        self._prefix_stats: dict = {}
+        self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------ public
+    def submit(self, prompt_ids, params: SamplingParams | dict | None = None) -> RequestHandle:
+        """Queue a request; returns at once. Bad input fails this handle only."""
+        with self._cv:
+            handle = RequestHandle(self._next_id, self)
+            self._next_id += 1
+        try:
+            req = self._make_request(handle, prompt_ids, params)
+        except K3Error as e:
+            handle._fail(e)
+            with self._cv:
+                self._counters["failed"] += 1
+            return handle
+        with self._cv:
+            if self._stop:
+                handle._fail(K3Error("Engine: closed"))
+                return handle
+            self._waiting.append(req)
+            self._cv.notify()
+        return handle
+
+    def generate(self, prompts, params: SamplingParams | dict | list | None = None) -> list[Completion]:
+        """Submit every prompt (a list of token-id lists) and wait for all; one params or a list."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise K3Error(f"generate: {len(plist)} params for {len(prompts)} prompts")
+        handles = [self.submit(p, q) for p, q in zip(prompts, plist)]
+        return [h.result() for h in handles]
+
+    def stats(self) -> dict:
+        """Active / waiting requests, cache bytes (KDA state, MLA latent KV, prefix cache), prefix
+        hits and misses, token and request counters; bytes as of the end of the last step."""
+        with self._cv:
+            out = dict(active=len(self._prefill) + sum(len(g.reqs) for g in self._groups),
+                       waiting=len(self._waiting), **self._bytes, **self._counters)
+            pc = self._prefix_stats
+        out.update(prefix_cache_bytes=pc.get("bytes", 0), prefix_hits=pc.get("hits", 0),
+                   prefix_misses=pc.get("misses", 0), prefix_hit_tokens=pc.get("hit_tokens", 0))
+        return out
+
+    def close(self) -> None:
+        """Stop the scheduler thread (requests still open fail with "closed") and join it."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --------------------------------------------------------------------------- requests
+    def _make_request(self, handle, prompt_ids, params) -> Request:
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise K3Error(f"params must be SamplingParams or a dict, got {type(params).__name__}")
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.flatten().tolist()
+        try:
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise K3Error("prompt: must be a sequence of int token ids") from None
+        V, max_pos = self.config.vocab_size, self.config.max_position_embeddings
+        if not prompt:
+            raise K3Error("prompt: empty (at least one token id is needed)")
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise K3Error(f"prompt: token id {bad[0]} outside the vocabulary [0, {V})")
+        if len(prompt) >= max_pos:
+            raise K3Error(f"prompt: {len(prompt)} tokens leave no room for output within "
+                          f"max_position_embeddings={max_pos}")
+        bad = [t for t in params.stop_token_ids if t >= V]
+        if bad:
+            raise K3Error(f"SamplingParams.stop_token_ids: {bad[0]} outside the vocabulary [0, {V})")
+        if params.stop and self.tokenizer is None:
+            raise K3Error("SamplingParams.stop: stop strings need a tokenizer (Engine(..., tokenizer=))")
+        max_tokens = min(params.max_tokens, max_pos - len(prompt))
+        reserved = cache_bytes_per_sequence(self.config, len(prompt) + max_tokens, self.dtype)["total"]
+        if self.max_cache_bytes is not None and reserved > self.max_cache_bytes:
+            raise K3Error(f"max_cache_bytes={self.max_cache_bytes} is smaller than this request's cache "
+                          f"({reserved} bytes for {len(prompt)} prompt + {max_tokens} new tokens)")
+        sampler = Sampler(params, V, prompt, self.device)
+        return Request(handle, prompt, params, sampler, TextStream(self.tokenizer, params.stop), reserved,
+                       max_tokens)
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._cv:
+            for r in self._waiting:
+                if r.handle is handle:
+                    self._waiting.remove(r)
+                    self._end(r, TokenEvent(None, "", None, "cancelled"), now=True)
+                    return
+            self._cancels.add(handle.rid)
+            self._cv.notify()
+
+    def _end(self, req: Request, ev: TokenEvent | None = None, err: BaseException | None = None,
+             now: bool = False) -> None:
+        """Finish ``req``: its last event goes out at once; the end of its stream (or its error) only
+        after the step that dropped its cache rows, so a caller that saw the end sees freed stats."""
+        req.finished = True
+        if ev is not None:
+            req.handle._put(ev)
+        close = (lambda: req.handle._fail(err)) if err is not None else req.handle._close
+        self._counters["failed" if err is not None else "finished"] += 1
+        if now:
+            close()
+        else:
+            self._closing.append(close)
+
+    def _release(self) -> None:
+        with self._cv:
+            closing, self._closing = self._closing, []
+        for close in closing:
+            close()
+
+    # ------------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        why = "Engine: closed before the request finished"
+        try:
+            with torch.no_grad():
+                while True:
+                    with self._cv:
+                        while not (self._stop or self._waiting or self._prefill or self._groups):
+                            self._cv.wait()
+                        if self._stop:
+                            break
+                        cancels, self._cancels = self._cancels, set()
+                        self._admit()
+                    self._apply_cancels(cancels)
+                    self._step()
+                    self._measure()
+                    self._release()
+        except BaseException as e:  # a bug in the loop itself: no request may wait forever
+            why = f"Engine: scheduler stopped by {e!r}"
+            raise
+        finally:
+            with self._cv:
+                self._stop = True
+                for r in [*self._waiting, *self._prefill, *(r for g in self._groups for r in g.reqs)]:
+                    if not r.finished:
+                        self._end(r, err=K3Error(why))
+                self._waiting.clear(), self._prefill.clear(), self._groups.clear()
+            self._measure()
+            self._release()
+
+    def _admit(self) -> None:
+        active = self._prefill + [r for g in self._groups for r in g.reqs]
+        used = sum(r.reserved for r in active)
+        while self._waiting and len(active) < self.max_batch:
+            r = self._waiting[0]
+            if self.max_cache_bytes is not None and used + r.reserved > self.max_cache_bytes:
+                break
+            self._waiting.popleft()
+            self._prefill.append(r)
+            active.append(r)
+            used += r.reserved
+
+    def _apply_cancels(self, rids: set[int]) -> None:
+        if not rids:
+            return
+        ev = TokenEvent(None, "", None, "cancelled")
+        with self._cv:
+            for r in [r for r in self._prefill if r.handle.rid in rids]:
+                self._prefill.remove(r)
+                r.cache = None
+                self._end(r, ev)
+            for g in self._groups:
+                for r in g.reqs:
+                    if r.handle.rid in rids and not r.finished:
+                        self._end(r, ev)
+            self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        for g in self._groups:
+            g.drop({r.handle.rid for r in g.reqs if r.finished})
+        self._groups = [g for g in self._groups if g.reqs]
+
+    def _step(self) -> None:
+        budget = self.prefill_chunk  # prompt tokens per step, over as many requests as they cover
+        while budget > 0 and self._prefill:
+            req = self._prefill[0]
+            try:
+                budget -= self._prefill_chunk(req, budget)
+            except Exception as e:  # noqa: BLE001 - a failure of this request's forward fails it alone
+                with self._cv:
+                    self._prefill.remove(req)
+                    req.cache = None
+                    self._end(req, err=e if isinstance(e, K3Error) else K3Error(f"prefill failed: {e!r}"))
+        for g in list(self._groups):
+            try:
+                self._decode(g)
+            except Exception as e:  # noqa: BLE001
+                with self._cv:
+                    for r in g.reqs:
+                        self._end(r, err=K3Error(f"decode failed: {e!r}"))
+        with self._cv:
+            self._drop_finished()
+
+    def _chunk_end(self, pos: int, n: int, budget: int) -> int:
+        """End of the next prefill chunk: at most ``budget`` tokens, and with the prefix cache never
+        past the next ``cache_block`` boundary (each boundary gets its snapshot)."""
+        end = min(pos + budget, n)
+        if self.prefix_cache is not None:
+            end = min(end, (pos // self.cache_block + 1) * self.cache_block)
+        return end
+
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        """Run the next chunk of ``req``'s prompt (at most ``budget`` tokens); returns its length.
+        After the last chunk the first token is sampled and the request joins the decode batch."""
+        n = len(req.prompt)
+        if req.cache is None:
+            hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else None
+            if hit is not None and 0 < hit.length < n and hit.cache is not None:
+                req.cache, req.pos = hit.cache, hit.length
+            else:
+                req.cache, req.pos = self.model.new_cache(1), 0
+        end = self._chunk_end(req.pos, n, budget)
+        ids = torch.tensor([req.prompt[req.pos: end]], dtype=torch.long, device=self.device)
+        logits = self.model(ids, cache=req.cache, logits_to_keep=1).logits[0, -1]
+        ran, req.pos = end - req.pos, end
+        self._counters["prompt_tokens"] += ran
+        if self.prefix_cache is not None and (end % self.cache_block == 0 or end == n):
+            self.prefix_cache.insert(req.prompt[:end], req.cache)
+        if end < n:
+            return ran
+        with self._cv:
+            self._prefill.remove(req)
+        self._emit(req, logits)
+        if req.finished:
+            req.cache = None
+            return ran
+        with self._cv:
+            group = next((g for g in self._groups if g.accepts(req)), None)
+            if group is None:
+                self._groups.append(DecodeGroup(req))
+            else:
+                group.join(req)
+        return ran
+
+    def _decode(self, g: DecodeGroup) -> None:
+        logits = self.model(g.last_tokens(self.device), cache=g.cache, logits_to_keep=1).logits[:, -1]
+        c = self._counters
+        c["decode_steps"] += 1
+        c["max_decode_batch"] = max(c["max_decode_batch"], len(g.reqs))
+        fast = [r.params.greedy and not r.sampler.penalised and r.params.logprobs is None for r in g.reqs]
+        argmax = logits.argmax(-1).tolist() if any(fast) else None
+        for i, r in enumerate(g.reqs):
+            if not r.finished:
+                self._emit(r, logits[i], argmax[i] if fast[i] else None)
+
+    def _emit(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
+        """Sample the next token of ``req`` from logits [V], send its event, finish if it ends."""
+        p = req.params
+        tok = req.sampler.choose(logits) if token is None else token
+        req.sampler.observe(tok)
+        lp, top = req.sampler.logprobs(logits, tok) if p.logprobs is not None else (None, None)
+        req.out.append(tok)
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+        self._counters["generated_tokens"] += 1
+        eos = self.config.eos_token_id
+        if tok in p.stop_token_ids or (not p.ignore_eos and eos is not None and tok == eos):
+            delta, finish = req.stream.flush(), "stop"
+        else:
+            delta, stopped = req.stream.push(req.out)
+            finish = "stop" if stopped else None
+            if finish is None and len(req.out) >= req.max_tokens:
+                delta, finish = delta + req.stream.flush(), "length"
+        ev = TokenEvent(tok, delta, lp, finish, top)
+        if finish is None:
+            req.handle._put(ev)
+        else:
+            with self._cv:
+                self._end(req, ev)
+
+    def _measure(self) -> None:
+        caches = [r.cache for r in self._prefill if r.cache is not None] + [g.cache for g in self._groups]
+        kda = mla = 0
+        for c in caches:
+            for s in c.layers:
+                if isinstance(s, KDAState):
+                    kda += s.nbytes()
+                elif isinstance(s, MLAState):
+                    mla += s.nbytes()
+        with self._cv:
+            self._bytes.update(kda_state_bytes=kda, mla_latent_bytes=mla)
+            if self.prefix_cache is not None:  # read here, in the thread that mutates the tree
+                self._prefix_stats = self.prefix_cache.stats()

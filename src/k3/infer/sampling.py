@@ -1,0 +1,243 @@
+"""Sampling: ``SamplingParams`` (SPEC §6.1), pure logits processors, and a per-request ``Sampler``.
+
+Order of the processors on one row of logits ``z`` [V] (float32):
+
+1. penalties (``apply_penalties``): repetition ``r`` on every token seen in the prompt or the
+   output — ``z / r`` where ``z > 0``, ``z * r`` where ``z <= 0`` —; then, on output tokens only,
+   ``z - frequency * count - presence * [count > 0]``;
+2. temperature: ``z / t`` (``t == 0``: greedy, steps 3–4 are skipped and the argmax is taken);
+3. masks, each keeping a set of tokens and setting the rest to ``-inf``: ``top_k`` the k largest
+   logits (ties at the k-th value kept), ``top_p`` the smallest prefix of the descending
+   probabilities whose sum reaches p (the first token always kept), ``min_p`` tokens whose
+   probability is at least ``min_p`` times the largest;
+4. a draw from ``softmax(z)`` with the request's own ``torch.Generator`` (one uniform per step,
+   inverse CDF), so a request's tokens depend only on its own seed and logits.
+
+Logprobs are reported under the model's distribution (``log_softmax`` of the raw logits, before
+penalties and temperature), as OpenAI-style APIs report them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from k3.errors import K3Error
+
+__all__ = ["SamplingParams", "Sampler", "apply_penalties", "top_k_mask", "top_p_mask", "min_p_mask",
+           "process_logits", "sample_next_token"]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples; validated at construction (a ``K3Error`` naming the field).
+
+    ``stop`` strings are matched on the decoded text and never emitted; ``stop_token_ids`` end the
+    request when sampled (the id is reported, its text is not emitted); the model's EOS does the
+    same unless ``ignore_eos``. ``logprobs=n`` reports the top-n alternatives of every token.
+    ``seed=None`` draws a fresh seed per request from torch's global generator (at submit), so
+    ``torch.manual_seed`` makes unseeded requests repeatable too.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple)):
+                raise K3Error(f"SamplingParams.{name} must be a list, got {type(v).__name__}")
+            object.__setattr__(self, name, tuple(v))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, want: str):
+            raise K3Error(f"SamplingParams.{name} must be {want}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+            bad("max_tokens", "an int > 0")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "a finite number >= 0")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            bad("top_k", "None or an int >= 1")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "a number in (0, 1]")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "a number in [0, 1]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_num(getattr(self, name)):
+                bad(name, "a finite number")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of token ids >= 0")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a list of non-empty strings")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "None or an int")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "None or an int >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "a bool")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """From a mapping of field names (an unknown key is an error naming it)."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise K3Error(f"SamplingParams: unknown field(s) {unknown}; known: {sorted(names)}")
+        return cls(**d)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ------------------------------------------------------------------------- pure processors
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor,
+                    repetition: float, presence: float, frequency: float) -> torch.Tensor:
+    """logits [V]; ``seen`` [V] bool (prompt or output), ``counts`` [V] output counts -> new [V]."""
+    z = logits
+    if repetition != 1.0:
+        scaled = torch.where(z > 0, z / repetition, z * repetition)
+        z = torch.where(seen, scaled, z)
+    if presence or frequency:
+        c = counts.to(z.dtype)
+        z = z - frequency * c - presence * (c > 0).to(z.dtype)
+    return z
+
+
+def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep-mask [..., V]: logits >= the k-th largest (ties at the k-th value are kept)."""
+    if k >= logits.shape[-1]:
+        return torch.ones_like(logits, dtype=torch.bool)
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits >= kth
+
+
+def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep-mask: the most probable tokens until their probability sum reaches ``p``."""
+    if p >= 1:
+        return torch.ones_like(logits, dtype=torch.bool)
+    sorted_z, order = logits.sort(-1, descending=True)
+    probs = sorted_z.softmax(-1)
+    keep_sorted = probs.cumsum(-1) - probs < p  # tokens ranked above this one sum to < p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Keep-mask: probability >= ``min_p`` times the largest probability."""
+    if min_p <= 0:
+        return torch.ones_like(logits, dtype=torch.bool)
+    probs = logits.softmax(-1)
+    return probs >= min_p * probs.max(-1, keepdim=True).values
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Temperature then the three masks (``-inf`` outside) on [..., V]; temperature must be > 0."""
+    z = logits.float() / temperature
+    keep = top_k_mask(z, top_k) if top_k is not None else None
+    for m in (top_p_mask(z, top_p) if top_p < 1 else None, min_p_mask(z, min_p) if min_p > 0 else None):
+        if m is not None:
+            keep = m if keep is None else keep & m
+    return z if keep is None else z.masked_fill(~keep, float("-inf"))
+
+
+def _draw(z: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from softmax(z) [V] by inverse CDF with a single uniform from ``generator``."""
+    probs = z.softmax(-1, dtype=torch.float64)
+    cdf = probs.cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=z.device) * cdf[-1]
+    idx = int(torch.searchsorted(cdf, u.reshape(1), right=True))
+    idx = min(idx, z.shape[-1] - 1)
+    while probs[idx] == 0:  # u landed exactly on a masked token's (zero-width) step
+        idx -= 1
+    return idx
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                      top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, V] -> next token ids [B] int64 (the one-call sampler; rows share ``generator``)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0 if top_p is None else top_p)
+    if params.greedy:
+        return logits.float().argmax(-1)
+    z = process_logits(logits, temperature, top_k, params.top_p)
+    return torch.tensor([_draw(row, generator) for row in z], dtype=torch.long, device=logits.device)
+
+
+# ------------------------------------------------------------------------------ per request
+@dataclass
+class Sampler:
+    """One request's sampling state: its generator and the token counts for the penalties."""
+
+    params: SamplingParams
+    vocab_size: int
+    prompt_ids: list[int]
+    device: torch.device | str = "cpu"
+    generator: torch.Generator | None = field(default=None, init=False)
+    _seen: torch.Tensor | None = field(default=None, init=False)
+    _counts: torch.Tensor | None = field(default=None, init=False)
+
+    def __post_init__(self):
+        p = self.params
+        if not p.greedy:
+            seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, ()).item())
+            self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            self._seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            self._seen[torch.as_tensor(self.prompt_ids, device=self.device)] = True
+            self._counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
+
+    @property
+    def penalised(self) -> bool:
+        return self._counts is not None
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """logits [V] -> the next token id (call ``observe`` with it afterwards)."""
+        p = self.params
+        z = logits.float()
+        if self._counts is not None:
+            z = apply_penalties(z, self._seen, self._counts, p.repetition_penalty, p.presence_penalty,
+                                p.frequency_penalty)
+        if p.greedy:
+            return int(z.argmax())
+        return _draw(process_logits(z, p.temperature, p.top_k, p.top_p, p.min_p), self.generator)
+
+    def observe(self, token: int) -> None:
+        if self._counts is not None:
+            self._seen[token] = True
+            self._counts[token] += 1
+
+    def logprobs(self, logits: torch.Tensor, token: int) -> tuple[float, list[tuple[int, float]] | None]:
+        """(log p(token), top-n [(id, log p)] or None) under log_softmax of the raw logits [V]."""
+        lp = logits.float().log_softmax(-1)
+        top = None
+        if self.params.logprobs:
+            v, i = lp.topk(min(self.params.logprobs, lp.shape[-1]))
+            top = list(zip(i.tolist(), v.tolist()))
+        return float(lp[token]), top

@@ -1,0 +1,153 @@
+"""Scheduling state of the engine: requests, their handles, admission and decode groups.
+
+Life of a request: ``waiting`` → (admitted while fewer than ``max_batch`` are active and the byte
+budget holds its worst case) ``prefill`` (chunks of the prompt through a batch-1 cache) →
+``running`` (one decode step per engine step, inside a ``DecodeGroup``) → finished. A decode group
+is one batched ``K3Cache`` and its requests in row order. With per-sequence cache lengths
+(``K3Cache.seq_lens``) every running request shares one group; without them a group holds
+requests of equal length only (they stay equal: each step adds one token to every row).
+
+Everything here is touched by the engine thread only, except ``RequestHandle`` (any thread).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from k3.model.cache import K3Cache
+
+__all__ = ["TokenEvent", "Completion", "RequestHandle", "Request", "DecodeGroup", "per_row_lengths"]
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. ``finish_reason`` is None until the last event ("stop", "length",
+    "cancelled"); ``text_delta`` is the new text (stop strings and held-back text excluded)."""
+
+    token_id: int | None
+    text_delta: str
+    logprob: float | None
+    finish_reason: str | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float | None] = field(default_factory=list)
+
+
+class RequestHandle:
+    """Iterate for ``TokenEvent``s (blocking); a failed request raises its error from iteration
+    and from ``result()``. ``cancel()`` stops it; its slot and cache are freed before the next step."""
+
+    def __init__(self, rid: int, engine):
+        self.rid = rid
+        self._engine = engine
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.finish_reason: str | None = None
+        self.done = False
+        self.events: list[TokenEvent] = []  # every event handed out so far
+
+    def _put(self, ev: TokenEvent) -> None:
+        self._q.put(ev)
+
+    def _fail(self, err: BaseException) -> None:
+        self.error = err
+        self._q.put(_END)
+
+    def _close(self) -> None:
+        self._q.put(_END)
+
+    def cancel(self) -> None:
+        self._engine._cancel(self)
+
+    def __iter__(self):
+        while not self.done:  # a handle already read to its end yields nothing more
+            ev = self._q.get()
+            if ev is _END:
+                self.done = True
+                break
+            if ev.finish_reason is not None:
+                self.finish_reason = ev.finish_reason
+            self.events.append(ev)
+            yield ev
+        if self.error is not None:
+            raise self.error
+
+    def result(self) -> Completion:
+        """Block until the request ends; all its tokens, text and finish reason (also those events
+        already read by iterating)."""
+        for _ in self:
+            pass
+        ids, text, lps, reason = [], [], [], None
+        for ev in self.events:
+            if ev.token_id is not None:
+                ids.append(ev.token_id)
+                lps.append(ev.logprob)
+            text.append(ev.text_delta)
+            reason = ev.finish_reason or reason
+        return Completion(ids, "".join(text), reason, lps)
+
+
+@dataclass
+class Request:
+    handle: RequestHandle
+    prompt: list[int]
+    params: Any            # SamplingParams
+    sampler: Any           # Sampler
+    stream: Any            # TextStream
+    reserved: int          # bytes of cache reserved at admission (worst case)
+    max_tokens: int        # params.max_tokens capped by max_position_embeddings
+    cache: K3Cache | None = None
+    pos: int = 0           # prompt tokens already in the cache
+    out: list[int] = field(default_factory=list)
+    finished: bool = False  # ended (stop, length, cancel, error): its rows are dropped
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+
+
+def per_row_lengths(cache: K3Cache) -> bool:
+    """Whether this cache type batches sequences of different lengths (the contract's seq_lens)."""
+    return hasattr(cache, "seq_lens")
+
+
+class DecodeGroup:
+    """Running requests decoded together: ``cache`` row ``i`` belongs to ``reqs[i]``."""
+
+    def __init__(self, req: Request):
+        self.reqs = [req]
+        self.cache = req.cache
+        req.cache = None
+
+    def length(self) -> int:
+        return self.cache.seq_len
+
+    def accepts(self, req: Request) -> bool:
+        return per_row_lengths(self.cache) or self.cache.seq_len == req.cache.seq_len
+
+    def join(self, req: Request) -> None:
+        self.cache = K3Cache.cat([self.cache, req.cache])
+        req.cache = None
+        self.reqs.append(req)
+
+    def drop(self, gone: set[int]) -> None:
+        """Remove the rows of requests whose handle ids are in ``gone``; keeps the others' order."""
+        keep = [i for i, r in enumerate(self.reqs) if r.handle.rid not in gone]
+        if len(keep) == len(self.reqs):
+            return
+        self.reqs = [self.reqs[i] for i in keep]
+        self.cache = self.cache.select(torch.tensor(keep)) if keep else None
+
+    def last_tokens(self, device) -> torch.Tensor:
+        return torch.tensor([[r.out[-1]] for r in self.reqs], dtype=torch.long, device=device)

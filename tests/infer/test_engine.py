@@ -1,0 +1,162 @@
+"""Engine correctness: greedy tokens equal the argmax of a full no-cache forward recomputed every
+step, alone and in a batch of 8 mixed lengths, for prefill chunks {7, 64, 512}; seeded sampling
+does not depend on the batch companions; stop strings; logprobs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from k3.config import get_preset
+from k3.infer.engine import Engine
+from k3.infer.sampling import SamplingParams
+from k3.model.decoder import K3ForCausalLM
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    m = K3ForCausalLM(get_preset("nano"))
+    with torch.no_grad():  # sharper logits than the 0.02 init, so greedy choices are well separated
+        m.lm_head.weight.mul_(20)
+    return m.eval()
+
+
+@pytest.fixture(autouse=True)
+def no_engine_thread_left():
+    yield
+    assert not [t for t in threading.enumerate() if t.name == "k3-engine"]
+
+
+def prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Independent reference: the whole sequence through the model without a cache, every step."""
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+LENGTHS = [3, 17, 1, 40, 9, 64, 2, 25]
+
+
+@pytest.fixture(scope="module")
+def references(model):
+    return [reference_greedy(model, p, GREEDY.max_tokens) for p in prompts(LENGTHS)]
+
+
+def test_greedy_alone_equals_full_forward_argmax(model, references):
+    with Engine(model, max_batch=1) as eng:
+        for p, ref in zip(prompts(LENGTHS), references):
+            out = eng.submit(p, GREEDY).result()
+            assert out.token_ids == ref and out.finish_reason == "length"
+    assert len({tuple(r) for r in references}) == len(references)  # not a degenerate continuation
+
+
+def test_batch_of_8_mixed_lengths_equals_batch_1(model, references):
+    with Engine(model, max_batch=8) as eng:
+        outs = eng.generate(prompts(LENGTHS), GREEDY)
+        st = eng.stats()
+    assert [o.token_ids for o in outs] == references
+    assert st["active"] == 0 and st["generated_tokens"] == 8 * GREEDY.max_tokens
+    assert st["max_decode_batch"] == 8  # all eight lengths decoded in one batch at some step
+    assert st["prompt_tokens"] == sum(LENGTHS)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 512])
+def test_prefill_chunk_sizes_give_the_same_tokens(model, chunk):
+    ps = prompts([130, 70, 7, 8], seed=3)
+    refs = [reference_greedy(model, p, 6) for p in ps]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with Engine(model, max_batch=4, prefill_chunk=chunk) as eng:
+        assert [o.token_ids for o in eng.generate(ps, params)] == refs
+
+
+def test_same_seed_same_tokens_whatever_the_companions(model):
+    p = prompts([11])[0]
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    with Engine(model, max_batch=1) as eng:
+        alone = eng.submit(p, params).result().token_ids
+    others = prompts([11, 5, 30, 11, 2, 19, 11], seed=9)
+    mixed = [SamplingParams(max_tokens=n, temperature=1.0, seed=s, ignore_eos=True)
+             for n, s in zip([20, 3, 9, 16, 1, 30, 7], range(7))]
+    with Engine(model, max_batch=8) as eng:
+        handles = [eng.submit(q, m) for q, m in zip(others[:3], mixed[:3])]
+        mine = eng.submit(p, params)
+        handles += [eng.submit(q, m) for q, m in zip(others[3:], mixed[3:])]
+        together = mine.result().token_ids
+        for h in handles:
+            h.result()
+    assert together == alone
+    with Engine(model, max_batch=1) as eng:  # positive control: another seed gives other tokens
+        assert eng.submit(p, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=4321,
+                                            ignore_eos=True)).result().token_ids != alone
+
+
+class PieceTokenizer:
+    """Every id decodes to a fixed two-letter piece (a real, if small, vocabulary)."""
+
+    def __init__(self, n: int):
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        self.pieces = [letters[i % 26] + letters[(i // 26) % 26] for i in range(n)]
+
+    def decode(self, ids) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_stop_string_spanning_tokens_ends_the_request_and_is_not_emitted(model):
+    tok = PieceTokenizer(512)
+    p = prompts([10], seed=5)[0]
+    free_ids = reference_greedy(model, p, 12)
+    free = "".join(tok.pieces[i] for i in free_ids)
+    stop = free[9:12]  # last letter of token 4, both letters of token 5
+    first = free.find(stop)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])
+    with Engine(model, tokenizer=tok) as eng:
+        out = eng.submit(p, params).result()
+        control = eng.submit(p, GREEDY).result()
+    assert out.text == free[:first] and out.finish_reason == "stop"
+    assert out.token_ids == free_ids[: (first + len(stop) + 1) // 2]
+    assert control.text == free and control.token_ids == free_ids
+
+
+def test_stop_token_and_eos(model):
+    p = prompts([6], seed=2)[0]
+    free = reference_greedy(model, p, 10)
+    with Engine(model) as eng:
+        out = eng.submit(p, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[free[4]],
+                                           ignore_eos=True)).result()
+        assert out.token_ids == free[: free.index(free[4]) + 1] and out.finish_reason == "stop"
+        model.config.eos_token_id, old = free[2], model.config.eos_token_id
+        try:
+            eos = eng.submit(p, SamplingParams(max_tokens=10, temperature=0)).result()
+            ign = eng.submit(p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)).result()
+        finally:
+            model.config.eos_token_id = old
+    assert eos.token_ids == free[: free.index(free[2]) + 1] and ign.token_ids == free
+
+
+def test_logprobs_match_the_full_forward(model):
+    p = prompts([8], seed=7)[0]
+    with Engine(model) as eng:
+        h = eng.submit(p, SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))
+        events = list(h)
+    ids = torch.tensor([p + [e.token_id for e in events]])
+    with torch.no_grad():
+        lp = model(ids).logits[0, len(p) - 1: -1].float().log_softmax(-1)
+    for i, e in enumerate(events):
+        assert e.logprob == pytest.approx(float(lp[i, e.token_id]), abs=1e-4)
+        assert [t for t, _ in e.top_logprobs] == lp[i].topk(3).indices.tolist()
