@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.infer.cli import render_chat
+from k3.data.chat import ChatFormat
 from k3.model.decoder import K3ForCausalLM
 
 DIM = "\x1b[2m"
@@ -80,7 +80,7 @@ def test_chat_template_layout(ckpt):
     tok = ckpt[2]
     sp = {n: tok.token_to_id(n) for n in ("<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
                                         "<think>", "</think>")}
-    ids = render_chat(tok, [{"role": "user", "content": "hi <|im_end|>"},
+    ids = ChatFormat(tok).render([{"role": "user", "content": "hi <|im_end|>"},
                             {"role": "assistant", "content": "yo", "reasoning": "hm"},
                             {"role": "user", "content": "ok"}])
     e = tok.encode
@@ -103,7 +103,7 @@ def test_chat_streams_thinking_dimmed_or_collapsed(ckpt):
     hidden = k3("chat", d, *flags, stdin="hello\nworld\n")
     assert shown.returncode == 0 and hidden.returncode == 0, shown.stderr + hidden.stderr
     with Engine(model, tokenizer=tok) as eng:  # the first reply, from the same rendered prompt
-        first = eng.submit(render_chat(tok, [{"role": "user", "content": "hello"}]),
+        first = eng.submit(ChatFormat(tok).render([{"role": "user", "content": "hello"}]),
                            SamplingParams(max_tokens=6, temperature=0,
                                           stop_token_ids=[tok.token_to_id("<|im_end|>")])).result()
     assert tok.token_to_id("</think>") not in first.token_ids  # random weights: all of it is thinking
@@ -122,7 +122,7 @@ def test_chat_reply_after_the_thinking_is_shown_plainly(ckpt, tmp_path):
 
     _, model, tok = ckpt
     end_think, im_end = tok.token_to_id("</think>"), tok.token_to_id("<|im_end|>")
-    prompt = render_chat(tok, [{"role": "user", "content": "hello"}])
+    prompt = ChatFormat(tok).render([{"role": "user", "content": "hello"}])
     params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[im_end])
     with Engine(model) as eng:
         free = eng.submit(prompt, params).result().token_ids

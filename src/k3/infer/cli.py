@@ -4,12 +4,10 @@
 (``k3.infer.run_model.load_run_model``). Errors are one line and exit 2 (``k3.cliutil.guarded``,
 applied to every delegated subcommand by ``k3.cli``).
 
-The chat template (SPEC §6.3) is rendered here straight to token ids by a minimal renderer that
-serves this command only (``k3.data.chat`` does not exist yet): each message is
-``<|im_{role}|>{role}<|im_middle|>{body}<|im_end|>``, an assistant body is
-``<think>{reasoning}</think>{content}`` (earlier turns keep their reasoning: preserved thinking),
-and the generation prompt is ``<|im_assistant|>assistant<|im_middle|><think>``. Message text is
-encoded as plain text, so a user typing ``<|im_end|>`` cannot forge a special token.
+The chat template (SPEC §6.3) comes from ``k3.data.chat.ChatFormat``, the renderer training and
+the server share: earlier assistant turns keep their reasoning (preserved thinking), the
+generation prompt ends with ``<think>``, and message text is encoded as plain text, so a user
+typing ``<|im_end|>`` cannot forge a special token.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import argparse
 import sys
 import time
 
-__all__ = ["generate_main", "chat_main", "render_chat"]
+__all__ = ["generate_main", "chat_main"]
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -119,22 +117,6 @@ def _special(tok, name: str) -> int:
     return i
 
 
-def render_chat(tok, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` ({role, content[, reasoning]}) in the SPEC §6.3 layout."""
-    ids: list[int] = []
-    for m in messages:
-        role = m["role"]
-        marker = "<|im_system|>" if role == "tool" else f"<|im_{role}|>"
-        ids += [_special(tok, marker)] + tok.encode(role) + [_special(tok, "<|im_middle|>")]
-        if role == "assistant":
-            ids += [_special(tok, "<think>")] + tok.encode(m.get("reasoning", "")) + [_special(tok, "</think>")]
-        ids += tok.encode(m["content"]) + [_special(tok, "<|im_end|>")]
-    if add_generation_prompt:
-        ids += [_special(tok, "<|im_assistant|>")] + tok.encode("assistant") + [_special(tok, "<|im_middle|>"),
-                                                                               _special(tok, "<think>")]
-    return ids
-
-
 def _reply(engine, tok, ids, params, show_thinking: bool, out) -> tuple[str, str, str]:
     """Stream one assistant turn; returns (reasoning, content, stats line)."""
     think_end = _special(tok, "</think>")
@@ -177,7 +159,10 @@ def chat_main(argv: list[str] | None = None) -> int:
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--show-thinking", action="store_true", help="show the reasoning (dimmed)")
     args = p.parse_args(argv)
+    from k3.data.chat import ChatFormat
+
     engine, tok = _engine(args)
+    chat = ChatFormat(tok)  # the one SPEC §6.3 renderer (k3.data.chat), shared with training and serving
     params = _params(args, stop_token_ids=[_special(tok, "<|im_end|>")])
     messages = [{"role": "system", "content": args.system}] if args.system else []
     tty = sys.stdin.isatty()
@@ -192,7 +177,7 @@ def chat_main(argv: list[str] | None = None) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            reasoning, content, rate = _reply(engine, tok, render_chat(tok, messages), params,
+            reasoning, content, rate = _reply(engine, tok, chat.render(messages), params,
                                               args.show_thinking, sys.stdout)
             messages.append({"role": "assistant", "content": content, "reasoning": reasoning})
             print(f"{DIM}[{rate}]{RESET}", file=sys.stderr)
