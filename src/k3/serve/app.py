@@ -134,10 +134,10 @@ def _check_tools(tools, choice):
     tools (and the name must be one of them). Tool specs themselves are checked by the renderer."""
     if choice is None or choice == "auto":
         return tools
-    if choice == "none":
-        return None
     if not tools:
         raise ApiError(400, f"tool_choice {choice!r} needs a non-empty tools list", param="tool_choice")
+    if choice == "none":
+        return None
     if choice == "required":
         return tools
     fn = choice.get("function") if choice.get("type") == "function" else None
