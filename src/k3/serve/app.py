@@ -105,7 +105,8 @@ class Service:
                               top_k=req.top_k, min_p=float(req.min_p), seed=req.seed,
                               presence_penalty=float(req.presence_penalty),
                               frequency_penalty=float(req.frequency_penalty),
-                              repetition_penalty=float(req.repetition_penalty), **extra)
+                              repetition_penalty=float(req.repetition_penalty), ignore_eos=req.ignore_eos,
+                              **extra)
 
     def submit(self, ids, params):
         handle = self.engine.submit(ids, params)
@@ -222,7 +223,7 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(chat_stream(svc, handle, events(handle), rid, len(ids), usage))
-        return await chat_whole(svc, handle, events(handle), rid, len(ids))
+        return await _unless_gone(request, chat_whole(svc, handle, events(handle), rid, len(ids)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -236,7 +237,7 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(completion_stream(svc, handle, events(handle), rid, len(ids), usage))
-        return await completion_whole(svc, handle, events(handle), rid, len(ids))
+        return await _unless_gone(request, completion_whole(svc, handle, events(handle), rid, len(ids)))
 
     return app
 
@@ -254,6 +255,21 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt")
     return ids
+
+
+async def _unless_gone(request: Request, coro):
+    """Await a whole (non-streamed) reply, checking every 0.2 s whether the client is still there;
+    if it left, the reply task is cancelled, which cancels the request in the engine."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.2)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return JSONResponse(error_body("the client closed the connection", code="client_closed"),
+                                status_code=499)
 
 
 def _sse(gen) -> StreamingResponse:

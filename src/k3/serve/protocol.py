@@ -54,6 +54,7 @@ class _Sampling(_Strict):
     n: Literal[1] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = False  # extension (as vLLM): run to max_tokens past the model's EOS
     user: StrictStr | None = None  # an end-user tag (OpenAI); recorded nowhere, affects nothing
 
 
