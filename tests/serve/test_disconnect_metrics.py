@@ -122,3 +122,13 @@ def test_second_turn_hits_the_prefix_cache(server):
     httpx.post(server.url + "/v1/chat/completions", timeout=60,
                json={"model": "nano", "messages": msgs2, "max_tokens": 2}).raise_for_status()
     assert server.metric("k3_prefix_cache_hits_total") == hits0 + 1
+
+
+def test_chat_page_is_self_contained(server):
+    r = httpx.get(server.url + "/", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    html = r.text
+    assert "http://" not in html and "https://" not in html and "<link" not in html  # nothing fetched elsewhere
+    assert "<script src" not in html and "@import" not in html
+    assert all(f"<option{' selected' if e == 'max' else ''}>{e}</option>" in html for e in ("low", "high", "max"))
+    assert '"/v1/chat/completions"' in html and "reasoning_content" in html and '"details"' in html

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API over one ``Engine`` (SPEC §6.4): ``create_app(engine, tokenizer, ...)``.
 
-Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (both stream
+Routes: ``GET /`` (the chat page, ``k3.serve.page``), ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (both stream
 as server-sent events when ``stream`` is true), ``GET /health``, ``GET /metrics``.
 
 Every error goes through one handler (``_error``) and is answered as ``{"error": {message, type,
@@ -23,7 +23,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,6 +32,7 @@ from k3.errors import K3Error
 from k3.infer.sampling import SamplingParams
 from k3.serve.chat import chat_stream, chat_whole, completion_stream, completion_whole
 from k3.serve.metrics import Metrics
+from k3.serve.page import chat_page
 from k3.serve.protocol import ApiError, ChatRequest, CompletionRequest, error_body
 
 __all__ = ["create_app", "Service"]
@@ -197,6 +198,10 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
         app.add_exception_handler(exc, _error)
     app.add_middleware(_CountStatus, metrics=svc.metrics)
     app.state.service = svc
+
+    @app.get("/")
+    def page():
+        return HTMLResponse(chat_page())
 
     @app.get("/health")
     def health():
