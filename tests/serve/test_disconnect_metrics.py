@@ -4,8 +4,11 @@ long before the request could have finished); /metrics in the Prometheus text fo
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -132,3 +135,21 @@ def test_chat_page_is_self_contained(server):
     assert "<script src" not in html and "@import" not in html
     assert all(f"<option{' selected' if e == 'max' else ''}>{e}</option>" in html for e in ("low", "high", "max"))
     assert '"/v1/chat/completions"' in html and "reasoning_content" in html and '"details"' in html
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed (the page's script runs in node)")
+def test_chat_page_script_streams_thinking_and_answer(server):
+    """The page's own JavaScript, run by node against a minimal DOM (no browser here), sends the
+    prompt and shows the streamed thinking and answer: equal to the API's reply to the same request."""
+    driver = Path(__file__).with_name("page_driver.js")
+    r = subprocess.run(["node", str(driver), server.url, "hello world", "low", "0"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    shown = json.loads(r.stdout)
+    want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": "nano", "messages": [{"role": "user", "content": "hello world"}], "reasoning_effort": "low",
+        "temperature": 0}).json()["choices"][0]["message"]
+    assert shown["model"] == "nano" and shown["errors"] == [] and shown["done"] == "1"
+    assert shown["thinking"] == want["reasoning_content"] != ""
+    assert "tool_calls" in want or shown["answer"] == want["content"]
+    assert shown["collapsed"] == bool(want["content"])  # the thinking folds once the answer starts

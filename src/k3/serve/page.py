@@ -1,6 +1,6 @@
 """The chat page served at ``GET /``: one self-contained HTML file (inline CSS and JS, nothing fetched
 from elsewhere). It streams ``/v1/chat/completions``, shows the thinking in a collapsible section and
-the answer below it, has an effort selector (low / high / max), and sends each earlier reply back
+the answer below it, has an effort selector (low / high / max) and a temperature field, and sends each earlier reply back
 with its ``reasoning_content`` (preserved thinking)."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ form{display:flex;gap:.5rem;align-items:flex-end}textarea{flex:1;min-height:3rem
 <form id="f">
 <textarea id="prompt" placeholder="Message"></textarea>
 <label>effort <select id="effort"><option>low</option><option>high</option><option selected>max</option></select></label>
+<label>temperature <input id="temp" type="number" value="0.7" step="0.1" min="0" max="2"></label>
 <input id="key" type="password" placeholder="API key (optional)" size="12">
 <button id="send" type="submit">Send</button>
 </form>
@@ -46,7 +47,8 @@ document.getElementById("f").addEventListener("submit", async (ev) => {
   const answer = el("div", "answer"); turn.appendChild(det); turn.appendChild(answer); log.appendChild(turn);
   const msg = {role: "assistant", content: "", reasoning_content: ""};
   const body = {model: document.getElementById("model").textContent, messages: history, stream: true,
-                reasoning_effort: document.getElementById("effort").value};
+                reasoning_effort: document.getElementById("effort").value,
+                temperature: parseFloat(document.getElementById("temp").value)};
   try {
     const r = await fetch("/v1/chat/completions", {method: "POST", headers: headers(), body: JSON.stringify(body)});
     if (!r.ok) { const j = await r.json(); throw new Error(j.error ? j.error.message : r.statusText); }
