@@ -137,3 +137,35 @@ def test_tool_choice_values(client, choice):
     with pytest.raises(openai.BadRequestError, match="not in tools"):
         client.chat.completions.create(model="nano", messages=USER, tools=TOOLS, max_tokens=2,
                                        tool_choice={"type": "function", "function": {"name": "other"}})
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "lookup"}}, "required"])
+def test_tool_choice_forces_a_call(client, ref, server, choice):
+    """Reference written here on the engine: greedy thinking up to </think> (or <|im_end|>, dropped;
+    effort low caps it), then the call start written by the server, then greedy on from there."""
+    eng, fmt, tok = ref
+    n = 40
+    ids = fmt.render(USER, tools=TOOLS, reasoning_effort="low")
+    first = eng.generate([ids], SamplingParams(max_tokens=n, temperature=0, max_thinking_tokens=server.cap_low,
+                                               think_end_id=fmt.think_end_id,
+                                               stop_token_ids=(fmt.end_id, fmt.think_end_id)))[0].token_ids
+    if first and first[-1] in (fmt.end_id, fmt.think_end_id):
+        first = first[:-1]
+    header = "functions.lookup:0" if isinstance(choice, dict) else "functions."
+    written = [fmt.think_end_id, fmt.ids["<|tool_calls_section_begin|>"], fmt.ids["<|tool_call_begin|>"],
+               *tok.encode(header)] + ([fmt.ids["<|tool_call_argument_begin|>"]] if isinstance(choice, dict) else [])
+    rest = eng.generate([ids + first + written], SamplingParams(max_tokens=n - len(first) - len(written),
+                                                               temperature=0, stop_token_ids=(fmt.end_id,)))[0]
+    want = fmt.parse(first + written + rest.token_ids, rest.finish_reason)
+    r = client.chat.completions.create(model="nano", messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=n,
+                                       temperature=0, reasoning_effort="low")
+    msg = r.choices[0].message
+    assert r.usage.completion_tokens == len(first) + len(written) + len(rest.token_ids)
+    assert msg.model_extra["reasoning_content"] == want.reasoning and (msg.content or "") == want.content
+    assert [c.model_dump() for c in msg.tool_calls or []] == want.tool_calls
+    assert r.choices[0].finish_reason == want.finish_reason
+    assert header in (msg.content or "") or msg.tool_calls[0].id.startswith(header)
+    streamed = client.chat.completions.create(model="nano", messages=USER, tools=TOOLS, tool_choice=choice,
+                                              max_tokens=n, temperature=0, stream=True, reasoning_effort="low")
+    content = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert content == want.content

@@ -31,6 +31,7 @@ from k3.data.chat import ChatFormat, thinking_budget
 from k3.errors import K3Error
 from k3.infer.sampling import SamplingParams
 from k3.serve.chat import chat_stream, chat_whole, completion_stream, completion_whole
+from k3.serve.forcing import forced_call_ids, forced_events
 from k3.serve.metrics import Metrics
 from k3.serve.page import chat_page
 from k3.serve.protocol import ApiError, ChatRequest, CompletionRequest, error_body
@@ -223,12 +224,17 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
         svc.auth(request)
         req = await svc.body(request, ChatRequest)
         ids, params = svc.chat_prompt(req)
-        handle = svc.submit(ids, params)
+        forced = forced_call_ids(svc.fmt, req.messages, req.tool_choice)
+        if forced is None:
+            handle = svc.submit(ids, params)
+            evs = events(handle)
+        else:
+            handle, evs = None, forced_events(svc, ids, params, forced, events)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(chat_stream(svc, handle, events(handle), rid, len(ids), usage))
-        return await _unless_gone(request, chat_whole(svc, handle, events(handle), rid, len(ids)))
+            return _sse(chat_stream(svc, handle, evs, rid, len(ids), usage))
+        return await _unless_gone(request, chat_whole(svc, handle, evs, rid, len(ids)))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
