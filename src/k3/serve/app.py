@@ -148,7 +148,7 @@ def _check_tools(tools, choice):
     if not isinstance(name, str) or set(choice) - {"type", "function"} or set(fn) - {"name"}:
         raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or "
                             "{'type': 'function', 'function': {'name': NAME}}", param="tool_choice")
-    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+    names = [t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
     if name not in names:
         raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
     return tools
