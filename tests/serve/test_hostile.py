@@ -84,3 +84,22 @@ def test_no_5xx_was_ever_answered(server):
     statuses = [line.split('status="')[1][0] for line in text.splitlines()
                 if line.startswith("k3_http_requests_total")]
     assert "4" in statuses and "2" in statuses and "5" not in statuses
+
+
+@pytest.mark.parametrize("flags,msg", [
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-body-mb", "0"], "--max-body-mb must be > 0"),
+    (["--thinking-cap-low", "-1"], "--thinking-cap-low must be >= 0"),
+])
+def test_serve_flag_errors_are_one_line_exit_2(ckpt, flags, msg):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "k3.cli", "serve", str(ckpt[0]), *flags], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+    missing = subprocess.run([sys.executable, "-m", "k3.cli", "serve", str(ckpt[0]) + "_nope"], capture_output=True,
+                             text=True, env=env, timeout=120)
+    assert missing.returncode == 2 and "no such file or directory" in missing.stderr
