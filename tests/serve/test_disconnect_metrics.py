@@ -62,9 +62,12 @@ def test_disconnect_while_waiting_for_a_whole_reply_cancels(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
 
 
-def test_concurrent_streams_with_one_leaving(server):
+def test_concurrent_streams_a_quarter_leaving(server):
+    """16 streaming clients, 4 leaving after 2..8 lines: the 12 others all finish, each with the
+    reply a lone request gets (greedy; batching changes nothing), and nothing stays active."""
     body = {"model": "nano", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    solo = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=60).json()
     results, errors = [], []
 
     def client():
@@ -75,23 +78,27 @@ def test_concurrent_streams_with_one_leaving(server):
         except Exception as e:  # noqa: BLE001 - collected and asserted empty below
             errors.append(e)
 
-    def leaver():
+    def leaver(after: int):
         with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/chat/completions",
                                                      json={**body, "max_tokens": LONG}) as r:
             it = r.iter_lines()
-            for _ in range(4):
+            for _ in range(after):
                 next(it)
 
-    threads = [threading.Thread(target=client) for _ in range(4)]
-    threads.append(threading.Thread(target=leaver))
+    threads = [threading.Thread(target=client) for _ in range(12)]
+    threads += [threading.Thread(target=leaver, args=(a,)) for a in (2, 4, 6, 8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors and len(results) == 4
+    assert not errors and len(results) == 12
+    want = solo["choices"][0]["message"]
     for lines in results:
         assert lines[-1] == "data: [DONE]"
-        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 24
+        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == solo["usage"]["completion_tokens"]
+        deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in lines[:-2]]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == want["reasoning_content"]
+        assert "".join(d.get("content") or "" for d in deltas) == want["content"]
     assert _wait(lambda: server.metric("k3_active_sequences") == 0 and server.metric("k3_queue_depth") == 0, 5)
 
 
