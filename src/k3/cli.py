@@ -88,6 +88,7 @@ _DELEGATED = [
     ("sample", "k3.infer.run_model:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
     ("generate", "k3.infer.cli:generate_main", "continue a prompt, streaming (k3 generate CKPT --prompt ...)"),
     ("chat", "k3.infer.cli:chat_main", "chat with a model in the terminal (k3 chat CKPT --show-thinking)"),
+    ("serve", "k3.serve.cli:serve_main", "OpenAI-compatible HTTP server (k3 serve CKPT --port 8000)"),
     ("plot", "k3.train.commands:plot_main", "plot a run's losses and expert load (PNG)"),
     ("demo", "k3.train.commands:demo_main", "the main job: train tiny on the stdlib, report bits/byte, sample"),
     ("convert", "k3.checkpoint.tools:convert_main", "re-export a checkpoint in k3's layout"),

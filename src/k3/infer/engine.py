@@ -173,6 +173,8 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= V]
         if bad:
             raise K3Error(f"SamplingParams.stop_token_ids: {bad[0]} outside the vocabulary [0, {V})")
+        if params.think_end_id is not None and params.think_end_id >= V:
+            raise K3Error(f"SamplingParams.think_end_id: {params.think_end_id} outside the vocabulary [0, {V})")
         if params.stop and self.tokenizer is None:
             raise K3Error("SamplingParams.stop: stop strings need a tokenizer (Engine(..., tokenizer=))")
         max_tokens = min(params.max_tokens, max_pos - len(prompt))
@@ -353,6 +355,9 @@ class Engine:
         """Sample the next token of ``req`` from logits [V], send its event, finish if it ends."""
         p = req.params
         tok = req.sampler.choose(logits) if token is None else token
+        cap = p.max_thinking_tokens
+        if cap is not None and len(req.out) >= cap and p.think_end_id not in req.out:
+            tok = p.think_end_id  # the thinking cap: close the thinking section, the answer follows
         req.sampler.observe(tok)
         lp, top = req.sampler.logprobs(logits, tok) if p.logprobs is not None else (None, None)
         req.out.append(tok)

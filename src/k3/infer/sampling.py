@@ -47,6 +47,9 @@ class SamplingParams:
     same unless ``ignore_eos``. ``logprobs=n`` reports the top-n alternatives of every token.
     ``seed=None`` draws a fresh seed per request from torch's global generator (at submit), so
     ``torch.manual_seed`` makes unseeded requests repeatable too.
+    ``max_thinking_tokens=n`` (with ``think_end_id``, the ``</think>`` id) caps the thinking of a
+    chat reply whose prompt ends with ``<think>``: if the first ``n`` generated tokens hold no
+    ``think_end_id``, the engine emits it itself as token ``n + 1`` and the answer follows.
     """
 
     max_tokens: int = 16
@@ -62,6 +65,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    max_thinking_tokens: int | None = None
+    think_end_id: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -102,6 +107,13 @@ class SamplingParams:
             bad("logprobs", "None or an int >= 0")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "a bool")
+        if self.max_thinking_tokens is not None and (not _is_int(self.max_thinking_tokens)
+                                                     or self.max_thinking_tokens < 0):
+            bad("max_thinking_tokens", "None or an int >= 0")
+        if self.think_end_id is not None and (not _is_int(self.think_end_id) or self.think_end_id < 0):
+            bad("think_end_id", "None or a token id >= 0")
+        if self.max_thinking_tokens is not None and self.think_end_id is None:
+            bad("think_end_id", "the </think> token id when max_thinking_tokens is set")
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
