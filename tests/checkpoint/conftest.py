@@ -1,19 +1,7 @@
 import pytest
-import torch
+from checkpoint_models import random_model
 
-from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-
-
-def random_model(preset: str = "nano", seed: int = 0, **overrides) -> K3ForCausalLM:
-    """A model whose every tensor (AttnRes queries and router biases included) holds distinct
-    random values, so a round trip that drops or swaps anything is caught."""
-    torch.manual_seed(seed)
-    model = K3ForCausalLM(get_preset(preset, **overrides))
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            t.copy_(torch.randn_like(t) * 0.05)
-    return model
 
 
 @pytest.fixture

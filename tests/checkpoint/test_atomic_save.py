@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import random_model
+from checkpoint_models import random_model
 
 from k3.checkpoint import CheckpointError, from_pretrained, save_pretrained
 from k3.checkpoint.save import CRASH_ENV, TMP_PREFIX

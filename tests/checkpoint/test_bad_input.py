@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from conftest import random_model
+from checkpoint_models import random_model
 from safetensors.torch import load_file, save_file
 
 from k3.checkpoint import CheckpointError, from_pretrained, load_checkpoint, save_pretrained

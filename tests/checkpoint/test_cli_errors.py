@@ -8,7 +8,7 @@ import subprocess
 from collections import namedtuple
 
 import pytest
-from conftest import random_model
+from checkpoint_models import random_model
 
 from k3.checkpoint import from_pretrained, save_pretrained
 from k3.cli import main

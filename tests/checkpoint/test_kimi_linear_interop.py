@@ -130,7 +130,7 @@ def test_transformers_to_k3_to_transformers_gives_equal_logits(tmp_path):
 
 
 def test_k3_mode_models_keep_the_k3_a_log_layout(tmp_path):
-    from conftest import random_model
+    from checkpoint_models import random_model
     save_pretrained(random_model("nano"), tmp_path)  # latent MoE, AttnRes: not a Kimi-Linear model
     with safe_open(str(next(tmp_path.glob("model-*.safetensors"))), "pt") as f:
         assert list(f.get_slice("model.layers.0.self_attn.A_log").get_shape()) == [2]
@@ -139,7 +139,7 @@ def test_k3_mode_models_keep_the_k3_a_log_layout(tmp_path):
 def test_k3_architecture_checkpoints_do_not_claim_kimi_linear(tmp_path):
     """A K3-feature model is written under its own model_type, so transformers' Kimi-Linear loader
     is never handed a model it cannot run; the Kimi-Linear preset keeps its reference type."""
-    from conftest import random_model
+    from checkpoint_models import random_model
     save_pretrained(random_model("nano"), tmp_path / "k3")
     written = json.loads((tmp_path / "k3" / "config.json").read_text())
     assert written["model_type"] == "kimi_k3_text"

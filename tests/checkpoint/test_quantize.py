@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from conftest import random_model
+from checkpoint_models import random_model
 from safetensors.torch import load_file, save_file
 
 from k3.checkpoint import CheckpointError, from_pretrained, inspect, save_pretrained

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_model
+from checkpoint_models import random_model
 from test_quantize import _experts, _logits, _one_thread, packed_ckpt  # noqa: F401 (fixtures)
 
 from k3.checkpoint import CheckpointError, from_pretrained, save_pretrained

@@ -4,7 +4,7 @@ import json
 import logging
 
 import torch
-from conftest import random_model
+from checkpoint_models import random_model
 from safetensors.torch import save_file
 
 from k3.checkpoint import from_pretrained, inspect

@@ -3,7 +3,7 @@ import os
 
 import pytest
 import torch
-from conftest import random_model
+from checkpoint_models import random_model
 
 from k3.checkpoint import (
     CheckpointError,

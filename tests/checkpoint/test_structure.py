@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import random_model
+from checkpoint_models import random_model
 
 from k3.checkpoint import from_pretrained, save_pretrained
 from k3.checkpoint.quantize import quantize

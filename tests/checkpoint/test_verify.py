@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import random_model
+from checkpoint_models import random_model
 
 from k3.checkpoint import (CheckpointError, convert, from_pretrained, inspect, load_checkpoint, load_state_dict,
                            save_pretrained)
