@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install chromium bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/k3 demo
 
-test: $(STAMP)
+# The chat page test drives Debian's chromium headless; install it when missing (root, or sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+chromium:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
