@@ -196,8 +196,9 @@ def hostile_cases(model: str, n: int, seed: int) -> list[tuple[str, str, dict, b
         "unknown_role": lambda: (CHAT, dump({**good, "messages": [{"role": f"wizard{rng.randrange(99)}",
                                                                     "content": "hi"}]})),
         "body_10mb": lambda: (CHAT, big),
-        "invalid_utf8": lambda: (COMP, b'{"model": "%s", "max_tokens": 2, "prompt": "a%sb"}'
-                                 % (model.encode(), rng.choice(junk))),
+        "invalid_utf8": lambda: rng.choice([
+            (COMP, b'{"model": "%s", "max_tokens": 2, "prompt": "a%sb"}' % (model.encode(), rng.choice(junk))),
+            (CHAT, dump(good).replace(b'"hi"', b'"h%si"' % rng.choice(junk)))]),
         "unknown_model": lambda: (rng.choice([CHAT, COMP]),
                                   dump({**rng.choice([good, comp]), "model": f"gpt-{rng.randrange(1000)}"})),
         "missing_auth": lambda: (CHAT, dump(good)),
@@ -207,7 +208,9 @@ def hostile_cases(model: str, n: int, seed: int) -> list[tuple[str, str, dict, b
                                                                    {"max_tokens": 0}, {"min_p": 2}])})),
         "token_outside_vocab": lambda: (COMP, dump({**comp, "prompt": [1, 10 ** 7 + rng.randrange(99)]})),
         "missing_field": lambda: (rng.choice([CHAT, COMP]), dump({"messages": good["messages"]})),
-        "lone_surrogate": lambda: (CHAT, dump({**good, "messages": [{"role": "user", "content": "\ud800x"}]})),
+        "lone_surrogate": lambda: rng.choice([
+            (CHAT, dump({**good, "messages": [{"role": "user", "content": chr(rng.randint(0xD800, 0xDFFF))}]})),
+            (COMP, dump({**comp, "prompt": "a" + chr(rng.randint(0xD800, 0xDFFF))}))]),
         "deep_nesting": lambda: (CHAT, b"[" * 200_000 + b"]" * 200_000),
     }
     names = list(kinds)
@@ -217,7 +220,7 @@ def hostile_cases(model: str, n: int, seed: int) -> list[tuple[str, str, dict, b
         path, body = kinds[kind]()
         headers = {"content-type": "application/json"}
         if kind == "wrong_auth":
-            headers["authorization"] = rng.choice([f"Bearer {KEY}x", KEY, "Bearer ", f"Basic {KEY}"])
+            headers["authorization"] = rng.choice([f"Bearer {KEY}x", KEY, "Bearer", f"Basic {KEY}", f"bearer {KEY}"])
         elif kind != "missing_auth":
             headers["authorization"] = f"Bearer {KEY}"
         out.append((kind, path, headers, body))
@@ -226,7 +229,6 @@ def hostile_cases(model: str, n: int, seed: int) -> list[tuple[str, str, dict, b
 
 def part_hostile(srv: Server, model: str, n: int, seed: int, workers: int = 8) -> dict:
     cases = hostile_cases(model, n, seed)
-    client = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=workers))
     classes: dict[str, int] = {}
     bad: list[str] = []
     lock = threading.Lock()
@@ -234,19 +236,20 @@ def part_hostile(srv: Server, model: str, n: int, seed: int, workers: int = 8) -
     def send(case) -> None:
         kind, path, headers, body = case
         try:
-            r = client.post(srv.url + path, content=body, headers=headers)
+            r = httpx.post(srv.url + path, content=body, headers=headers, timeout=120)  # a connection each
             cls = f"{r.status_code // 100}xx"
             err = r.json().get("error") if r.headers.get("content-type", "").startswith("application/json") else None
             ok_body = isinstance(err, dict) and isinstance(err.get("message"), str) and "type" in err
+            why = err.get("message", "")[:100] if isinstance(err, dict) else r.text[:100]
         except Exception as ex:  # noqa: BLE001 - counted as a transport failure
-            cls, ok_body = f"failed ({type(ex).__name__})", False
+            cls, ok_body, why = f"failed ({type(ex).__name__})", False, str(ex)[:100]
         with lock:
             classes[cls] = classes.get(cls, 0) + 1
             if cls != "4xx" or not ok_body:
-                bad.append(f"{kind}: {cls} body ok {ok_body}")
+                bad.append(f"{kind} {path}: {cls}, error body ok: {ok_body}: {why}")
 
     t0 = time.perf_counter()
-    with client, ThreadPoolExecutor(workers) as ex:
+    with ThreadPoolExecutor(workers) as ex:
         list(ex.map(send, cases))
     wall = time.perf_counter() - t0
     control = httpx.post(srv.url + CHAT, json={"model": model, "messages": [{"role": "user", "content": "hi"}],
