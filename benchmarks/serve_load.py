@@ -1,0 +1,376 @@
+"""Load and reliability of ``k3 serve`` (issue 11 "Reliability"; SPEC §8 JSON lines).
+
+A random-weight model of ``--preset`` and a small trained tokenizer are saved to a temp dir and
+``k3 serve`` runs on them as a subprocess on a free loopback port (``--port 0``); the server is
+always stopped at the end. Parts (``--parts``, default all):
+
+1. ``streams``: 64 concurrent streaming chat clients, a quarter leaving after a random number of
+   SSE lines (0 = right after the headers). Every other client must get a complete stream (a chunk
+   with a ``finish_reason``, then ``data: [DONE]``, no error chunk); afterwards ``/metrics`` must show
+   0 active sequences and 0 queued within a bounded wait.
+2. ``hostile``: 1,000 malformed or hostile requests (bad JSON, wrong types, huge ``max_tokens``,
+   unknown roles, 10 MB bodies, invalid UTF-8, unknown model, missing/wrong auth, ...) against a
+   server started with ``--api-key`` (the key is sent on all but the auth cases). Status classes are
+   counted: every answer must be 4xx with an OpenAI-style error body, 0 5xx; then a valid request
+   (the positive control) gets 200, ``/health`` is ok and the server's own counters show no 5xx.
+3. ``throughput``: aggregate output tokens/s with 1, 8 and 32 concurrent greedy completions
+   (fixed ``max_tokens``, ``ignore_eos``), i.e. all completion tokens ÷ the wall time from the first
+   send to the last reply; the server runs with ``--max-batch 32``; the best of ``--repeats`` rounds
+   is reported (the machine may be shared). Ratio of 8 vs 1 (target >= 4).
+
+``python benchmarks/serve_load.py [--preset nano] [--parts streams,hostile,throughput] [--gen 64]
+[--threads 1] [--repeats 2]``; prints a table and appends JSON lines to ``benchmarks/results/serve_load.jsonl``.
+Exit status 1 when a must-hold figure (0 errors, 0 5xx, nothing left active) fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+RESULTS = Path(__file__).parent / "results" / "serve_load.jsonl"
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+KEY = "load-test-key"
+
+
+def build_checkpoint(preset: str, d: Path) -> str:
+    """Save a random ``preset`` model and a 400-token tokenizer into ``d``; returns the model id
+    (the folder name, which ``k3 serve`` serves by default)."""
+    import torch
+
+    from k3.checkpoint import save_pretrained
+    from k3.config import get_preset
+    from k3.data.tokenizer import train_tokenizer
+    from k3.model.decoder import K3ForCausalLM
+
+    torch.manual_seed(0)
+    save_pretrained(K3ForCausalLM(get_preset(preset)), d)
+    train_tokenizer(["hello world, the quick brown fox jumps over the lazy dog. " * 30], vocab_size=400).save(d)
+    return d.name
+
+
+class Server:
+    """``k3 serve`` as a subprocess; the URL is read from its first stdout line."""
+
+    def __init__(self, ckpt: Path, threads: int, *flags: str):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", str(ckpt), "--port", "0", *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
+        self._err: list[str] = []
+        threading.Thread(target=lambda: [self._err.append(x) for x in self.proc.stderr], daemon=True).start()
+        try:
+            first = lines.get(timeout=300)
+        except queue.Empty:
+            first = ""
+        if "listening on http://" not in first:
+            self.stop()
+            raise RuntimeError(f"k3 serve did not start: {first!r} {''.join(self._err)[-2000:]}")
+        self.url = first.split("listening on ")[1].split()[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of ``/metrics`` plus ``5xx``: the sum of 5xx request counters."""
+        out = {"5xx": 0.0}
+        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            name, v = line.rsplit(" ", 1)
+            if name.startswith("k3_http_requests_total") and 'status="5' in name:
+                out["5xx"] += float(v)
+            out[name] = float(v)
+        return out
+
+    def healthy(self) -> bool:
+        r = httpx.get(self.url + "/health", timeout=30)
+        return r.status_code == 200 and r.json() == {"status": "ok"}
+
+    def idle(self, timeout: float) -> bool:
+        """Poll until 0 active sequences and 0 queued, at most ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["k3_active_sequences"] == 0 and m["k3_queue_depth"] == 0:
+                return True
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------- part 1: streams
+def _stream(url: str, body: dict, leave_after: int | None) -> str | None:
+    """One streaming chat; ``leave_after`` lines then close (None = read to the end). Returns an
+    error description, or None when the stream was complete (or left on purpose)."""
+    with httpx.Client(timeout=300) as c, c.stream("POST", url + CHAT, json=body) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}"
+        if leave_after == 0:
+            return None  # leave right after the headers
+        lines = []
+        for line in r.iter_lines():
+            if leave_after is not None and len(lines) >= leave_after:
+                return None
+            if line:
+                lines.append(line)
+    if leave_after is not None:
+        return None  # the stream ended before its leaving point: nothing to check
+    if not lines or lines[-1] != "data: [DONE]":
+        return f"no [DONE] (last line {lines[-1:]!r})"
+    chunks = [json.loads(x[6:]) for x in lines[:-1]]
+    if any("error" in ch for ch in chunks):
+        return "error chunk"
+    if not any(c.get("finish_reason") for ch in chunks for c in ch.get("choices", [])):
+        return "no finish_reason"
+    return None
+
+
+def part_streams(srv: Server, model: str, n: int, gen: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    body = {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": gen,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    leave = [rng.randint(0, gen) if i % 4 == 0 else None for i in range(n)]
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        try:
+            e = _stream(srv.url, body, leave[i])
+        except Exception as ex:  # noqa: BLE001 - a leaver's own close is not an error; others' are counted
+            e = None if leave[i] is not None else f"{type(ex).__name__}: {ex}"
+        if e is not None:
+            errors.append(f"client {i}: {e}")
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.perf_counter() - t0
+    idle = srv.idle(30.0)
+    m = srv.metrics()
+    return {"errors": errors, "stayers": sum(x is None for x in leave), "leavers": sum(x is not None for x in leave),
+            "idle": idle, "active": m["k3_active_sequences"], "queued": m["k3_queue_depth"],
+            "cancelled": m["k3_cancelled_requests_total"], "wall": wall}
+
+
+# -------------------------------------------------------------------------------- part 2: hostile
+def hostile_cases(model: str, n: int, seed: int) -> list[tuple[str, str, dict, bytes]]:
+    """``n`` (kind, path, headers, body) requests, each invalid by construction; cycled over the kinds
+    with random details. The valid key is sent on all but the auth kinds."""
+    rng = random.Random(seed)
+    good = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    comp = {"model": model, "prompt": "hi", "max_tokens": 2}
+    big = json.dumps({**good, "messages": [{"role": "user", "content": "x" * (10 << 20)}]}).encode()
+    junk = [b"\xff", b"\xfe\xfe", b"\xc0\xaf", b"\xed\xa0\x80", b"\x80", b"\xf8\x88\x80\x80\x80"]
+    wrong = {"max_tokens": ["2", 2.5, [], {}, True], "temperature": ["hot", None, [0]], "model": [5, None, ["m"]],
+             "messages": ["hi", 3, {"role": "user"}, [5]], "stream": ["yes", 1], "top_p": ["1", {}]}
+
+    def dump(d): return json.dumps(d).encode()
+
+    kinds = {
+        "bad_json": lambda: (CHAT, (s := dump(good))[:rng.randrange(1, len(s) - 1)]),
+        "not_object": lambda: (rng.choice([CHAT, COMP]), dump(rng.choice([[1, 2], 3, "s", None, []]))),
+        "wrong_type": lambda: (CHAT, dump({**good, (f := rng.choice(list(wrong))): rng.choice(wrong[f])})),
+        "huge_max_tokens": lambda: (rng.choice([CHAT, COMP]),
+                                    dump({**rng.choice([good, comp]), "max_tokens": 10 ** rng.randint(5, 18)})),
+        "unknown_role": lambda: (CHAT, dump({**good, "messages": [{"role": f"wizard{rng.randrange(99)}",
+                                                                    "content": "hi"}]})),
+        "body_10mb": lambda: (CHAT, big),
+        "invalid_utf8": lambda: rng.choice([
+            (COMP, b'{"model": "%s", "max_tokens": 2, "prompt": "a%sb"}' % (model.encode(), rng.choice(junk))),
+            (CHAT, dump(good).replace(b'"hi"', b'"h%si"' % rng.choice(junk)))]),
+        "unknown_model": lambda: (rng.choice([CHAT, COMP]),
+                                  dump({**rng.choice([good, comp]), "model": f"gpt-{rng.randrange(1000)}"})),
+        "missing_auth": lambda: (CHAT, dump(good)),
+        "wrong_auth": lambda: (COMP, dump(comp)),
+        "unknown_field": lambda: (CHAT, dump({**good, f"x_{rng.randrange(99)}": 1})),
+        "out_of_range": lambda: (CHAT, dump({**good, **rng.choice([{"temperature": 9}, {"top_p": 0}, {"n": 3},
+                                                                   {"max_tokens": 0}, {"min_p": 2}])})),
+        "token_outside_vocab": lambda: (COMP, dump({**comp, "prompt": [1, 10 ** 7 + rng.randrange(99)]})),
+        "missing_field": lambda: (rng.choice([CHAT, COMP]), dump({"messages": good["messages"]})),
+        "lone_surrogate": lambda: rng.choice([
+            (CHAT, dump({**good, "messages": [{"role": "user", "content": chr(rng.randint(0xD800, 0xDFFF))}]})),
+            (COMP, dump({**comp, "prompt": "a" + chr(rng.randint(0xD800, 0xDFFF))}))]),
+        "deep_nesting": lambda: (CHAT, b"[" * 200_000 + b"]" * 200_000),
+    }
+    names = list(kinds)
+    out = []
+    for i in range(n):
+        kind = names[i % len(names)]
+        path, body = kinds[kind]()
+        headers = {"content-type": "application/json"}
+        if kind == "wrong_auth":
+            headers["authorization"] = rng.choice([f"Bearer {KEY}x", KEY, "Bearer", f"Basic {KEY}", f"bearer {KEY}"])
+        elif kind != "missing_auth":
+            headers["authorization"] = f"Bearer {KEY}"
+        out.append((kind, path, headers, body))
+    return out
+
+
+def part_hostile(srv: Server, model: str, n: int, seed: int, workers: int = 8) -> dict:
+    cases = hostile_cases(model, n, seed)
+    classes: dict[str, int] = {}
+    bad: list[str] = []
+    lock = threading.Lock()
+
+    def send(case) -> None:
+        kind, path, headers, body = case
+        try:
+            r = httpx.post(srv.url + path, content=body, headers=headers, timeout=120)  # a connection each
+            cls = f"{r.status_code // 100}xx"
+            err = r.json().get("error") if r.headers.get("content-type", "").startswith("application/json") else None
+            ok_body = isinstance(err, dict) and isinstance(err.get("message"), str) and "type" in err
+            why = err.get("message", "")[:100] if isinstance(err, dict) else r.text[:100]
+        except Exception as ex:  # noqa: BLE001 - counted as a transport failure
+            cls, ok_body, why = f"failed ({type(ex).__name__})", False, str(ex)[:100]
+        with lock:
+            classes[cls] = classes.get(cls, 0) + 1
+            if cls != "4xx" or not ok_body:
+                bad.append(f"{kind} {path}: {cls}, error body ok: {ok_body}: {why}")
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(workers) as ex:
+        list(ex.map(send, cases))
+    wall = time.perf_counter() - t0
+    control = httpx.post(srv.url + CHAT, json={"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                               "max_tokens": 2}, headers={"authorization": f"Bearer {KEY}"},
+                         timeout=120)
+    return {"classes": classes, "bad": bad, "control": control.status_code, "healthy": srv.healthy(),
+            "server_5xx": srv.metrics()["5xx"], "kinds": len({c[0] for c in cases}), "wall": wall}
+
+
+# ----------------------------------------------------------------------------- part 3: throughput
+def _complete(url: str, model: str, gen: int, salt: int) -> int:
+    body = {"model": model, "prompt": f"the quick brown fox {salt}", "max_tokens": gen, "temperature": 0,
+            "ignore_eos": True}
+    r = httpx.post(url + COMP, json=body, timeout=1800)
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
+
+
+def part_throughput(srv: Server, model: str, gen: int, repeats: int, levels=(1, 8, 32)) -> dict[int, list]:
+    """Aggregate output tokens/s per concurrency level, ``repeats`` rounds over the levels (a
+    2-request warm-up first); the caller reports the best round (the machine may be shared)."""
+    _complete(srv.url, model, 4, -1)
+    _complete(srv.url, model, 4, -2)
+    out: dict[int, list] = {c: [] for c in levels}
+    for _ in range(repeats):
+        for c in levels:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(c) as ex:
+                toks = list(ex.map(lambda i: _complete(srv.url, model, gen, i), range(c)))
+            dt = time.perf_counter() - t0
+            if toks != [gen] * c:
+                raise RuntimeError(f"throughput at {c}: expected {gen} tokens per request, got {toks}")
+            out[c].append(sum(toks) / dt)
+            print(f"  throughput: {c:2d} concurrent: {out[c][-1]:.1f} tokens/s ({dt:.1f} s)", flush=True)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="nano")
+    p.add_argument("--parts", default="streams,hostile,throughput")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--hostile", type=int, default=1000)
+    p.add_argument("--gen", type=int, default=64, help="max_tokens of each stream / throughput request")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
+    p.add_argument("--repeats", type=int, default=2, help="throughput rounds (the best is reported)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
+    unknown = parts - {"streams", "hostile", "throughput"}
+    if unknown:
+        p.error(f"--parts: unknown part(s) {sorted(unknown)}")
+    where = f"{args.preset}, {args.device}" + (f", {args.threads} threads" if args.device == "cpu" else "")
+    rows, failed = [], []
+
+    def emit(metric, value, baseline=None, must=None, **extra):
+        ratio = value / baseline if baseline else None
+        rows.append(dict(bench="serve_load", config=where, metric=metric, value=value, baseline=baseline,
+                         ratio=ratio, **extra))
+        if must is not None and not must:
+            failed.append(metric)
+        b = "" if baseline is None else f"{baseline:12.2f}"
+        r = "" if ratio is None else f"{ratio:8.2f}"
+        print(f"{metric:34s} {value:12.2f} {b:>12s} {r:>8s}  {'FAIL' if metric in failed else ''}", flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / args.preset
+        model = build_checkpoint(args.preset, ckpt)
+        base = ["--device", args.device]
+        print(f"{'metric':34s} {'value':>12s} {'baseline':>12s} {'ratio':>8s}  ({where})", flush=True)
+        if "streams" in parts:
+            srv = Server(ckpt, args.threads, *base)
+            try:
+                s = part_streams(srv, model, args.clients, args.gen, args.seed)
+            finally:
+                srv.stop()
+            for e in s["errors"][:10]:
+                print("  stream error:", e)
+            emit("stream_errors_among_stayers", len(s["errors"]), must=not s["errors"], stayers=s["stayers"],
+                 leavers=s["leavers"], wall_s=s["wall"], gen=args.gen)
+            emit("active_after", s["active"], must=s["idle"] and s["active"] == 0)
+            emit("queued_after", s["queued"], must=s["idle"] and s["queued"] == 0)
+            emit("cancelled_total", s["cancelled"])
+        if "hostile" in parts:
+            srv = Server(ckpt, args.threads, *base, "--api-key", KEY)
+            try:
+                h = part_hostile(srv, model, args.hostile, args.seed)
+            finally:
+                srv.stop()
+            for e in h["bad"][:10]:
+                print("  hostile not 4xx/error body:", e)
+            c = h["classes"]
+            emit("hostile_4xx", c.get("4xx", 0), baseline=args.hostile, must=c.get("4xx", 0) == args.hostile,
+                 classes=c, kinds=h["kinds"], wall_s=h["wall"])
+            emit("hostile_5xx", c.get("5xx", 0), must=c.get("5xx", 0) == 0 and h["server_5xx"] == 0,
+                 server_counted_5xx=h["server_5xx"])
+            emit("hostile_bad_answers", len(h["bad"]), must=not h["bad"])
+            emit("health_ok_after", float(h["healthy"] and h["control"] == 200), must=h["healthy"],
+                 control_status=h["control"])
+        if "throughput" in parts:
+            srv = Server(ckpt, args.threads, *base, "--max-batch", "32")
+            try:
+                runs = part_throughput(srv, model, args.gen, args.repeats)
+            finally:
+                srv.stop()
+            t = {c: max(v) for c, v in runs.items()}
+            unit = f"aggregate output tokens/s, best of {args.repeats}"
+            emit("tps_c1", t[1], unit=unit, gen=args.gen, runs=runs[1])
+            emit("tps_c8_vs_c1", t[8], baseline=t[1], unit=unit + " (target ratio >= 4)", gen=args.gen, runs=runs[8])
+            emit("tps_c32_vs_c1", t[32], baseline=t[1], unit=unit, gen=args.gen, runs=runs[32])
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with RESULTS.open("a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if failed:
+        print("FAILED:", ", ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
