@@ -183,12 +183,23 @@ class _CountStatus:
             return await self.app(scope, receive, send)
         path = scope["path"] if scope["path"] in _PATHS else "other"
 
+        started = False
+
         async def counted(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.request(path, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            # an unhandled error is answered by Starlette's outermost middleware, outside this one:
+            # count the 500 it sends here, so /metrics never hides a server error
+            if not started:
+                self.metrics.request(path, 500)
+            raise
 
 
 _PATHS = {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
@@ -243,7 +254,7 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
         svc.auth(request)
         req = await svc.body(request, CompletionRequest)
         ids = _prompt_ids(req.prompt, tokenizer)
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop = [_checked_text(t, "stop") for t in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
         params = svc.params(req, svc.max_tokens(req.max_tokens, len(ids)), stop=stop)
         handle = svc.submit(ids, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -255,14 +266,24 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
     return app
 
 
+def _checked_text(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (``"\ud800"`` in JSON) cannot be encoded
+    as UTF-8 nor tokenized, so it is the client's error, not the server's."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (a lone surrogate)", param=param) from None
+    return text
+
+
 def _prompt_ids(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(_checked_text(prompt, "prompt"))
     elif prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
             raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is not supported; send one",
                            param="prompt")
-        ids = tokenizer.encode(prompt[0])
+        ids = tokenizer.encode(_checked_text(prompt[0], "prompt"))
     else:
         ids = list(prompt)
     if not ids:
