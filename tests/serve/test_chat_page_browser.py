@@ -174,7 +174,7 @@ def test_chat_page_in_chromium_streams_thinking_and_answer(server, tmp_path):
     browser = Browser(exe, tmp_path / "profile")
     try:
         browser.call("Page.navigate", url=server.url + "/")
-        assert browser.wait_for('document.getElementById("model").textContent', START_S) == "nano"
+        assert browser.wait_for('document.getElementById("model")?.textContent', START_S) == "nano"
         browser.type("#prompt", PROMPT)
         browser.type("#temp", "0")
         browser.eval(f'document.getElementById("effort").value = "{EFFORT}"')
