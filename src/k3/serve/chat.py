@@ -98,16 +98,20 @@ def _deltas(events, parser) -> list[dict]:
     return out
 
 
+def _chunk(rid: str, obj: str, created: int, model: str, payload: dict, finish, usage) -> str:
+    """One SSE event of a stream: a choice carrying ``payload`` (delta or text), or the final usage."""
+    body = {"id": rid, "object": obj, "created": created, "model": model,
+            "choices": [] if usage else [{"index": 0, **payload, "finish_reason": finish, "logprobs": None}]}
+    if usage:
+        body["usage"] = usage
+    return _data(body)
+
+
 async def chat_stream(svc, handle, evs, rid: str, n_prompt: int, include_usage: bool):
     parser, created = svc.fmt.parser(), int(time.time())
 
     def chunk(delta, finish=None, usage=None):
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": svc.model_name,
-                "choices": [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish,
-                                              "logprobs": None}]}
-        if usage:
-            body["usage"] = usage
-        return _data(body)
+        return _chunk(rid, "chat.completion.chunk", created, svc.model_name, {"delta": delta}, finish, usage)
 
     def on(ev):
         if ev.token_id is None or parser.ended:
@@ -148,12 +152,7 @@ async def completion_stream(svc, handle, evs, rid: str, n_prompt: int, include_u
     created, st = int(time.time()), {}
 
     def chunk(text, finish=None, usage=None):
-        body = {"id": rid, "object": "text_completion", "created": created, "model": svc.model_name,
-                "choices": [] if usage else [{"index": 0, "text": text, "finish_reason": finish,
-                                              "logprobs": None}]}
-        if usage:
-            body["usage"] = usage
-        return _data(body)
+        return _chunk(rid, "text_completion", created, svc.model_name, {"text": text}, finish, usage)
 
     try:
         async for text in _run(svc, evs, lambda ev: chunk(ev.text_delta, ev.finish_reason)
