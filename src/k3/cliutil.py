@@ -122,7 +122,8 @@ def guarded(cmd: str, fn: Callable[[], int]) -> int:
     import signal
     import threading
 
-    global _interrupts
+    global _interrupts, _stopping
+    _stopping = False  # each command starts afresh (tests run several in one process)
     previous = None
     if threading.current_thread() is threading.main_thread() and not debug_enabled():
         _interrupts = 0
