@@ -108,18 +108,9 @@ def generate_main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------------ chat
-def _special(tok, name: str) -> int:
-    from k3.errors import K3Error
-
-    i = tok.token_to_id(name)
-    if i is None:
-        raise K3Error(f"tokenizer: no {name} token (the chat template needs it; train with k3's special tokens)")
-    return i
-
-
-def _reply(engine, tok, ids, params, show_thinking: bool, out) -> tuple[str, str, str]:
+def _reply(engine, chat, ids, params, show_thinking: bool, out) -> tuple[str, str, str]:
     """Stream one assistant turn; returns (reasoning, content, stats line)."""
-    think_end = _special(tok, "</think>")
+    think_end = chat.think_end_id
     parts = {"reasoning": [], "content": []}
     mode, n_think, n, t_first = "reasoning", 0, 0, None
     t0 = time.perf_counter()
@@ -163,7 +154,7 @@ def chat_main(argv: list[str] | None = None) -> int:
 
     engine, tok = _engine(args)
     chat = ChatFormat(tok)  # the one SPEC §6.3 renderer (k3.data.chat), shared with training and serving
-    params = _params(args, stop_token_ids=[_special(tok, "<|im_end|>")])
+    params = _params(args, stop_token_ids=[chat.end_id])
     messages = [{"role": "system", "content": args.system}] if args.system else []
     tty = sys.stdin.isatty()
     with engine:
@@ -177,7 +168,7 @@ def chat_main(argv: list[str] | None = None) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            reasoning, content, rate = _reply(engine, tok, chat.render(messages), params,
+            reasoning, content, rate = _reply(engine, chat, chat.render(messages), params,
                                               args.show_thinking, sys.stdout)
             messages.append({"role": "assistant", "content": content, "reasoning": reasoning})
             print(f"{DIM}[{rate}]{RESET}", file=sys.stderr)
