@@ -4,50 +4,21 @@ does not depend on the batch companions; stop strings; logprobs."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from engine_reference import reference_greedy
 
-from k3.config import get_preset
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
-from k3.model.decoder import K3ForCausalLM
+
+pytestmark = pytest.mark.usefixtures("no_engine_thread_left")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    m = K3ForCausalLM(get_preset("nano"))
-    with torch.no_grad():  # sharper logits than the 0.02 init, so greedy choices are well separated
-        m.lm_head.weight.mul_(20)
-    return m.eval()
-
-
-@pytest.fixture(autouse=True)
-def no_engine_thread_left():
-    yield
-    assert not [t for t in threading.enumerate() if t.name == "k3-engine"]
 
 
 def prompts(lengths, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Independent reference: the whole sequence through the model without a cache, every step."""
-    ids = torch.tensor([prompt])
-    out = []
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = int(model(ids).logits[0, -1].argmax())
-            out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out
 
 
 LENGTHS = [3, 17, 1, 40, 9, 64, 2, 25]

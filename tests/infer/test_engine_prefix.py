@@ -3,44 +3,16 @@ engine) for cache_block {16, 64}, resuming at every boundary of a cached prompt;
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from engine_reference import reference_greedy
 
-from k3.config import get_preset
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
-from k3.model.decoder import K3ForCausalLM
 
-pytest.importorskip("k3.infer.prefix_cache")
+pytestmark = pytest.mark.usefixtures("no_engine_thread_left")
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    m = K3ForCausalLM(get_preset("nano"))
-    with torch.no_grad():
-        m.lm_head.weight.mul_(20)
-    return m.eval()
-
-
-@pytest.fixture(autouse=True)
-def no_engine_thread_left():
-    yield
-    assert not [t for t in threading.enumerate() if t.name == "k3-engine"]
-
-
-def reference_greedy(model, prompt, n):
-    ids, out = torch.tensor([prompt]), []
-    with torch.no_grad():
-        for _ in range(n):
-            out.append(int(model(ids).logits[0, -1].argmax()))
-            ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
-    return out
 
 
 def _ids(n, seed):

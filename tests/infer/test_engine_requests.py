@@ -5,35 +5,18 @@ a checkpoint directory, and close()."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
 import torch
 
-from k3.config import get_preset
 from k3.errors import K3Error
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
-from k3.model.decoder import K3ForCausalLM
+
+pytestmark = pytest.mark.usefixtures("no_engine_thread_left")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    m = K3ForCausalLM(get_preset("nano"))
-    with torch.no_grad():
-        m.lm_head.weight.mul_(20)
-    return m.eval()
-
-
-@pytest.fixture(autouse=True)
-def no_engine_thread_left():
-    yield
-    assert not [t for t in threading.enumerate() if t.name == "k3-engine"]
 
 
 def _prompt(n, seed=0):

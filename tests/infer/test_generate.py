@@ -5,20 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.config import get_preset
 from k3.infer.generate import generate
 from k3.infer.sampling import sample_next_token
-from k3.model.decoder import K3ForCausalLM
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    m = K3ForCausalLM(get_preset("nano"))
-    with torch.no_grad():  # sharper logits than the 0.02 init, so greedy choices are well separated
-        m.lm_head.weight.mul_(20)
-    return m.eval()
 
 
 def _greedy_full_forward(model, ids: torch.Tensor, n: int) -> torch.Tensor:

@@ -5,24 +5,17 @@ on the prompt extended by the capped thinking and </think>)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from k3.config import get_preset
 from k3.errors import K3Error
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
-from k3.model.decoder import K3ForCausalLM
 
 THINK_END = 7  # any id of the vocabulary serves as the closing token for the engine
 
 
 @pytest.fixture(scope="module")
-def engine():
-    torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("nano"))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    with Engine(model.eval()) as eng:
+def engine(model):
+    with Engine(model) as eng:
         yield eng
 
 
