@@ -69,11 +69,8 @@ def test_absorbed_decode_reports_the_same_max_as_the_naive_formula():
     torch.testing.assert_close(m.last_max_logits.double(), torch.tensor(want).double(), rtol=1e-5, atol=1e-6)
 
 
-def _exploding(clip_tau: float | None, steps: int = 10, lr: float = 0.02):
-    """nano with its MLA q/k weights scaled ×30 (max logits ≈ 2τ at τ = 20), trained on one batch.
-
-    Returns (max logit of each training forward, max logit re-measured right after each clip).
-    """
+def _scaled_up_nano():
+    """(config, model, MLA layers) of nano with its MLA q/k weights scaled ×30 (large logits)."""
     torch.manual_seed(0)
     cfg = get_preset("nano")
     model = K3ForCausalLM(cfg)
@@ -82,6 +79,15 @@ def _exploding(clip_tau: float | None, steps: int = 10, lr: float = 0.02):
         for a in mla:
             a.q_b_proj.weight.mul_(30)
             a.kv_b_proj.weight.mul_(30)
+    return cfg, model, mla
+
+
+def _exploding(clip_tau: float | None, steps: int = 10, lr: float = 0.02):
+    """nano with its MLA q/k weights scaled ×30 (max logits ≈ 2τ at τ = 20), trained on one batch.
+
+    Returns (max logit of each training forward, max logit re-measured right after each clip).
+    """
+    cfg, model, mla = _scaled_up_nano()
     opt = build_optimizer(model, cfg, lr=lr)
     clip = QKClip(model, clip_tau if clip_tau else 1.0, cfg)
     x = torch.randint(0, cfg.vocab_size, (2, 64))
@@ -119,14 +125,7 @@ def test_clip_keeps_exploding_logits_near_tau_and_without_it_they_grow():
 
 def test_apply_without_an_update_in_between_is_exact():
     # With no optimizer step between measuring and clipping, every head ends at ≤ τ exactly.
-    torch.manual_seed(0)
-    cfg = get_preset("nano")
-    model = K3ForCausalLM(cfg)
-    mla = [layer.self_attn for layer in model.model.layers if not layer.is_kda]
-    with torch.no_grad():
-        for a in mla:
-            a.q_b_proj.weight.mul_(30)
-            a.kv_b_proj.weight.mul_(30)
+    cfg, model, mla = _scaled_up_nano()
     x = torch.randint(0, cfg.vocab_size, (2, 32))
     clip = QKClip(model, 10.0, cfg)
     clip.recording(True)
