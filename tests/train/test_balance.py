@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
 
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
@@ -14,14 +13,6 @@ from k3.ops.routing import quantile_balance_update, sign_update
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("balance")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3_CACHE_DIR", str(base / "cache"))
-        yield base, make_corpus(base / "data")
 
 
 def _trace_trainer(base, data, name, balance):

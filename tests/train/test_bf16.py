@@ -6,18 +6,9 @@ import time
 
 import pytest
 import torch
-from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
 
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("bf16")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3_CACHE_DIR", str(base / "cache"))
-        yield base, make_corpus(base / "data")
 
 
 def _trainer(base, data, name, dtype, steps, **kw):

@@ -29,14 +29,6 @@ def make_corpus(root: Path) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("loop")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3_CACHE_DIR", str(base / "cache"))
-        yield base, make_corpus(base / "data")
-
-
 def nano(base: Path, data: Path, name: str, **kw) -> TrainConfig:
     opts = dict(preset="nano", data=str(data), out=str(base / name), steps=6, batch_size=4,
                 curriculum=[[0, 32]], threads=1, eval_interval=0, eval_batches=2,

@@ -159,16 +159,6 @@ def test_qk_clip_refuses_bad_tau_and_models_without_mla():
 
 # --- in the trainer: `k3 train --qk-clip TAU` ------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
-
-    base = tmp_path_factory.mktemp("qkclip")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3_CACHE_DIR", str(base / "cache"))
-        yield base, make_corpus(base / "data")
-
-
 def _train(base, data, name, *extra):
     from k3.train.commands import train_main
 
@@ -179,8 +169,8 @@ def _train(base, data, name, *extra):
     return train_main(argv, trainer_hook=got.append), got
 
 
-def test_k3_train_qk_clip_flag_clips_every_step(corpus, capsys):
-    base, data = corpus
+def test_k3_train_qk_clip_flag_clips_every_step(env, capsys):
+    base, data = env
     rc, (t,) = _train(base, data, "free")
     assert rc == 0 and t.qk_clip is None
     free = [r for r in t.metrics.records if r["kind"] == "train"]

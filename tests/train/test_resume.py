@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
 
 from k3.train.commands import train_main
 from k3.train.config import TrainConfig
@@ -21,14 +20,6 @@ from k3.errors import CheckpointError
 from k3.train.state import CKPT_NAME, CheckpointCorrupt, find_checkpoint, load_trainer_state, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("resume")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3_CACHE_DIR", str(base / "cache"))
-        yield base, make_corpus(base / "data")
 
 
 def config(base: Path, data: Path, name: str, **kw) -> TrainConfig:

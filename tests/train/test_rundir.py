@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
 
 from k3.errors import K3Error
 from k3.train.commands import build_train_parser, train_config_from_args, train_main
@@ -21,14 +20,6 @@ from k3.train.state import find_checkpoint, load_trainer_state
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = "import sys; from k3.train.commands import train_main; sys.exit(train_main(sys.argv[1:]))"
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("rundir")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3_CACHE_DIR", str(base / "cache"))
-        yield base, make_corpus(base / "data")
 
 
 def _args(data: Path, *extra: str) -> list[str]:

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_loop import make_corpus  # same folder (pytest puts it on sys.path)
 
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
@@ -20,14 +19,6 @@ from k3.train.state import find_checkpoint, load_trainer_state, verify_checkpoin
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = "import sys; from k3.cli import main; sys.exit(main(['train', *sys.argv[1:]]))"
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("stop")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("K3_CACHE_DIR", str(base / "cache"))
-        yield base, make_corpus(base / "data")
 
 
 def config(base: Path, data: Path, name: str, **kw) -> TrainConfig:
