@@ -1,5 +1,5 @@
 """The ``k3`` command: ``k3 params | train | sample | generate | chat | plot | convert | inspect |
-quantize | demo``."""
+quantize | demo | plan | env | task``."""
 
 from __future__ import annotations
 
@@ -94,6 +94,9 @@ _DELEGATED = [
     ("convert", "k3.checkpoint.tools:convert_main", "re-export a checkpoint in k3's layout"),
     ("inspect", "k3.checkpoint.tools:inspect_main", "summarise a checkpoint without materialising it"),
     ("quantize", "k3.checkpoint.quantize:quantize_main", "write routed experts as packed MXFP4"),
+    ("plan", "k3.train.plan:plan_main", "per-device memory and communication of a preset on a cluster"),
+    ("env", "k3.env.cli:env_main", "sandboxes: k3 env create | exec | snapshot | fork | restore | ls | rm"),
+    ("task", "k3.rl.cli:task_main", "agent tasks: k3 task validate | run | suite | replay"),
 ]
 
 

@@ -1,0 +1,140 @@
+"""The ``Sandbox`` interface every backend implements (SPEC §7.1).
+
+Task verifiers, the agent harness and RL rollouts program against this class only; a backend is
+chosen by name (``namespace`` | ``vm`` | ``local``) through ``SandboxManager`` and never silently
+swapped for another. Paths given to the file methods are relative to the sandbox's workspace
+(``Sandbox.workdir`` inside the sandbox, ``/workspace`` by default) or absolute inside the sandbox;
+they are resolved inside the sandbox, so a symlink can never lead a read or write to a host file.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass, field
+
+from k3.errors import K3Error
+
+__all__ = ["ExecResult", "FileEntry", "Limits", "Sandbox", "SandboxError", "SnapshotInfo"]
+
+
+class SandboxError(K3Error):
+    """A refused or failed sandbox operation (unknown snapshot, exec after close, a limit the
+    backend cannot enforce, ...); the message names the sandbox, snapshot or limit."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandbox. ``None`` = no limit. A backend that cannot enforce a limit
+    that is set refuses to create the sandbox (``SandboxError`` naming the limit)."""
+
+    memory_bytes: int | None = 512 * 2**20
+    pids: int | None = 256
+    cpus: float | None = None          # CPU bandwidth in cores (cgroup cpu.max)
+    network: bool = False              # False: an empty network namespace (no interfaces but lo)
+    disk_bytes: int | None = None      # size cap of the writable layer
+    output_bytes: int = 1 << 20        # per stream cap of ExecResult.stdout/stderr (truncated, flagged)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ExecResult:
+    exit_code: int | None              # None when killed by timeout before it exited
+    stdout: bytes
+    stderr: bytes
+    elapsed: float                     # seconds, wall clock
+    timed_out: bool = False
+    truncated: bool = False            # stdout or stderr was cut at Limits.output_bytes
+    oom_killed: bool = False           # the sandbox's memory limit killed a process
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def text(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str                          # relative to the listed directory
+    kind: str                          # "file" | "dir" | "symlink" | "other"
+    size: int = 0
+
+
+class Sandbox(abc.ABC):
+    """One isolated environment. Use as a context manager; ``close()`` kills every process in it
+    and removes its mounts, cgroups and writable layer (snapshots stay in the manager's store)."""
+
+    backend: str = "?"
+    workdir: str = "/workspace"
+
+    def __init__(self, sandbox_id: str, limits: Limits):
+        self.id = sandbox_id
+        self.limits = limits
+
+    # processes
+    @abc.abstractmethod
+    def exec(self, cmd: str | list[str], timeout: float | None = 60.0, stdin: bytes | None = None,
+             env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+        """Run ``cmd`` (a list = argv; a string = ``/bin/sh -c``) inside; on timeout the whole
+        process group is killed and ``timed_out`` set."""
+
+    # files (inside the sandbox's view; never follows a link out of it)
+    @abc.abstractmethod
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes: ...
+
+    @abc.abstractmethod
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None: ...
+
+    @abc.abstractmethod
+    def list(self, path: str = ".", recursive: bool = False) -> list[FileEntry]: ...
+
+    # lifecycle
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Stop every process in the sandbox (cgroup freeze / VM stop) until ``resume()``."""
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    def snapshot(self) -> str:
+        """Persist the sandbox's state; returns a content-addressed snapshot id."""
+
+    @abc.abstractmethod
+    def restore(self, snapshot_id: str) -> None:
+        """Roll this sandbox back to ``snapshot_id`` (one of its own or of its lineage)."""
+
+    @abc.abstractmethod
+    def fork(self, snapshot_id: str | None = None) -> "Sandbox":
+        """A new sandbox starting from ``snapshot_id`` (default: a fresh snapshot of this one)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Idempotent. After it, every method but ``close`` raises ``SandboxError``."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> dict:
+        return {"id": self.id, "backend": self.backend, "limits": self.limits.as_dict(),
+                "workdir": self.workdir, "closed": self.closed}
+
+
+@dataclass
+class SnapshotInfo:
+    id: str                            # content hash (sha256 hex of the manifest)
+    backend: str
+    parent: str | None                 # the snapshot this one's layers build on
+    created: float
+    bytes: int                         # bytes this snapshot added to the store
+    meta: dict = field(default_factory=dict)
