@@ -117,11 +117,12 @@ def train_plan(config, devices: int, device_memory: int, dp: int, ep: int, seq_l
     S, e = dp * ep, dtype.itemsize
     sp = param_split(config)
     per = lambda n: math.ceil(n / S)  # noqa: E731 - one parameter count's share on one device
-    gathered = max(ne + ex / ep for ne, ex in sp["layers"]) if sp["layers"] else 0
+    # FSDP all-gathers a layer's dense part when S > 1 and its expert slice when dp > 1
+    gathered = max(((ne if S > 1 else 0) + (ex / ep if dp > 1 else 0) for ne, ex in sp["layers"]), default=0)
     tokens = micro_batch * seq_len
     act = activation_bytes(config, micro_batch, seq_len, e, attention)
     a2a_buf = 2 * 2 * tokens * config.num_experts_per_token * config.expert_dim * e if ep > 1 else 0
-    mem = {"parameters": per(sp["total"]) * F32, "gradients": per(sp["total"]) * F32,
+    mem = {"parameters": per(sp["total"]) * F32, "gradients": per(sp["parameters"] - sp["no_grad"]) * F32,
            "optimizer_muon_momentum": per(sp["muon"] + sp["muon_experts"]) * F32,
            "optimizer_adamw_moments": per(sp["adamw"]) * 2 * F32,
            "fsdp_gather_buffers": int(2 * gathered * e),
@@ -152,7 +153,7 @@ def inference_plan(config, devices: int, device_memory: int, ep: int, context: i
     cache = cache_bytes_per_sequence(config, context, dtype)
     free = device_memory - weights
     fit = max(0, free // cache["total"]) if cache["total"] else 0
-    return {"replicas": R, "weights": weights, "weights_experts": math.ceil(ck["experts"] / ep),
+    return {"ep": ep, "replicas": R, "weights": weights, "weights_experts": math.ceil(ck["experts"] / ep),
             "weights_other": ck["other"], "context": context, "kda_state": cache["kda_state"],
             "mla_latent": cache["mla_latent"], "per_sequence": cache["total"],
             "all_mla_per_sequence": cache["all_mla_equivalent"], "free_after_weights": free,
@@ -195,7 +196,12 @@ def format_plan(name: str, tp: dict, ip: dict, ck: dict) -> str:
               f"{_g(tp['headroom'])}", "communication per device per step:"]
     for k, v in tp["comm"].items():
         lines.append(f"  {k:<26}{_g(v):>34}")
-    lines += [f"inference (routed experts packed MXFP4, {ip['context']:,}-token context):",
+    sp = tp["params"]
+    lines.insert(1, f"parameters + buffers {sp['total']:,} ({sp['routed_experts']:,} routed-expert), activated per token "
+                    f"{sp['activated']:,}; optimizer: Muon {sp['muon'] + sp['muon_experts']:,} (momentum), "
+                    f"AdamW {sp['adamw']:,} (two moments)")
+    lines += [f"inference on ep {ip['ep']} × {ip['replicas']} replica(s) (routed experts packed MXFP4, "
+              f"{ip['context']:,}-token context):",
               f"  weights per device        {_g(ip['weights']):>34}  (experts {_g(ip['weights_experts'])}, "
               f"rest bf16 {_g(ip['weights_other'])})",
               f"  per sequence              {_g(ip['per_sequence']):>34}  (KDA state {_g(ip['kda_state'])}, "
@@ -224,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--context", type=int, default=131072, help="inference context per sequence")
+    p.add_argument("--infer-ep", type=int, default=None,
+                   help="expert-parallel size for inference (default gcd(devices, num_experts))")
     p.add_argument("--recompute", action="store_true", help="per-decoder-layer activation recomputation")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="compute/communication dtype")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="flash",
@@ -242,7 +250,8 @@ def plan_main(argv: list[str]) -> int:
     dtype = _DTYPES[args.dtype]
     tp = train_plan(cfg, args.devices, mem, dp, args.ep, args.seq_len, args.micro_batch, args.grad_accum,
                     args.recompute, dtype, args.attention)
-    ip = inference_plan(cfg, args.devices, mem, args.ep, args.context, dtype)
+    infer_ep = args.infer_ep if args.infer_ep is not None else math.gcd(args.devices, cfg.num_experts or 1)
+    ip = inference_plan(cfg, args.devices, mem, infer_ep, args.context, dtype)
     ck = checkpoint_summary(cfg)
     if args.json:
         print(json.dumps({"train": tp, "inference": ip, "checkpoint": ck}))
