@@ -129,26 +129,36 @@ def _saved_bytes(model, ids, per_layer: bool = False):
                 by_layer[current[0]] = by_layer.get(current[0], 0) + s.nbytes()
         return t
 
+    def record(tensors, layer_idx):
+        for t in tensors:
+            inputs.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        current[0] = layer_idx
+
     originals = []
     for layer in model.model.layers:
-        orig = layer.forward_attn_res
+        attn_res, plain = layer.forward_attn_res, layer.forward
 
-        def wrapped(blocks, partial, state=None, _orig=orig, _l=layer.layer_idx):
-            for t in [*blocks, *([] if partial is None else [partial])]:
-                inputs.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            current[0] = _l
+        def wrapped_res(blocks, partial, state=None, _orig=attn_res, _l=layer.layer_idx):
+            record([*blocks, *([] if partial is None else [partial])], _l)
             try:
                 return _orig(blocks, partial, state)
             finally:
                 current[0] = None
-        layer.forward_attn_res = wrapped
-        originals.append((layer, orig))
+
+        def wrapped_plain(h, state=None, _orig=plain, _l=layer.layer_idx):
+            record([h], _l)
+            try:
+                return _orig(h, state)
+            finally:
+                current[0] = None
+        layer.forward_attn_res, layer.forward = wrapped_res, wrapped_plain
+        originals.append((layer, attn_res, plain))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(ids, labels=ids)
     finally:
-        for layer, orig in originals:
-            layer.forward_attn_res = orig
+        for layer, attn_res, plain in originals:
+            layer.forward_attn_res, layer.forward = attn_res, plain
     total = sum(seen.values())
     if not per_layer:
         return out, total
@@ -156,21 +166,32 @@ def _saved_bytes(model, ids, per_layer: bool = False):
     return out, total, head, max(by_layer.values()), sum(inputs.values())
 
 
+def _kimi_linear_nano():
+    """nano with every branch K3 turns off in Kimi-Linear: plain MoE, SwiGLU, standard residuals,
+    low-rank KDA gate without a lower bound (chunk_kda's materialised blocks), no q LoRA, no MLA gate."""
+    cfg = get_preset("nano")
+    lac = dict(cfg.linear_attn_config.to_dict(), use_full_rank_gate=False, gate_lower_bound=None)
+    return cfg.replace(hidden_act="silu", activation_situ_linear_beta=None, attn_res_block_size=None,
+                       routed_expert_hidden_size=None, latent_moe_use_norm=False, mla_use_output_gate=False,
+                       q_lora_rank=None, linear_attn_config=lac)
+
+
 @pytest.mark.parametrize("preset,dtype", [("nano", torch.float32), ("nano", torch.bfloat16),
-                                          ("tiny", torch.float32)])
+                                          ("tiny", torch.float32), ("kimi-linear-nano", torch.float32),
+                                          ("kimi-linear-nano", torch.bfloat16)])
 def test_activations_match_saved_tensors(preset, dtype):
     torch.manual_seed(0)
-    cfg = get_preset(preset)
+    cfg = _kimi_linear_nano() if preset == "kimi-linear-nano" else get_preset(preset)
     model = K3ForCausalLM(cfg).to(dtype)
     B, T = 2, 128
     ids = torch.randint(0, cfg.vocab_size, (B, T))
     _, measured, head, max_layer, inputs = _saved_bytes(model, ids, per_layer=True)
     plan = activation_bytes(cfg, B, T, torch.tensor([], dtype=dtype).element_size(), attention="math")
-    # Within 3%: the plan writes the fp32 norm input of MLA's kv latent, the SiTU and AttnRes
+    # Within 2% (measured: -0.1 .. +1.6%): the plan writes the fp32 norm input of MLA's kv latent, the SiTU and AttnRes
     # terms as separate tensors; in fp32 some of them are views of one storage (counted once).
-    assert plan["full"] == pytest.approx(measured, rel=0.03)
+    assert plan["full"] == pytest.approx(measured, rel=0.02)
     recompute = inputs + head + max_layer
-    assert plan["recompute"] == pytest.approx(recompute, rel=0.05)
+    assert plan["recompute"] == pytest.approx(recompute, rel=0.03)
     assert plan["recompute"] < plan["full"] / 2
 
 

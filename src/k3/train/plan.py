@@ -108,7 +108,7 @@ def _check_layout(config, devices: int, dp: int, ep: int) -> int:
 
 def train_plan(config, devices: int, device_memory: int, dp: int, ep: int, seq_len: int = 4096,
                micro_batch: int = 1, grad_accum: int = 1, recompute: bool = False,
-               dtype: torch.dtype = torch.bfloat16, attention: str = "flash") -> dict:
+               dtype: torch.dtype = torch.bfloat16, attention: str = "fused") -> dict:
     """Per-device training memory (bytes) and per-step communication; see the module docstring."""
     R = _check_layout(config, devices, dp, ep)
     for name, v in (("--seq-len", seq_len), ("--micro-batch", micro_batch), ("--grad-accum", grad_accum)):
@@ -234,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-parallel size for inference (default gcd(devices, num_experts))")
     p.add_argument("--recompute", action="store_true", help="per-decoder-layer activation recomputation")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="compute/communication dtype")
-    p.add_argument("--attention", choices=ATTENTION_KINDS, default="flash",
-                   help="MLA attention kernel: flash (CUDA; output + log-sum-exp saved) or math (T×T saved)")
+    p.add_argument("--attention", choices=ATTENTION_KINDS, default="fused",
+                   help="MLA attention kernel: fused (CUDA memory-efficient SDPA: inputs + log-sum-exp "
+                        "saved) or math (CPU: fp32 copies and the T×T probabilities saved)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

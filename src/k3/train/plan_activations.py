@@ -12,15 +12,20 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
 
     rms_norm(D)         = N·(2D + 1)·4                       x (fp32), 1/rms, x/rms
     attn_res_mix(n)     = n·N·(3H + 2)·4                     stacked sources, keys, logits, weights (n ≥ 2)
-    situ(M, W)          = M·W·(6·4 + e)                      tanh, gate, sigmoid, tanh, up, product; down_proj input
-    kda_core            = B·⌈T/64⌉·64·nh·(200 + (30 + 1/64)·d + 3·d²/64)·4     chunk_kda (torch), chunk 64
+    glu(M, W)           = M·W·(6·4 + e)                      SiTU: tanh, gate, sigmoid, tanh, up, product; down input
+                        = M·W·4·e                            SwiGLU: g, silu(g), u, down input
+    kda_core            = B·⌈T/64⌉·64·nh·(201 + (c + 1/64)·d + 3·d²/64)·4      chunk_kda (torch), chunk 64
+                          c = 30 with factorised diagonal blocks (a gate lower bound lb, |lb|·15 ≤ 80), else 77
     sdpa (math, CPU)    = B·nh_m·T·(2(n+p) + v + T)·4        q, k, v and the T×T probabilities, fp32
-    sdpa (flash, CUDA)  = B·nh_m·T·((2(n+p) + 2v)·e + 4)     q, k, v, output, log-sum-exp
+    sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
 The ``kda_core`` coefficients are the count of the fp32 numbers ``k3.ops.kda.chunk_kda`` saves per
 token and head (the padded chunk, P and A blocks, the blockwise solve, the per-chunk states), at
-its fixed chunk 64 / sub-chunk 16; on CUDA with ``fla`` installed the fused kernel saves far less,
-so the figure is the upper bound of the torch path there.
+its fixed chunk 64 / sub-chunk 16, for B ≥ 2 (B = 1 saves (1 + d) fewer: two of them are views
+of its inputs); on CUDA with ``fla`` installed the fused kernel saves far less,
+so the figure is the upper bound of the torch path there. The ``fused`` SDPA term (CUDA's
+memory-efficient kernel; flash needs equal q/v head sizes, MLA has 192 and 128) is derived from
+what that kernel saves and is not measured by the CPU tests (CPU SDPA runs the math path).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import math
 
 __all__ = ["activation_terms", "activation_bytes", "ATTENTION_KINDS"]
 
-ATTENTION_KINDS = ("math", "flash")
+ATTENTION_KINDS = ("math", "fused")
 F32 = 4
 I64 = 8
 
@@ -42,8 +47,11 @@ def _mix(n: int, N: int, H: int) -> int:
     return n * N * (3 * H + 2) * F32 if n >= 2 else 0
 
 
-def _situ(M: int, W: int, e: int) -> int:
-    return M * W * (6 * F32 + e)
+def _glu(cfg, M: int, W: int, e: int) -> int:
+    """Gated activation of M rows, width W, and the down projection's input."""
+    if cfg.hidden_act == "silu":                    # SwiGLU in the compute dtype: g, silu(g), u; product
+        return M * W * 4 * e
+    return M * W * (6 * F32 + e)                    # SiTU, fp32 inside
 
 
 def _kda(cfg, B: int, T: int, e: int) -> int:
@@ -54,7 +62,8 @@ def _kda(cfg, B: int, T: int, e: int) -> int:
     qk_norm = 2 * N * nh * F32                                               # the two 1/‖·‖
     gate_in = N * d * e + 2 * N * P * F32 + N * nh * F32                     # f_a out, decay (2), beta
     padded = B * math.ceil(T / 64) * 64
-    core = round(padded * nh * (200 + (30 + 1 / 64) * d + 3 * d * d / 64)) * F32
+    factored = lac.gate_lower_bound is not None and abs(lac.gate_lower_bound) * 15 <= 80  # as chunk_kda picks
+    core = round(padded * nh * (201 + (30 if factored else 77) * d + d / 64 + 3 * d * d / 64)) * F32
     if lac.use_full_rank_gate:
         out_gate = 0
     else:
@@ -72,7 +81,9 @@ def _mla(cfg, B: int, T: int, e: int, attention: str) -> int:
     if attention == "math":
         sdpa = B * nh * T * (2 * (n + p) + v + T) * F32
     else:
-        sdpa = B * nh * T * ((2 * (n + p) + 2 * v) * e + F32)
+        # memory-efficient / flash SDPA: q (view of q_b's output), k (the cat), v's storage (kv_b's
+        # output, n + v per head), log-sum-exp; its output is the gate's input, counted there
+        sdpa = B * nh * T * ((2 * (n + p) + n + v) * e + F32)
     gate = 3 * N * nh * v * e if cfg.mla_use_output_gate else N * nh * v * e
     return q + kv + sdpa + gate
 
@@ -83,11 +94,11 @@ def _moe(cfg, N: int, e: int) -> int:
     router = N * H * F32 + N * (E + 1 + k) * F32 + N * k * I64                 # x fp32, scores, renorm, weights, ids
     shared_in = 0 if e == F32 else N * H * e                                   # fp32: the router's x is the input
     dispatch = 2 * S * I64 + S * F32 + 2 * S * L * F32 + E * 4                # order, token, p, expert out, offsets
-    experts = S * L * e + _situ(S, F, e)
+    experts = S * L * e + _glu(cfg, S, F, e)
     latent = 0
     if cfg.uses_latent_moe:
         latent = (_norm(N, L) if cfg.latent_moe_use_norm else 0) + N * L * e
-    shared = _situ(N, cfg.num_shared_experts * F, e) if cfg.num_shared_experts else 0
+    shared = _glu(cfg, N, cfg.num_shared_experts * F, e) if cfg.num_shared_experts else 0
     return router + shared_in + dispatch + experts + latent + shared
 
 
@@ -109,7 +120,7 @@ def layer_bytes(cfg, layer: int, B: int, T: int, e: int, attention: str) -> int:
     if cfg.is_moe_layer(layer):
         total += _moe(cfg, N, e)
     else:
-        total += _situ(N, cfg.intermediate_size, e)
+        total += _glu(cfg, N, cfg.intermediate_size, e)
     return total
 
 
