@@ -13,7 +13,7 @@ import torch
 from k3.cli import main
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-from k3.train.plan import (all_to_all_bytes_per_step, checkpoint_summary, fsdp_bytes_per_step,
+from k3.train.plan import (all_to_all_bytes_per_step, all_to_all_capacity_bytes_per_step, checkpoint_summary, fsdp_bytes_per_step,
                            inference_plan, parse_bytes, train_plan)
 from k3.train.plan_activations import activation_bytes
 from k3.train.plan_sizes import param_split
@@ -95,6 +95,20 @@ def test_all_to_all_matches_an_enumeration(ep):
     cfg = get_preset("nano")
     tokens = 64  # tokens·k a multiple of E: the enumeration is exactly balanced
     assert all_to_all_bytes_per_step(cfg, tokens, ep, torch.bfloat16) == _enumerated_a2a(cfg, tokens, ep, 2)
+
+
+def test_all_to_all_through_capacity_buffers():
+    from k3.model.moe import LatentMoE
+
+    cfg = get_preset("nano")
+    moe = LatentMoE(cfg, capacity_factor=1.25)
+    cap = moe.capacity(100, 1.25)                       # the layer's own slots per expert
+    layers = sum(cfg.is_moe_layer(l) for l in range(cfg.num_hidden_layers))
+    buffer = cfg.num_experts * cap * cfg.expert_dim * 2  # one [E, C, ℓ] bf16 buffer
+    got = all_to_all_capacity_bytes_per_step(cfg, 100, 4, torch.bfloat16, 1.25)
+    assert got == layers * 4 * buffer * 3 // 4
+    assert got >= all_to_all_bytes_per_step(cfg, 100, 4, torch.bfloat16)   # padding only adds
+    assert all_to_all_capacity_bytes_per_step(cfg, 100, 1, torch.bfloat16, 1.25) == 0
 
 
 def test_all_to_all_k3_number(k3cfg):
@@ -247,6 +261,8 @@ def test_cli_positive_control_and_json(capsys):
     ({"--ep": "3", "--dp": "1", "--devices": "3"}, r"num_experts \(8\) is not divisible by --ep 3"),
     ({"--preset": "nanoo"}, r"unknown preset 'nanoo' \(did you mean 'nano'\?\)"),
     ({"--device-memory": "141 gigs"}, r"--device-memory: cannot parse '141 gigs'"),
+    ({"--device-memory": "0GB"}, r"--device-memory: must be > 0"),
+    ({"--dp": "0"}, r"--dp must be an int >= 1, got 0"),
 ])
 def test_cli_bad_input_is_one_line(capsys, change, message):
     argv = list(_GOOD)
@@ -255,6 +271,13 @@ def test_cli_bad_input_is_one_line(capsys, change, message):
     code, out, err = _run(capsys, argv)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_cli_inference_ep(capsys):
+    code, out, _ = _run(capsys, _GOOD + ["--infer-ep", "8"])
+    assert code == 0 and "inference on ep 8 × 1 replica(s)" in out
+    code, out, err = _run(capsys, _GOOD + ["--infer-ep", "3"])
+    assert code == 2 and out == "" and "--devices 8 is not divisible by --infer-ep 3" in err
 
 
 def test_parse_bytes_units():

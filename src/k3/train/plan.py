@@ -27,7 +27,7 @@ from k3.train.plan_activations import ATTENTION_KINDS, activation_bytes
 from k3.train.plan_sizes import (RELEASE_CHECKPOINT_GIB, RELEASE_SHARDS, RELEASE_VISION_CONFIG,
                                  checkpoint_bytes, param_split, vision_bytes)
 
-__all__ = ["parse_bytes", "all_to_all_bytes_per_step", "fsdp_bytes_per_step", "train_plan",
+__all__ = ["parse_bytes", "all_to_all_bytes_per_step", "all_to_all_capacity_bytes_per_step", "fsdp_bytes_per_step", "train_plan",
            "inference_plan", "format_plan", "plan_main", "checkpoint_bytes", "RELEASE_CHECKPOINT_GIB"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -74,6 +74,24 @@ def all_to_all_bytes_per_step(config, tokens_per_rank: int, ep: int, dtype: torc
     return slots * config.expert_dim * dtype.itemsize * (ep - 1) // ep
 
 
+def all_to_all_capacity_bytes_per_step(config, tokens_per_rank: int, ep: int, dtype: torch.dtype,
+                                       capacity_factor: float) -> int:
+    """The same traffic through fixed-capacity buffers (static shapes, SPEC §5): every pass sends the
+    whole [E, C, ℓ] buffer, C = ceil(capacity_factor · tokens_per_rank · k / E) slots per expert
+    (``LatentMoE.capacity``), empty slots included; (ep − 1)/ep of it leaves the rank::
+
+        n_moe_layers · 4 · E · C · ℓ · itemsize · (ep − 1) / ep
+    """
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0:
+        raise K3Error(f"capacity_factor must be a number > 0, got {capacity_factor!r}")
+    all_to_all_bytes_per_step(config, tokens_per_rank, ep, dtype)  # the same argument checks
+    E = config.num_experts
+    if not E:
+        return 0
+    cap = max(1, math.ceil(capacity_factor * tokens_per_rank * config.num_experts_per_token / E))
+    return _moe_layers(config) * 4 * E * cap * config.expert_dim * dtype.itemsize * (ep - 1) // ep
+
+
 def fsdp_bytes_per_step(split: dict, dp: int, ep: int, replicas: int, grad_accum: int,
                         itemsize: int, reduce_itemsize: int = F32) -> dict[str, int]:
     """Bytes one rank receives (all-gather) / sends (reduce-scatter, all-reduce) per optimizer step.
@@ -95,14 +113,16 @@ def fsdp_bytes_per_step(split: dict, dp: int, ep: int, replicas: int, grad_accum
             "all_reduce": int(2 * (replicas - 1) / replicas * shard * reduce_itemsize)}
 
 
-def _check_layout(config, devices: int, dp: int, ep: int) -> int:
-    for name, v in (("--devices", devices), ("--dp", dp), ("--ep", ep)):
+def _check_layout(config, devices: int, dp: int, ep: int, ep_flag: str = "--ep") -> int:
+    """The number of replicas R = devices / (dp · ep); K3Error naming the flag when it is not whole."""
+    for name, v in (("--devices", devices), ("--dp", dp), (ep_flag, ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise K3Error(f"{name} must be an int >= 1, got {v!r}")
     if devices % (dp * ep):
-        raise K3Error(f"--devices {devices} is not divisible by dp × ep = {dp} × {ep} = {dp * ep}")
+        what = f"{ep_flag} {ep}" if ep_flag != "--ep" else f"dp × ep = {dp} × {ep} = {dp * ep}"
+        raise K3Error(f"--devices {devices} is not divisible by {what}")
     if config.num_experts and config.num_experts % ep:
-        raise K3Error(f"num_experts ({config.num_experts}) is not divisible by --ep {ep}")
+        raise K3Error(f"num_experts ({config.num_experts}) is not divisible by {ep_flag} {ep}")
     return devices // (dp * ep)
 
 
@@ -145,7 +165,7 @@ def inference_plan(config, devices: int, device_memory: int, ep: int, context: i
     """Per-device inference memory with packed MXFP4 experts and how many sequences fit at ``context``."""
     from k3.model.cache import cache_bytes_per_sequence
 
-    R = _check_layout(config, devices, 1, ep)
+    R = _check_layout(config, devices, 1, ep, "--infer-ep")
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise K3Error(f"--context must be an int >= 1, got {context!r}")
     ck = checkpoint_bytes(config, packed=True, dtype=dtype)
