@@ -27,8 +27,9 @@ from k3.train.plan_activations import ATTENTION_KINDS, activation_bytes
 from k3.train.plan_sizes import (RELEASE_CHECKPOINT_GIB, RELEASE_SHARDS, RELEASE_VISION_CONFIG,
                                  checkpoint_bytes, param_split, vision_bytes)
 
-__all__ = ["parse_bytes", "all_to_all_bytes_per_step", "all_to_all_capacity_bytes_per_step", "fsdp_bytes_per_step", "train_plan",
-           "inference_plan", "format_plan", "plan_main", "checkpoint_bytes", "RELEASE_CHECKPOINT_GIB"]
+__all__ = ["parse_bytes", "all_to_all_bytes_per_step", "all_to_all_capacity_bytes_per_step",
+           "fsdp_bytes_per_step", "train_plan", "inference_plan", "checkpoint_summary", "format_plan",
+           "plan_main", "checkpoint_bytes", "RELEASE_CHECKPOINT_GIB"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -217,8 +218,8 @@ def format_plan(name: str, tp: dict, ip: dict, ck: dict) -> str:
     for k, v in tp["comm"].items():
         lines.append(f"  {k:<26}{_g(v):>34}")
     sp = tp["params"]
-    lines.insert(1, f"parameters + buffers {sp['total']:,} ({sp['routed_experts']:,} routed-expert), activated per token "
-                    f"{sp['activated']:,}; optimizer: Muon {sp['muon'] + sp['muon_experts']:,} (momentum), "
+    lines.insert(1, f"parameters + buffers {sp['total']:,} ({sp['routed_experts']:,} routed-expert), "
+                    f"activated per token {sp['activated']:,}; optimizer: Muon {sp['muon'] + sp['muon_experts']:,} (momentum), "
                     f"AdamW {sp['adamw']:,} (two moments)")
     lines += [f"inference on ep {ip['ep']} × {ip['replicas']} replica(s) (routed experts packed MXFP4, "
               f"{ip['context']:,}-token context):",
