@@ -294,6 +294,28 @@ def test_cli_inference_ep(capsys):
     assert code == 2 and out == "" and "--devices 8 is not divisible by --infer-ep 3" in err
 
 
+def test_cli_config_with_a_vision_config(tmp_path, capsys):
+    import json
+
+    from k3.config import K3Config
+
+    nano = get_preset("nano")
+    vc = {"vt_hidden_size": 32, "vt_intermediate_size": 64, "vt_num_hidden_layers": 2, "qkv_hidden_size": 48,
+          "text_hidden_size": 64, "mm_hidden_size": None, "init_pos_emb_height": 8, "init_pos_emb_width": 8}
+    cfg = K3Config(**{n: getattr(nano, n) for n in nano.text_field_names()}, vision_config=vc)
+    path = tmp_path / "config.json"
+    cfg.to_json(path)
+    code, out, _ = _run(capsys, ["plan", "--config", str(path), "--devices", "1", "--device-memory", "1GB",
+                                 "--json"])
+    ck = json.loads(out)["checkpoint"]
+    # by hand: patch embed 32·3·14·14, positions 8·8·32; 2 blocks of norms, wqkv, wo, fc0, fc1;
+    # final norm; projector 128² + 64·128 + 64 (merge 2×2 of 32 = 128)
+    block = 2 * 32 + 3 * 48 * 32 + 32 * 48 + 2 * 64 * 32
+    params = 32 * 3 * 14 * 14 + 8 * 8 * 32 + 2 * block + 32 + 128 * 128 + 64 * 128 + 64
+    assert code == 0 and ck["vision"] == 2 * params and ck["total"] == ck["text"] + ck["vision"]
+    assert "release_gib" not in ck
+
+
 def test_parse_bytes_units():
     assert parse_bytes("141GB") == 141 * 10**9 and parse_bytes("80 GiB") == 80 * 2**30
     assert parse_bytes("1.5TB") == 1_500_000_000_000 and parse_bytes("4096") == 4096

@@ -158,7 +158,8 @@ def train_plan(config, devices: int, device_memory: int, dp: int, ep: int, seq_l
                        "dtype": str(dtype).removeprefix("torch."), "attention": attention},
             "params": sp | {"layers": len(sp["layers"])}, "memory": mem, "total": total,
             "device_memory": device_memory, "headroom": device_memory - total, "fits": total <= device_memory,
-            "activations": {"full": act["full"], "recompute": act["recompute"]}, "comm": comm}
+            "activations": {"full": act["full"], "recompute": act["recompute"], "terms": act["terms"]},
+            "comm": comm}
 
 
 def inference_plan(config, devices: int, device_memory: int, ep: int, context: int,

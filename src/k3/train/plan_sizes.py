@@ -50,11 +50,12 @@ def vision_tensor_shapes(vc: dict) -> dict[str, tuple[int, ...]]:
     patch embed Conv2d(3, D, p) and a learned [h0, w0, D] position table; per block RMSNorm ×2,
     wqkv [3Q, D], wo [D, Q], fc0 [I, D], fc1 [D, I]; a final RMSNorm; projector linear_1
     [m²D, m²D], linear_2 [H_text, m²D], post RMSNorm [H_text]. Biases only where the config asks.
+    A field the config leaves out (or null) takes the release's value, as its configuration class does.
     """
     if vc.get("mm_projector_type", "patchmergerv2") != "patchmergerv2":
         raise ConfigError(f"vision_config.mm_projector_type={vc.get('mm_projector_type')!r}: only "
                           "'patchmergerv2' (the release's) is counted")
-    g = {**RELEASE_VISION_CONFIG, **vc}
+    g = {**RELEASE_VISION_CONFIG, **{k: v for k, v in vc.items() if v is not None}}  # absent: release values
     D, I, Q, p = g["vt_hidden_size"], g["vt_intermediate_size"], g["qkv_hidden_size"], g["patch_size"]
     mh, mw = g["merge_kernel_size"]
     M, Ht = mh * mw * g.get("mm_hidden_size", D), g["text_hidden_size"]
