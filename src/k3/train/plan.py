@@ -220,8 +220,8 @@ def format_plan(name: str, tp: dict, ip: dict, ck: dict) -> str:
         lines.append(f"  {k:<26}{_g(v):>34}")
     sp = tp["params"]
     lines.insert(1, f"parameters + buffers {sp['total']:,} ({sp['routed_experts']:,} routed-expert), "
-                    f"activated per token {sp['activated']:,}; optimizer: Muon {sp['muon'] + sp['muon_experts']:,} (momentum), "
-                    f"AdamW {sp['adamw']:,} (two moments)")
+                    f"activated per token {sp['activated']:,}; optimizer: Muon "
+                    f"{sp['muon'] + sp['muon_experts']:,} (momentum), AdamW {sp['adamw']:,} (two moments)")
     lines += [f"inference on ep {ip['ep']} × {ip['replicas']} replica(s) (routed experts packed MXFP4, "
               f"{ip['context']:,}-token context):",
               f"  weights per device        {_g(ip['weights']):>34}  (experts {_g(ip['weights_experts'])}, "
