@@ -25,9 +25,10 @@ holds for the backward per chunk and head (the padded chunk, P and A blocks, the
 the chunk's state and transition), at its fixed chunk 64 / sub-chunk 16, less the last chunk's
 state update (its graph is dropped when the final state is not returned), for B ≥ 2 (B = 1 holds
 1 + d fewer per token and head: two of them are views of its inputs). On CUDA with ``fla``
-installed the fused kernel saves far less, so there the figure is the torch path's upper bound. The ``fused`` SDPA term (CUDA's
-memory-efficient kernel; flash needs equal q/v head sizes, MLA has 192 and 128) is derived from
-what that kernel saves and is not measured by the CPU tests (CPU SDPA runs the math path).
+installed the fused kernel saves far less, so there the figure is the torch path's upper bound.
+The ``fused`` SDPA term (CUDA's memory-efficient kernel; flash needs equal q/v head sizes, MLA
+has 192 and 128) is derived from what that kernel saves and is not measured by the CPU tests
+(CPU SDPA runs the math path).
 """
 
 from __future__ import annotations
