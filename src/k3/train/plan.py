@@ -142,7 +142,8 @@ def train_plan(config, devices: int, device_memory: int, dp: int, ep: int, seq_l
     gathered = max(((ne if S > 1 else 0) + (ex / ep if dp > 1 else 0) for ne, ex in sp["layers"]), default=0)
     tokens = micro_batch * seq_len
     act = activation_bytes(config, micro_batch, seq_len, e, attention)
-    a2a_buf = 2 * 2 * tokens * config.num_experts_per_token * config.expert_dim * e if ep > 1 else 0
+    moe = ep > 1 and _moe_layers(config) > 0
+    a2a_buf = 2 * 2 * tokens * config.num_experts_per_token * config.expert_dim * e if moe else 0
     mem = {"parameters": per(sp["total"]) * F32, "gradients": per(sp["parameters"] - sp["no_grad"]) * F32,
            "optimizer_muon_momentum": per(sp["muon"] + sp["muon_experts"]) * F32,
            "optimizer_adamw_moments": per(sp["adamw"]) * 2 * F32,
