@@ -144,7 +144,10 @@ class NamespaceSandbox(Sandbox):
                 os.close(dfd)
         st.update(pid=p.pid, root_pid=root_pid, paused=False)
         self._save()
-        ans = agent_ping(self._sock(), self.id)
+        try:
+            ans = agent_ping(self._sock(), self.id)
+        except (OSError, SandboxError) as e:
+            raise SandboxError(f"sandbox {self.id}: the exec agent did not start ({e}): {self._log()}") from None
         st["landlock"] = ans.get("landlock", 0)
         self._save()
 
@@ -162,10 +165,16 @@ class NamespaceSandbox(Sandbox):
             if p.poll() is None:
                 self.cg.kill_all()
             p.wait(5)
-            with open(os.path.join(self.dir, "holder.log"), "rb") as f:
-                why = f.read().decode(errors="replace").strip()[-500:]
-            raise SandboxError(f"sandbox {self.id}: the namespace holder did not start (exit {p.poll()}): {why}")
+            raise SandboxError(f"sandbox {self.id}: the namespace holder did not start (exit {p.poll()}): "
+                               f"{self._log()}")
         return int(json.loads(buf[:buf.index(b"}") + 1])["child-pid"])
+
+    def _log(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "holder.log"), "rb") as f:
+                return f.read().decode(errors="replace").strip()[-500:] or "(no output)"
+        except OSError:
+            return "(no log)"
 
     def _sock(self) -> str:
         path = os.path.join(self.dir, "ctl.sock")
