@@ -73,6 +73,16 @@ def test_restore_rolls_back_files(sandbox):
         sandbox.restore("0" * 64)
 
 
+def test_restore_of_a_paused_sandbox_starts_it_running(sandbox):
+    sandbox.write_file("a.txt", "1")
+    snap = sandbox.snapshot()
+    sandbox.exec(COUNTER)
+    sandbox.pause()
+    sandbox.restore(snap)
+    assert not sandbox.describe()["paused"]
+    assert sandbox.exec("cat a.txt; test -e /tmp/count || echo no-counter").text() == "1no-counter\n"
+
+
 def test_snapshot_ids_are_content_addressed(sandbox):
     sandbox.write_file("x", "same")
     a = sandbox.snapshot()
