@@ -38,7 +38,8 @@ import time
 from k3.env.cgroups import Cgroup, CgroupLayout, detect_layout, refuse_unenforceable
 from k3.env.execio import DEFAULT_ENV, agent_exec, agent_ping, normalize_cmd
 from k3.env.fsview import FsView
-from k3.env.sandbox import Backend, ExecResult, FileEntry, Limits, Sandbox, SandboxError, SnapshotInfo
+from k3.env.backends.base import StateSandbox, file_layers
+from k3.env.sandbox import Backend, ExecResult, FileEntry, Limits, Sandbox, SandboxError
 
 __all__ = ["NamespaceBackend", "NamespaceSandbox"]
 
@@ -73,21 +74,15 @@ def _sock_path(path: str) -> tuple[str, int | None]:
     return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
 
 
-class NamespaceSandbox(Sandbox):
+class NamespaceSandbox(StateSandbox):
     backend = "namespace"
 
     def __init__(self, manager, state: dict):
-        super().__init__(state["id"], Limits.from_dict(state["limits"]))
-        self.manager, self.state = manager, state
-        self.dir = manager.sandbox_dir(self.id)
+        super().__init__(manager, state)
         self.cg = Cgroup(state["cgroup"], CgroupLayout.from_dict(state["cgroup_layout"]))
-        self._closed = False
         self._dfd: int | None = None
 
     # the holder -------------------------------------------------------------------------------
-    def _save(self) -> None:
-        self.manager.write_state(self.id, self.state)
-
     def _start(self) -> None:
         st, store = self.state, self.manager.store
         lowers = [st["image"]] + st["layers"]
@@ -219,12 +214,6 @@ class NamespaceSandbox(Sandbox):
         if p is not None:
             p.wait(10)
 
-    def _check(self, running: bool = True) -> None:
-        if self._closed:
-            raise SandboxError(f"sandbox {self.id} is closed")
-        if running and self.state.get("paused"):
-            raise SandboxError(f"sandbox {self.id} is paused; resume() it first")
-
     def _fs(self) -> FsView:
         self._check(running=False)
         pid = self.state["root_pid"]
@@ -275,16 +264,12 @@ class NamespaceSandbox(Sandbox):
         finally:
             if not was_paused:
                 self.cg.set_frozen(False)
-        st = self.state
-        info = self.manager.store.save_snapshot(st["image"], st["layers"] + [layer], st.get("origin"),
-                                                self.backend, added,
-                                                meta={"limits": self.limits.as_dict(), "sandbox": self.id})
-        return info.id
+        return self._record_snapshot(self.state["layers"] + [layer], added)
 
     def restore(self, snapshot_id: str) -> None:
         self._check(running=False)
         snap = self.manager.store.snapshot(snapshot_id)
-        layers, image = NamespaceBackend.layers_of(snap)
+        layers, image = file_layers(snap, self.backend)
         self._stop_holder()
         if self.state.get("paused"):
             self.cg.set_frozen(False)  # a frozen cgroup would freeze the new holder too
@@ -293,10 +278,6 @@ class NamespaceSandbox(Sandbox):
                 shutil.rmtree(os.path.join(self.dir, d))
         self.state.update(image=image, layers=layers, origin=snap.id)
         self._start()
-
-    def fork(self, snapshot_id=None) -> Sandbox:
-        self._check(running=False)
-        return self.manager.fork(snapshot_id or self.snapshot(), limits=self.limits, backend=self.backend)
 
     def close(self) -> None:
         if self._closed:
@@ -309,14 +290,8 @@ class NamespaceSandbox(Sandbox):
         shutil.rmtree(self.dir)
         self._closed = True
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def describe(self) -> dict:
-        return {**super().describe(), "image": self.state["image"], "layers": list(self.state["layers"]),
-                "origin": self.state.get("origin"), "paused": bool(self.state.get("paused")),
-                "landlock": self.state.get("landlock", 0)}
+        return {**super().describe(), "layers": list(self.state["layers"]), "landlock": self.state.get("landlock", 0)}
 
 
 class NamespaceBackend(Backend):
@@ -326,13 +301,6 @@ class NamespaceBackend(Backend):
     def _refuse(limits: Limits) -> None:
         _bwrap()
         refuse_unenforceable(limits, detect_layout(), "namespace backend")
-
-    @staticmethod
-    def layers_of(snap: SnapshotInfo) -> tuple[list[str], str]:
-        if snap.backend not in ("namespace", "local") or not snap.meta.get("image"):
-            raise SandboxError(f"snapshot {snap.id} is a {snap.backend!r} snapshot: the namespace backend "
-                               "can only start from file-layer snapshots (namespace, local)")
-        return list(snap.meta["layers"]), snap.meta["image"]
 
     @classmethod
     def _launch(cls, manager, sid, image, layers, limits, origin) -> NamespaceSandbox:
@@ -359,7 +327,7 @@ class NamespaceBackend(Backend):
 
     @classmethod
     def fork(cls, manager, snapshot, sandbox_id, limits) -> Sandbox:
-        layers, image = cls.layers_of(snapshot)
+        layers, image = file_layers(snapshot, cls.name)
         return cls._launch(manager, sandbox_id, image, layers, limits, snapshot.id)
 
     @classmethod
