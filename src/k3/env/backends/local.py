@@ -183,7 +183,7 @@ class LocalBackend(Backend):
         print(msg, file=sys.stderr)
         state = {"id": sid, "backend": cls.name, "image": image, "layers": [], "origin": origin,
                  "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid),
-                 "cgroup_layout": layout.as_dict() if layout.dirs else None, "created": time.time(),
+                 "cgroup_layout": layout.for_limits(limits).as_dict() if layout.dirs else None, "created": time.time(),
                  "pgids": []}
         sb = LocalSandbox(manager, state)
         fill(sb.fs_root)

@@ -321,7 +321,7 @@ class NamespaceBackend(Backend):
     def _launch(cls, manager, sid, image, layers, limits, origin) -> NamespaceSandbox:
         cls._refuse(limits)
         state = {"id": sid, "backend": cls.name, "image": image, "layers": layers, "origin": origin,
-                 "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid), "cgroup_layout": detect_layout().as_dict(),
+                 "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid), "cgroup_layout": detect_layout().for_limits(limits).as_dict(),
                  "upper_mode": "tmpfs" if limits.disk_bytes or _on_overlayfs(manager.sandbox_dir(sid)) else "host",
                  "created": time.time()}
         sb = NamespaceSandbox(manager, state)
