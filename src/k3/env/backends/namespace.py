@@ -314,6 +314,10 @@ class NamespaceBackend(Backend):
 
     @staticmethod
     def _refuse(limits: Limits) -> None:
+        if os.geteuid() != 0:
+            raise SandboxError("namespace backend: needs root (it mounts the overlay and creates cgroups on the "
+                               f"host); running as uid {os.geteuid()}: run as root, or name backend='local' "
+                               "(no isolation)")
         _bwrap()
         refuse_unenforceable(limits, detect_layout(), "namespace backend")
 
