@@ -40,6 +40,9 @@ def hash_json(obj) -> str:
 class Store:
     def __init__(self, root: str):
         self.root = root
+        # (dev, inode, size, mtime, ctime) -> sha256 of files this process already hashed: any
+        # write changes ctime, so a hit is the same content (git's index makes the same bet)
+        self._digests: dict[tuple, str] = {}
         for d in ("objects", "layers", "snapshots", "tmp"):
             os.makedirs(os.path.join(root, d), exist_ok=True)
 
@@ -50,8 +53,28 @@ class Store:
             raise SandboxError(f"store {self.root}: unknown layer {layer_id}")
         return d
 
+    def _key(self, digest: str, st: os.stat_result) -> tuple[str, str]:
+        key = f"{digest}-{stat.S_IMODE(st.st_mode):o}-{st.st_uid}-{st.st_gid}"
+        return key, os.path.join(self.root, "objects", key[:2], key)
+
     def _add_object(self, src: str, st: os.stat_result) -> tuple[str, str, int]:
-        """Copy ``src`` into the object store once; returns (key, object path, bytes added)."""
+        """Store ``src`` once; returns (key, object path, bytes added). The file is hashed first
+        and copied only when the store lacks it (committing the same workspace again writes
+        nothing, and in the same process reads nothing: digests are remembered by inode stamp);
+        the copy is hashed again, so a file that changed meanwhile is keyed by what
+        was actually stored."""
+        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        digest = self._digests.get(stamp)
+        if digest is None:
+            h = hashlib.sha256()
+            with open(src, "rb") as fin:
+                while chunk := fin.read(1 << 20):
+                    h.update(chunk)
+            digest = h.hexdigest()
+        key, obj = self._key(digest, st)
+        if os.path.exists(obj):
+            self._digests[stamp] = digest
+            return key, obj, 0
         h = hashlib.sha256()
         fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "tmp"))
         try:
@@ -59,16 +82,17 @@ class Store:
                 while chunk := fin.read(1 << 20):
                     h.update(chunk)
                     fout.write(chunk)
-            key = f"{h.hexdigest()}-{stat.S_IMODE(st.st_mode):o}-{st.st_uid}-{st.st_gid}"
-            obj = os.path.join(self.root, "objects", key[:2], key)
+            key, obj = self._key(h.hexdigest(), st)
+            self._digests[stamp] = h.hexdigest()
             if os.path.exists(obj):
                 return key, obj, 0
             os.makedirs(os.path.dirname(obj), exist_ok=True)
             os.chown(tmp, st.st_uid, st.st_gid)
             os.chmod(tmp, stat.S_IMODE(st.st_mode))
+            size = os.path.getsize(tmp)
             os.replace(tmp, obj)
             tmp = ""
-            return key, obj, st.st_size
+            return key, obj, size
         finally:
             if tmp:
                 os.unlink(tmp)
