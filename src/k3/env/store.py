@@ -30,7 +30,7 @@ from k3.env.sandbox import SandboxError, SnapshotInfo
 
 __all__ = ["Store", "hash_json"]
 
-_KEEP_XATTRS = ("trusted.overlay.opaque",)
+_SETTLED_NS = 2_000_000_000
 
 
 def hash_json(obj) -> str:
@@ -40,8 +40,9 @@ def hash_json(obj) -> str:
 class Store:
     def __init__(self, root: str):
         self.root = root
-        # (dev, inode, size, mtime, ctime) -> sha256 of files this process already hashed: any
-        # write changes ctime, so a hit is the same content (git's index makes the same bet)
+        # (dev, inode, size, mtime, ctime) -> sha256 of files this process already hashed. File
+        # times are coarse (a tick of several ms), so only files unchanged for _SETTLED_NS are
+        # remembered: a later write then surely moves ctime (git's "racy" rule)
         self._digests: dict[tuple, str] = {}
         for d in ("objects", "layers", "snapshots", "tmp"):
             os.makedirs(os.path.join(root, d), exist_ok=True)
@@ -52,6 +53,10 @@ class Store:
         if not os.path.isdir(d):
             raise SandboxError(f"store {self.root}: unknown layer {layer_id}")
         return d
+
+    def _remember(self, stamp: tuple, digest: str) -> None:
+        if time.time_ns() - max(stamp[3], stamp[4]) > _SETTLED_NS:
+            self._digests[stamp] = digest
 
     def _key(self, digest: str, st: os.stat_result) -> tuple[str, str]:
         key = f"{digest}-{stat.S_IMODE(st.st_mode):o}-{st.st_uid}-{st.st_gid}"
@@ -73,7 +78,7 @@ class Store:
             digest = h.hexdigest()
         key, obj = self._key(digest, st)
         if os.path.exists(obj):
-            self._digests[stamp] = digest
+            self._remember(stamp, digest)
             return key, obj, 0
         h = hashlib.sha256()
         fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "tmp"))
@@ -83,7 +88,7 @@ class Store:
                     h.update(chunk)
                     fout.write(chunk)
             key, obj = self._key(h.hexdigest(), st)
-            self._digests[stamp] = h.hexdigest()
+            self._remember(stamp, h.hexdigest())
             if os.path.exists(obj):
                 return key, obj, 0
             os.makedirs(os.path.dirname(obj), exist_ok=True)
