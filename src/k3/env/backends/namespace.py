@@ -302,7 +302,8 @@ class NamespaceSandbox(StateSandbox):
         if self._dfd is not None:
             os.close(self._dfd)
             self._dfd = None
-        shutil.rmtree(self.dir)
+        if os.path.isdir(self.dir):  # absent when another handle closed it first
+            shutil.rmtree(self.dir)
         self._closed = True
 
     def describe(self) -> dict:
