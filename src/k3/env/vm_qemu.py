@@ -1,0 +1,254 @@
+"""One QEMU microvm process of the ``vm`` backend: its command line, its QMP socket and the agent
+channel (a virtio console in the guest, a unix socket on the host; protocol in ``k3.env.guest``).
+
+Everything of one VM lives in its run directory (sockets, console log, QEMU's log); the process
+runs in its own session, so :meth:`Qemu.kill` takes every thread and helper (the ``exec:`` shell
+of a migration) with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3.env.sandbox import SandboxError
+from k3.env.vm_image import qemu_binary
+
+# TCG cannot calibrate the TSC against the PIT on microvm (it hangs on a loaded host): give the
+# kernel its clock rates instead of letting it measure them.
+CLOCK_ARGS = "tsc_early_khz=2000000 lpj=4000000 no_timer_check"
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """What a migration stream depends on: a state saved under one config loads only under it."""
+
+    kernel: str
+    initrd: str
+    mem_mb: int
+    smp: int
+    accel: str            # "tcg" | "kvm"
+    append: str
+
+    def argv(self, rundir: Path, incoming: Path | None = None) -> list[str]:
+        accel = "kvm" if self.accel == "kvm" else "tcg,tb-size=64"
+        cpu = "host" if self.accel == "kvm" else "qemu64"
+        argv = [qemu_binary(), "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", accel, "-cpu", cpu,
+                "-smp", str(self.smp), "-m", f"{self.mem_mb}M", "-nodefaults", "-no-user-config",
+                "-display", "none", "-monitor", "none", "-no-reboot",
+                "-serial", f"file:{rundir / 'console.log'}",
+                "-kernel", self.kernel, "-initrd", self.initrd, "-append", self.append,
+                "-device", "virtio-serial-device",
+                "-chardev", f"socket,id=agent,path={rundir / 'agent.sock'},server=on,wait=off",
+                "-device", "virtconsole,chardev=agent",
+                "-qmp", f"unix:{rundir / 'qmp.sock'},server=on,wait=off"]
+        if incoming is not None:
+            argv += ["-incoming", f"exec:cat {shlex.quote(str(incoming))}"]
+        return argv
+
+
+def _connect(path: Path, deadline: float, proc: subprocess.Popen, what: str) -> socket.socket:
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(str(path))
+            return s
+        except OSError:
+            s.close()
+            if proc.poll() is not None:
+                raise SandboxError(f"vm: QEMU exited ({proc.returncode}) before its {what} socket opened")
+            if time.monotonic() > deadline:
+                raise SandboxError(f"vm: QEMU's {what} socket {path} did not open in time")
+            time.sleep(0.02)
+
+
+class QMP:
+    """A minimal QMP client: one command at a time, events skipped."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf = sock, b""
+        self.sock.settimeout(60.0)
+        self._read()  # greeting
+        self.cmd("qmp_capabilities")
+
+    def _read(self) -> dict:
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise SandboxError("vm: QMP connection closed by QEMU")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def cmd(self, name: str, **args):
+        self.sock.sendall(json.dumps({"execute": name, "arguments": args}).encode() + b"\n")
+        while True:
+            msg = self._read()
+            if "return" in msg:
+                return msg["return"]
+            if "error" in msg:
+                raise SandboxError(f"vm: QMP {name} failed: {msg['error'].get('desc')}")
+
+
+class Channel:
+    """The host end of the agent's virtio console."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf = sock, b""
+
+    def _tag(self) -> str:
+        return secrets.token_hex(6)
+
+    def _fill(self, deadline: float | None) -> None:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError
+        self.sock.settimeout(left)
+        chunk = self.sock.recv(1 << 20)
+        if not chunk:
+            raise SandboxError("vm: agent channel closed by QEMU")
+        self.buf += chunk
+
+    def ping(self, deadline: float, alive) -> None:
+        """Until the agent answers: send a ping every 0.5 s (before the agent runs, the guest's
+        tty echoes them back; the tags keep that noise apart from the answer)."""
+        tags: list[bytes] = []
+        while True:
+            tag = self._tag().encode()
+            self.sock.settimeout(0)
+            try:  # QEMU reads the socket only once the guest has opened its console
+                if self.sock.send(b"\nK3 " + tag + b" ping\n") == 0:
+                    raise SandboxError("vm: agent channel closed by QEMU")
+                tags.append(tag)
+            except BlockingIOError:
+                pass
+            step = min(deadline, time.monotonic() + 0.5)
+            try:
+                while True:
+                    self._fill(step)
+                    if any(b"K3R " + t + b" pong" in self.buf for t in tags):
+                        self.buf = b""
+                        return
+            except TimeoutError:
+                pass
+            if not alive():
+                raise SandboxError("vm: QEMU exited while the guest was booting")
+            if time.monotonic() >= deadline:
+                raise SandboxError("vm: the guest agent did not answer before the boot deadline")
+
+    def run(self, script: bytes, stdin: bytes, timeout: float | None, cap: int,
+            deadline: float | None) -> tuple[list[int], bytes, bytes]:
+        """One request; returns ([rc, timed_out, oom_kills, out_size, err_size], out, err)."""
+        tag = self._tag().encode()
+        sb, ib = base64.b64encode(script), base64.b64encode(stdin)
+        t = "0" if timeout is None else f"{max(timeout, 0.001):.3f}"
+        self.buf = b""
+        self.sock.sendall(b"K3 %s run %s %d %d %d\n" % (tag, t.encode(), cap, len(sb), len(ib)) + sb + ib)
+        key = b"K3R " + tag + b" "
+        try:
+            while (i := self.buf.find(key)) < 0 or b"\n" not in self.buf[i:]:
+                self._fill(deadline)
+            head, rest = self.buf[i:].split(b"\n", 1)
+            nums = [int(v) for v in head.split()[2:]]
+            n_out, n_err = nums[5], nums[6]
+            self.buf = rest
+            while len(self.buf) < n_out + n_err:
+                self._fill(deadline)
+        except TimeoutError:
+            raise SandboxError("vm: the guest agent did not answer in time") from None
+        out, err = self.buf[:n_out], self.buf[n_out:n_out + n_err]
+        self.buf = self.buf[n_out + n_err:]
+        return nums[:5], out, err
+
+
+class Qemu:
+    """A running QEMU: ``start`` boots (or loads ``incoming``) and waits for the agent."""
+
+    def __init__(self, config: MachineConfig, rundir: Path):
+        self.config, self.rundir = config, rundir
+        self.proc: subprocess.Popen | None = None
+        self.qmp: QMP | None = None
+        self.chan: Channel | None = None
+
+    def start(self, boot_timeout: float, incoming: Path | None = None) -> float:
+        """Start QEMU and wait until the agent answers; returns the seconds that took."""
+        t0 = time.monotonic()
+        self.rundir.mkdir(parents=True, exist_ok=True)
+        for name in ("agent.sock", "qmp.sock"):
+            (self.rundir / name).unlink(missing_ok=True)
+        log = open(self.rundir / "qemu.log", "ab")
+        try:
+            self.proc = subprocess.Popen(self.config.argv(self.rundir, incoming), stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log, start_new_session=True)
+        finally:
+            log.close()
+        deadline = t0 + boot_timeout
+        try:
+            self.qmp = QMP(_connect(self.rundir / "qmp.sock", deadline, self.proc, "QMP"))
+            self.qmp.cmd("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
+            if incoming is not None:
+                self._await_incoming(deadline)
+            self.chan = Channel(_connect(self.rundir / "agent.sock", deadline, self.proc, "agent"))
+            self.chan.ping(deadline, lambda: self.proc.poll() is None)
+        except (SandboxError, OSError) as e:
+            tail = self.log_tail()
+            self.kill()
+            raise SandboxError(f"{e}; QEMU log: {tail}") from None
+        return time.monotonic() - t0
+
+    def _await_incoming(self, deadline: float) -> None:
+        """Wait for the state to load, then start it: the stream carries the source's run state,
+        which was "paused" (a snapshot stops the VM), so the loaded VM waits for ``cont``."""
+        while (st := self.qmp.cmd("query-status")["status"]) == "inmigrate":
+            if time.monotonic() > deadline:
+                raise SandboxError("vm: loading the snapshot did not finish before the deadline")
+            time.sleep(0.01)
+        if st == "paused":
+            self.qmp.cmd("cont")
+        elif st != "running":
+            raise SandboxError(f"vm: after loading the snapshot the VM is {st!r}")
+
+    def log_tail(self, n: int = 400) -> str:
+        parts = []
+        for name in ("qemu.log", "console.log"):
+            try:
+                parts.append(name + ": " + (self.rundir / name).read_text(errors="replace")[-n:].strip())
+            except OSError:
+                pass
+        return " | ".join(parts) or "(none)"
+
+    def save(self, path: Path) -> None:
+        """Write the whole machine (CPU, devices, RAM) to ``path``; the VM must be stopped."""
+        self.qmp.cmd("migrate", uri=f"exec:cat > {shlex.quote(str(path))}")
+        while True:
+            st = self.qmp.cmd("query-migrate").get("status")
+            if st == "completed":
+                return
+            if st in ("failed", "cancelled", None):
+                raise SandboxError(f"vm: migration to {path} ended {st}")
+            time.sleep(0.01)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        for s in (self.qmp and self.qmp.sock, self.chan and self.chan.sock):
+            if s is not None:
+                s.close()
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc is not None:
+            self.proc.wait()
+        self.qmp = self.chan = None
