@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo test install chromium vm-deps bench clean
+.PHONY: demo test install chromium sandbox-deps vm-deps bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ chromium:
 	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
 
+# The namespace sandbox backend (k3.env) runs on Debian's bubblewrap; install it when missing.
+sandbox-deps:
+	command -v bwrap >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q bubblewrap; }
+
 # The vm sandbox backend (k3.env.backends.vm) needs QEMU and a guest: a Debian kernel and busybox,
 # fetched with apt-get download into ~/.cache/k3/vm (K3_VM_CACHE); nothing downloads at test time.
 vm-deps: $(STAMP)
@@ -34,7 +39,7 @@ vm-deps: $(STAMP)
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q qemu-system-x86; }
 	$(BIN)/python -m k3.env.vm_image install
 
-test: $(STAMP) chromium vm-deps
+test: $(STAMP) chromium sandbox-deps vm-deps
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)
