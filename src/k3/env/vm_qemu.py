@@ -9,6 +9,7 @@ of a migration) with it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -40,35 +41,50 @@ class MachineConfig:
     append: str
 
     def argv(self, rundir: Path, incoming: Path | None = None) -> list[str]:
+        """QEMU's command line; it runs in ``rundir`` (socket paths are relative to it, so a deep
+        run directory cannot overflow the 107-byte unix socket limit)."""
         accel = "kvm" if self.accel == "kvm" else "tcg,tb-size=64"
         cpu = "host" if self.accel == "kvm" else "qemu64"
         argv = [qemu_binary(), "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", accel, "-cpu", cpu,
                 "-smp", str(self.smp), "-m", f"{self.mem_mb}M", "-nodefaults", "-no-user-config",
                 "-display", "none", "-monitor", "none", "-no-reboot",
-                "-serial", f"file:{rundir / 'console.log'}",
+                "-serial", "file:console.log",
                 "-kernel", self.kernel, "-initrd", self.initrd, "-append", self.append,
                 "-device", "virtio-serial-device",
-                "-chardev", f"socket,id=agent,path={rundir / 'agent.sock'},server=on,wait=off",
+                "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
                 "-device", "virtconsole,chardev=agent",
-                "-qmp", f"unix:{rundir / 'qmp.sock'},server=on,wait=off"]
+                "-qmp", "unix:qmp.sock,server=on,wait=off",
+                "-name", f"k3-vm,process=k3-vm:{rundir}"]
         if incoming is not None:
             argv += ["-incoming", f"exec:cat {shlex.quote(str(incoming))}"]
         return argv
 
 
-def _connect(path: Path, deadline: float, proc: subprocess.Popen, what: str) -> socket.socket:
+def _addr(path: Path) -> tuple[str, int | None]:
+    """A unix socket address for ``path`` within the 107-byte limit (via /proc/self/fd)."""
+    if len(str(path).encode()) < 100:
+        return str(path), None
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{fd}/{path.name}", fd
+
+
+def _connect(path: Path, deadline: float, alive, what: str) -> socket.socket:
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        addr, fd = _addr(path)
         try:
-            s.connect(str(path))
+            s.connect(addr)
             return s
         except OSError:
             s.close()
-            if proc.poll() is not None:
-                raise SandboxError(f"vm: QEMU exited ({proc.returncode}) before its {what} socket opened")
+            if not alive():
+                raise SandboxError(f"vm: QEMU is not running (its {what} socket {path} is gone)")
             if time.monotonic() > deadline:
                 raise SandboxError(f"vm: QEMU's {what} socket {path} did not open in time")
             time.sleep(0.02)
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
 class QMP:
@@ -170,50 +186,68 @@ class Channel:
         return nums[:5], out, err
 
 
-class Qemu:
-    """A running QEMU: ``start`` boots (or loads ``incoming``) and waits for the agent."""
+_CHILDREN: dict[int, subprocess.Popen] = {}   # QEMUs this process started (reaped on kill)
 
-    def __init__(self, config: MachineConfig, rundir: Path):
-        self.config, self.rundir = config, rundir
-        self.proc: subprocess.Popen | None = None
-        self.qmp: QMP | None = None
-        self.chan: Channel | None = None
+
+class Qemu:
+    """One QEMU process, started here (``start``) or found again from its pid (``Qemu(cfg, dir,
+    pid)``, another process's VM). QMP and the agent are connected per operation: QEMU serves one
+    client per socket, and any process may be the one asking."""
+
+    def __init__(self, config: MachineConfig, rundir: Path, pid: int | None = None):
+        self.config, self.rundir, self.pid = config, Path(rundir), pid
 
     def start(self, boot_timeout: float, incoming: Path | None = None) -> float:
-        """Start QEMU and wait until the agent answers; returns the seconds that took."""
+        """Start QEMU (booting, or loading ``incoming``) and wait until the agent answers;
+        returns the seconds that took."""
         t0 = time.monotonic()
         self.rundir.mkdir(parents=True, exist_ok=True)
         for name in ("agent.sock", "qmp.sock"):
             (self.rundir / name).unlink(missing_ok=True)
-        log = open(self.rundir / "qemu.log", "ab")
-        try:
-            self.proc = subprocess.Popen(self.config.argv(self.rundir, incoming), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log, start_new_session=True)
-        finally:
-            log.close()
+        with open(self.rundir / "qemu.log", "ab") as log:
+            proc = subprocess.Popen(self.config.argv(self.rundir, incoming), cwd=self.rundir,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        _CHILDREN[proc.pid] = proc
+        self.pid = proc.pid
         deadline = t0 + boot_timeout
         try:
-            self.qmp = QMP(_connect(self.rundir / "qmp.sock", deadline, self.proc, "QMP"))
-            self.qmp.cmd("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
-            if incoming is not None:
-                self._await_incoming(deadline)
-            self.chan = Channel(_connect(self.rundir / "agent.sock", deadline, self.proc, "agent"))
-            self.chan.ping(deadline, lambda: self.proc.poll() is None)
+            with self.qmp(deadline) as q:
+                q.cmd("migrate-set-parameters", **{"max-bandwidth": 1 << 40})
+                if incoming is not None:
+                    self._await_incoming(q, deadline)
+            with self.agent(deadline) as ch:
+                ch.ping(deadline, self.alive)
         except (SandboxError, OSError) as e:
             tail = self.log_tail()
             self.kill()
             raise SandboxError(f"{e}; QEMU log: {tail}") from None
         return time.monotonic() - t0
 
-    def _await_incoming(self, deadline: float) -> None:
+    @contextlib.contextmanager
+    def qmp(self, deadline: float | None = None):
+        sock = _connect(self.rundir / "qmp.sock", deadline or time.monotonic() + 30, self.alive, "QMP")
+        try:
+            yield QMP(sock)
+        finally:
+            sock.close()
+
+    @contextlib.contextmanager
+    def agent(self, deadline: float | None = None):
+        sock = _connect(self.rundir / "agent.sock", deadline or time.monotonic() + 30, self.alive, "agent")
+        try:
+            yield Channel(sock)
+        finally:
+            sock.close()
+
+    def _await_incoming(self, q: "QMP", deadline: float) -> None:
         """Wait for the state to load, then start it: the stream carries the source's run state,
         which was "paused" (a snapshot stops the VM), so the loaded VM waits for ``cont``."""
-        while (st := self.qmp.cmd("query-status")["status"]) == "inmigrate":
+        while (st := q.cmd("query-status")["status"]) == "inmigrate":
             if time.monotonic() > deadline:
                 raise SandboxError("vm: loading the snapshot did not finish before the deadline")
             time.sleep(0.01)
         if st == "paused":
-            self.qmp.cmd("cont")
+            q.cmd("cont")
         elif st != "running":
             raise SandboxError(f"vm: after loading the snapshot the VM is {st!r}")
 
@@ -226,11 +260,11 @@ class Qemu:
                 pass
         return " | ".join(parts) or "(none)"
 
-    def save(self, path: Path) -> None:
+    def save(self, q: "QMP", path: Path) -> None:
         """Write the whole machine (CPU, devices, RAM) to ``path``; the VM must be stopped."""
-        self.qmp.cmd("migrate", uri=f"exec:cat > {shlex.quote(str(path))}")
+        q.cmd("migrate", uri=f"exec:cat > {shlex.quote(str(path))}")
         while True:
-            st = self.qmp.cmd("query-migrate").get("status")
+            st = q.cmd("query-migrate").get("status")
             if st == "completed":
                 return
             if st in ("failed", "cancelled", None):
@@ -238,17 +272,35 @@ class Qemu:
             time.sleep(0.01)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """Our QEMU still runs: the pid exists, is not a zombie, and its command line names our
+        run directory (a reused pid is not mistaken for it)."""
+        if self.pid is None:
+            return False
+        p = _CHILDREN.get(self.pid)
+        if p is not None and p.poll() is not None:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{self.pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            return False
+        return not zombie and f"process=k3-vm:{self.rundir}".encode() in cmd
 
     def kill(self) -> None:
-        for s in (self.qmp and self.qmp.sock, self.chan and self.chan.sock):
-            if s is not None:
-                s.close()
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGKILL QEMU's whole session and wait until it is gone (reaped if it is our child)."""
+        if self.pid is None:
+            return
+        if self.alive():
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if self.proc is not None:
-            self.proc.wait()
-        self.qmp = self.chan = None
+        p = _CHILDREN.pop(self.pid, None)
+        if p is not None:
+            p.wait()
+        else:
+            end = time.monotonic() + 10
+            while self.alive() and time.monotonic() < end:
+                time.sleep(0.01)

@@ -19,18 +19,21 @@ kernel); otherwise TCG. ``K3_VM_ACCEL=tcg|kvm`` forces one.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
 import platform
 import shutil
 import subprocess
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 from k3.env import vm_files
-from k3.env.sandbox import ExecResult, FileEntry, Limits, Sandbox, SandboxError, SnapshotInfo
+from k3.env.images import default_image
+from k3.env.sandbox import Backend, ExecResult, FileEntry, Limits, Sandbox, SandboxError, SnapshotInfo
 from k3.env.vm_image import build_initramfs, cache_dir, qemu_binary
 from k3.env.vm_qemu import CLOCK_ARGS, MachineConfig, Qemu
 
@@ -104,103 +107,31 @@ def choose_accel() -> str:
     return accel
 
 
-class SnapshotStore:
-    """Content-addressed VM states: ``<root>/<id>.state`` (the migration stream) and
-    ``<root>/<id>.json`` (a ``SnapshotInfo`` plus the ``MachineConfig`` it loads under)."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def put(self, tmp: Path, config: MachineConfig, limits: Limits, parent: str | None) -> SnapshotInfo:
-        h = hashlib.sha256()
-        with open(tmp, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-        sid = h.hexdigest()
-        size = tmp.stat().st_size
-        dest = self.root / f"{sid}.state"
-        if dest.exists():
-            tmp.unlink()
-            added = 0
-        else:
-            os.replace(tmp, dest)
-            added = size
-        info = SnapshotInfo(sid, "vm", parent, time.time(), added,
-                            {"config": config.__dict__, "limits": limits.as_dict(), "state_bytes": size})
-        meta = self.root / f"{sid}.json"
-        meta.write_text(json.dumps(info.__dict__))
-        return info
-
-    def get(self, sid: str) -> tuple[SnapshotInfo, Path]:
-        if not isinstance(sid, str) or len(sid) != 64 or any(c not in "0123456789abcdef" for c in sid):
-            raise SandboxError(f"vm: unknown snapshot id {sid!r} (not a sha256 id)")
-        meta, state = self.root / f"{sid}.json", self.root / f"{sid}.state"
-        if not (meta.is_file() and state.is_file()):
-            raise SandboxError(f"vm: unknown snapshot id {sid} (not in {self.root})")
-        return SnapshotInfo(**json.loads(meta.read_text())), state
-
-    def list(self) -> list[SnapshotInfo]:
-        return sorted((self.get(p.stem)[0] for p in self.root.glob("*.json")), key=lambda i: i.created)
-
-    def remove(self, sid: str) -> None:
-        self.get(sid)
-        for ext in (".state", ".json"):
-            (self.root / f"{sid}{ext}").unlink(missing_ok=True)
-
-
-def default_store() -> Path:
-    return Path(os.environ.get("K3_VM_STORE", cache_dir() / "snapshots"))
-
-
 class VMSandbox(Sandbox):
-    """One QEMU microvm (see the module docstring). ``boot_seconds`` is how long it took to
-    reach the agent (a boot, or a load from a snapshot)."""
+    """One QEMU microvm (see the module docstring). Its state (``manager.write_state``) names the
+    QEMU pid, the run directory of the current QEMU and the machine config, so any process can
+    attach to it; ``boot_seconds`` is how long this object waited for the agent (boot or load)."""
 
     backend = "vm"
 
-    def __init__(self, sandbox_id: str | None = None, limits: Limits | None = None,
-                 store: Path | str | None = None, *, _from: str | None = None):
-        limits = limits or Limits()
-        super().__init__(sandbox_id or "vm-" + os.urandom(6).hex(), limits)
-        self.store = SnapshotStore(Path(store) if store is not None else default_store())
-        self._rundir = Path(tempfile.mkdtemp(prefix=f"k3-{self.id}-"))
-        self._closed, self._paused = False, False
-        self.parent: str | None = None
-        try:
-            if _from is None:
-                self.config = machine_config(limits)
-                self._qemu = Qemu(self.config, self._rundir / "0")
-                self.boot_seconds = self._qemu.start(BOOT_TIMEOUT)
-            else:
-                self._qemu = None
-                self.boot_seconds = self._load(_from)
-        except BaseException:
-            self._closed = True
-            shutil.rmtree(self._rundir, ignore_errors=True)
-            raise
+    def __init__(self, manager, state: dict):
+        super().__init__(state["id"], Limits.from_dict(state["limits"]))
+        self.manager, self.state = manager, state
+        self.dir = Path(manager.sandbox_dir(self.id))
+        self.config = MachineConfig(**state["config"])
+        self._qemu = Qemu(self.config, self.dir / f"qemu-{state['run']}", state.get("pid"))
+        self._closed = False
+        self.boot_seconds = 0.0
 
-    @classmethod
-    def from_snapshot(cls, snapshot_id: str, store: Path | str | None = None,
-                      sandbox_id: str | None = None) -> "VMSandbox":
-        """A new sandbox whose machine continues from ``snapshot_id`` (processes included)."""
-        st = SnapshotStore(Path(store) if store is not None else default_store())
-        info, _ = st.get(snapshot_id)
-        return cls(sandbox_id, Limits(**info.meta["limits"]), st.root, _from=snapshot_id)
+    def _save(self) -> None:
+        self.state["pid"] = self._qemu.pid
+        self.manager.write_state(self.id, self.state)
 
-    def _load(self, snapshot_id: str) -> float:
-        info, state = self.store.get(snapshot_id)
-        config = MachineConfig(**info.meta["config"])
-        for part in (config.kernel, config.initrd):
-            if not Path(part).is_file():
-                raise SandboxError(f"vm: snapshot {snapshot_id} needs {part}, which is gone; run `make vm-deps`")
-        if self._qemu is not None:
-            self._qemu.kill()
-        n = len(list(self._rundir.iterdir()))
-        self.config = config
-        self._qemu = Qemu(config, self._rundir / str(n))
-        self._paused, self.parent = False, snapshot_id
-        return self._qemu.start(BOOT_TIMEOUT, incoming=state)
+    def _launch(self, incoming: Path | None = None) -> None:
+        self._qemu = Qemu(self.config, self.dir / f"qemu-{self.state['run']}")
+        self.boot_seconds = self._qemu.start(BOOT_TIMEOUT, incoming)
+        self.state["paused"] = False
+        self._save()
 
     # ---- state checks
     @property
@@ -211,39 +142,45 @@ class VMSandbox(Sandbox):
         if self._closed:
             raise SandboxError(f"vm sandbox {self.id}: {what} after close()")
         if not self._qemu.alive():
-            raise SandboxError(f"vm sandbox {self.id}: QEMU is gone ({self._qemu.log_tail()})")
+            raise SandboxError(f"vm sandbox {self.id}: {what}: QEMU is gone ({self._qemu.log_tail()})")
         return self._qemu
 
     def _running(self, what: str) -> Qemu:
         q = self._live(what)
-        if self._paused:
-            raise SandboxError(f"vm sandbox {self.id}: {what} while paused (resume() first)")
+        if self.state.get("paused"):
+            raise SandboxError(f"vm sandbox {self.id}: {what} while paused; resume() it first")
         return q
 
     # ---- processes and files
     def exec(self, cmd, timeout: float | None = 60.0, stdin: bytes | None = None,
              env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
         q = self._running("exec")
-        script = vm_files.exec_script(cmd, env, cwd or self.workdir)
+        if timeout is not None and timeout <= 0:
+            raise SandboxError(f"vm sandbox {self.id}: exec timeout must be positive, got {timeout}")
+        wd = vm_files.guest_path(cwd, self.workdir) if cwd else self.workdir
+        script = vm_files.exec_script(cmd, env, wd)
         return self._run(q, script, stdin or b"", timeout, self.limits.output_bytes)
 
     def _run(self, q: Qemu, script: bytes, stdin: bytes, timeout: float | None, cap: int) -> ExecResult:
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout + AGENT_GRACE
-        (rc, to, oom, osz, esz), out, err = q.chan.run(script, stdin, timeout, cap, deadline)
+        with q.agent() as ch:
+            (rc, to, oom, osz, esz), out, err = ch.run(script, stdin, timeout, cap, deadline)
         return ExecResult(None if to else rc, out, err, time.monotonic() - t0, timed_out=bool(to),
                           truncated=osz > len(out) or esz > len(err), oom_killed=oom > 0)
 
     def _op(self, what: str, script: bytes, stdin: bytes = b"", cap: int = 1 << 20) -> ExecResult:
-        q = self._running(what)
-        r = self._run(q, script, stdin, 120.0, cap)
+        r = self._run(self._running(what), script, stdin, 300.0, cap)
         if r.exit_code != 0:
             raise SandboxError(f"vm sandbox {self.id}: {what}: {r.stderr.decode(errors='replace').strip()}")
         return r
 
     def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         cap = (1 << 62) if max_bytes is None else max_bytes
-        return self._op(f"read_file {path!r}", vm_files.read_script(path, self.workdir), cap=cap).stdout
+        r = self._op(f"read_file {path!r}", vm_files.read_script(path, self.workdir), cap=cap)
+        if r.truncated:
+            raise SandboxError(f"vm sandbox {self.id}: read_file {path!r}: larger than max_bytes={max_bytes}")
+        return r.stdout
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         data = data.encode() if isinstance(data, str) else bytes(data)
@@ -253,63 +190,147 @@ class VMSandbox(Sandbox):
         r = self._op(f"list {path!r}", vm_files.list_script(path, self.workdir, recursive), cap=1 << 26)
         return vm_files.parse_list(r.stdout)
 
+    def _put_tree(self, src: str) -> None:
+        """Copy a host directory's files into ``/workspace`` (a tar stream through the agent)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name in sorted(os.listdir(src)):
+                tar.add(os.path.join(src, name), arcname=name)
+        self._op(f"workspace {src!r}", f"tar -x -C {self.workdir}\n".encode(), buf.getvalue())
+
     # ---- lifecycle
+    def _set_paused(self, paused: bool) -> None:
+        q = self._live("resume" if not paused else "pause")
+        if bool(self.state.get("paused")) != paused:
+            with q.qmp() as m:
+                m.cmd("stop" if paused else "cont")
+            self.state["paused"] = paused
+            self._save()
+
     def pause(self) -> None:
-        q = self._live("pause")
-        if not self._paused:
-            q.qmp.cmd("stop")
-            self._paused = True
+        self._set_paused(True)
 
     def resume(self) -> None:
-        q = self._live("resume")
-        if self._paused:
-            q.qmp.cmd("cont")
-            self._paused = False
+        self._set_paused(False)
 
     def snapshot(self) -> str:
         return self.snapshot_info().id
 
     def snapshot_info(self) -> SnapshotInfo:
-        """Like ``snapshot()`` with the stored record (``meta['state_bytes']``: stream size)."""
+        """``snapshot()`` with its record; ``meta['state_bytes']`` is the migration stream's size,
+        ``meta['save_seconds']`` the time the VM stood still for it."""
         q = self._live("snapshot")
-        was_paused = self._paused
-        tmp = self.store.root / f".tmp-{self.id}-{os.urandom(4).hex()}.state"
-        if not was_paused:
-            q.qmp.cmd("stop")
+        store = self.manager.store
+        fd, tmp = tempfile.mkstemp(dir=os.path.join(store.root, "tmp"), prefix="vm-", suffix=".state")
+        os.close(fd)
+        was_paused = bool(self.state.get("paused"))
+        t0 = time.monotonic()
         try:
-            q.save(tmp)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            with q.qmp() as m:
+                if not was_paused:
+                    m.cmd("stop")
+                try:
+                    q.save(m, Path(tmp))
+                finally:
+                    if not was_paused:
+                        m.cmd("cont")
+            stood = time.monotonic() - t0
+            key, added = store.add_blob(tmp)
+            size = os.path.getsize(tmp)
         finally:
-            if not was_paused:
-                q.qmp.cmd("cont")
-        info = self.store.put(tmp, self.config, self.limits, self.parent)
-        self.parent = info.id
+            os.unlink(tmp)
+        info = store.save_snapshot(self.state["image"], [], self.state.get("origin"), self.backend, added,
+                                   content={"state": key},
+                                   meta={"limits": self.limits.as_dict(), "config": self.state["config"],
+                                         "sandbox": self.id, "state_bytes": size, "save_seconds": stood})
         return info
 
     def restore(self, snapshot_id: str) -> None:
         self._live("restore")
-        info, _ = self.store.get(snapshot_id)
-        if MachineConfig(**info.meta["config"]) != self.config:
-            raise SandboxError(f"vm sandbox {self.id}: snapshot {snapshot_id} was taken of a machine with "
-                               "other limits or guest parts; fork() it instead")
-        self._load(snapshot_id)
+        snap = self.manager.store.snapshot(snapshot_id)
+        state = VMBackend.state_file(self.manager, snap)
+        if snap.meta["config"] != self.state["config"]:
+            raise SandboxError(f"vm sandbox {self.id}: snapshot {snapshot_id} is of a machine with other "
+                               "limits or guest parts; fork() it instead")
+        self._qemu.kill()
+        shutil.rmtree(self._qemu.rundir, ignore_errors=True)
+        self.state.update(run=self.state["run"] + 1, origin=snap.id)
+        self._launch(state)
 
-    def fork(self, snapshot_id: str | None = None) -> "VMSandbox":
+    def fork(self, snapshot_id: str | None = None) -> Sandbox:
         self._live("fork")
-        sid = snapshot_id or self.snapshot()
-        return VMSandbox.from_snapshot(sid, self.store.root)
+        return self.manager.fork(snapshot_id or self.snapshot(), backend=self.backend)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._qemu is not None:
-            self._qemu.kill()
-        shutil.rmtree(self._rundir, ignore_errors=True)
+        self._qemu.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def describe(self) -> dict:
-        d = super().describe()
-        d.update(accel=self.config.accel, mem_mb=self.config.mem_mb, paused=self._paused, parent=self.parent)
-        return d
+        return {**super().describe(), "accel": self.config.accel, "mem_mb": self.config.mem_mb,
+                "paused": bool(self.state.get("paused")), "origin": self.state.get("origin")}
+
+
+class VMBackend(Backend):
+    """The manager's entry points for ``backend="vm"`` (protocol in ``k3.env.sandbox``)."""
+
+    name = "vm"
+
+    @staticmethod
+    def state_file(manager, snap: SnapshotInfo) -> Path:
+        if snap.backend != "vm" or "state" not in snap.meta.get("content", {}):
+            raise SandboxError(f"snapshot {snap.id} is a {snap.backend!r} snapshot: the vm backend starts "
+                               "only from vm snapshots (a memory image)")
+        cfg = snap.meta["config"]
+        for part in (cfg["kernel"], cfg["initrd"]):
+            if not os.path.isfile(part):
+                raise SandboxError(f"vm snapshot {snap.id} needs {part}, which is gone; run `make vm-deps`")
+        return Path(manager.store.blob_path(snap.meta["content"]["state"]))
+
+    @classmethod
+    def _new(cls, manager, sid, image, limits, config, origin) -> VMSandbox:
+        state = {"id": sid, "backend": cls.name, "image": image, "limits": limits.as_dict(),
+                 "config": config.__dict__, "run": 0, "origin": origin, "created": time.time(), "layers": []}
+        return VMSandbox(manager, state)
+
+    @classmethod
+    def create(cls, manager, sandbox_id, image, limits, workspace) -> Sandbox:
+        if image != default_image(manager.store):
+            raise SandboxError(f"vm backend: image {image}: the vm runs its own busybox guest "
+                               "(k3.env.vm_image); only image='default' is accepted")
+        sb = cls._new(manager, sandbox_id, image, limits, machine_config(limits), None)
+        try:
+            sb._launch()
+            if workspace:
+                sb._put_tree(workspace)
+        except BaseException:
+            sb.close()
+            raise
+        return sb
+
+    @classmethod
+    def fork(cls, manager, snapshot, sandbox_id, limits) -> Sandbox:
+        state = cls.state_file(manager, snapshot)
+        if limits.as_dict() != snapshot.meta["limits"]:
+            raise SandboxError(f"vm backend: a fork keeps the snapshot's machine; limits {limits} differ from "
+                               f"the snapshot's {snapshot.meta['limits']}")
+        sb = cls._new(manager, sandbox_id, snapshot.meta["image"], limits,
+                      MachineConfig(**snapshot.meta["config"]), snapshot.id)
+        try:
+            sb._launch(state)
+        except BaseException:
+            sb.close()
+            raise
+        return sb
+
+    @classmethod
+    def attach(cls, manager, state) -> Sandbox:
+        return VMSandbox(manager, state)
+
+    @staticmethod
+    def alive(manager, state) -> bool:
+        q = Qemu(MachineConfig(**state["config"]), Path(manager.sandbox_dir(state["id"])) / f"qemu-{state['run']}",
+                 state.get("pid"))
+        return q.alive()
