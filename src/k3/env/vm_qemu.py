@@ -272,13 +272,13 @@ class Qemu:
             time.sleep(0.01)
 
     def alive(self) -> bool:
-        """Our QEMU still runs: the pid exists, is not a zombie, and its command line names our
-        run directory (a reused pid is not mistaken for it)."""
+        """Our QEMU still runs: our child that has not exited, or (another process's QEMU) a
+        live pid whose command line names our run directory (a reused pid is not mistaken)."""
         if self.pid is None:
             return False
         p = _CHILDREN.get(self.pid)
-        if p is not None and p.poll() is not None:
-            return False
+        if p is not None:  # our child: its cmdline may still be python's until it has exec'd
+            return p.poll() is None
         try:
             with open(f"/proc/{self.pid}/cmdline", "rb") as f:
                 cmd = f.read()
