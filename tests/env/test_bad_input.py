@@ -47,10 +47,16 @@ def test_limits_the_machine_cannot_enforce_are_named_and_refused():
         refuse_unenforceable(Limits(cpus=1.0), bare, "here")
 
 
-def test_disk_limit_is_refused_by_the_namespace_backend(manager):
-    with pytest.raises(SandboxError, match=r"limits\.disk_bytes"):
-        manager.create(limits=Limits(disk_bytes=10 << 20))
-    assert manager.list() == []
+def test_disk_limit_caps_the_writable_layer(manager):
+    with manager.create(limits=Limits(disk_bytes=2 << 20)) as sb:
+        assert sb.exec("head -c 1000000 /dev/urandom > ok.bin").ok                 # control: fits
+        r = sb.exec("head -c 4000000 /dev/zero > big.bin")
+        assert r.exit_code != 0 and b"No space left" in r.stderr
+        sb.exec("rm big.bin")
+        snap = sb.snapshot()                                                    # a tmpfs upper snapshots too
+        data = sb.read_file("ok.bin")
+    with manager.fork(snap) as f:
+        assert f.read_file("ok.bin") == data and f.exec("test -e big.bin").exit_code == 1
 
 
 def test_timeout_kills_the_whole_process_group(sandbox):

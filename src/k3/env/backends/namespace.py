@@ -9,7 +9,10 @@ One sandbox = one long-lived process tree, all in the cgroup ``k3-<tag>-<id>``::
 
 The overlay: lowers = the snapshot layers (newest first) over the workspace layer over the base
 image, all read-only in the manager's store; upper = ``sandboxes/<id>/upper`` (the only place a
-sandbox can write). The overlay mount exists only in the holder's private mount namespace, so
+sandbox can write), or, when ``limits.disk_bytes`` is set or the host directory cannot hold an
+overlay upper layer (it is itself on overlayfs, as in many containers), ``upperfs/upper`` on a
+tmpfs of that size mounted in the holder's mount namespace (its pages count against the
+sandbox's memory limit; the host reaches it through ``/proc/<holder>/root``). The overlay mount exists only in the holder's private mount namespace, so
 it disappears with the sandbox's last process. Commands reach the agent over a listening unix
 socket made on the host (``sandboxes/<id>/ctl.sock``) and inherited by the agent: nothing inside
 can see its path. File methods go through ``/proc/<pid 1>/root`` with ``openat2(RESOLVE_IN_ROOT)``.
@@ -29,6 +32,7 @@ import select
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 from k3.env.cgroups import Cgroup, CgroupLayout, detect_layout, refuse_unenforceable
@@ -51,6 +55,14 @@ def _bwrap() -> str:
         raise SandboxError("namespace backend: bubblewrap (bwrap) is not installed; run `make sandbox-deps` "
                            "(apt-get install bubblewrap)")
     return path
+
+
+def _on_overlayfs(path: str) -> bool:
+    """True when ``path`` is on overlayfs (which cannot hold another overlay's upper layer)."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return False
+    return int.from_bytes(buf.raw[:8], sys.byteorder) == 0x794C7630  # OVERLAYFS_SUPER_MAGIC
 
 
 def _sock_path(path: str) -> tuple[str, int | None]:
@@ -81,10 +93,15 @@ class NamespaceSandbox(Sandbox):
         lowers = [st["image"]] + st["layers"]
         for lid in lowers:
             store.layer_dir(lid)
-        for d in ("upper", "work", "root"):
+        tmpfs = st.get("upper_mode") == "tmpfs"
+        for d in ("upperfs", "root") if tmpfs else ("upper", "work", "root"):
             os.makedirs(os.path.join(self.dir, d), exist_ok=True)
-        data = (f"lowerdir={':'.join(reversed(lowers))},upperdir={self.dir}/upper,workdir={self.dir}/work,"
+        base = f"{self.dir}/upperfs" if tmpfs else self.dir
+        data = (f"lowerdir={':'.join(reversed(lowers))},upperdir={base}/upper,workdir={base}/work,"
                 "index=off,metacopy=off,redirect_dir=off").encode()
+        upperfs = os.path.join(self.dir, "upperfs").encode()
+        size = self.limits.disk_bytes
+        tmpfs_opts = (f"size={size}" if size else "size=50%").encode() + b",mode=0755"
         if len(data) > _MAX_MOUNT_DATA:
             raise SandboxError(f"sandbox {self.id}: {len(lowers)} layers exceed the overlay mount limit; "
                                "fork from a snapshot of a sandbox with fewer layers")
@@ -99,6 +116,12 @@ class NamespaceSandbox(Sandbox):
                 os.close(fd)
             if _libc.unshare(_CLONE_NEWNS) != 0 or _libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
                 os._exit(90)
+            if tmpfs:
+                if _libc.mount(b"k3-upper", upperfs, b"tmpfs", 0, tmpfs_opts) != 0:
+                    os.write(2, f"k3: tmpfs mount failed: {os.strerror(ctypes.get_errno())}\n".encode())
+                    os._exit(92)
+                os.mkdir(upperfs + b"/upper", 0o755)
+                os.mkdir(upperfs + b"/work", 0o755)
             os.chdir(layers_dir)
             if _libc.mount(b"k3-overlay", merged, b"overlay", 0, data) != 0:
                 os.write(2, f"k3: overlay mount failed: {os.strerror(ctypes.get_errno())}\n".encode())
@@ -168,6 +191,12 @@ class NamespaceSandbox(Sandbox):
             raise SandboxError(f"sandbox {self.id}: the namespace holder did not start (exit {p.poll()}): "
                                f"{self._log()}")
         return int(json.loads(buf[:buf.index(b"}") + 1])["child-pid"])
+
+    def _upper(self) -> str:
+        """Host path of the writable layer (through the holder's mount namespace for tmpfs)."""
+        if self.state.get("upper_mode") == "tmpfs":
+            return f"/proc/{self.state['pid']}/root{self.dir}/upperfs/upper"
+        return os.path.join(self.dir, "upper")
 
     def _log(self) -> str:
         try:
@@ -242,7 +271,7 @@ class NamespaceSandbox(Sandbox):
         if not was_paused:
             self.cg.set_frozen(True)
         try:
-            layer, added = self.manager.store.commit_layer(os.path.join(self.dir, "upper"))
+            layer, added = self.manager.store.commit_layer(self._upper())
         finally:
             if not was_paused:
                 self.cg.set_frozen(False)
@@ -258,7 +287,8 @@ class NamespaceSandbox(Sandbox):
         layers, image = NamespaceBackend.layers_of(snap)
         self._stop_holder()
         for d in ("upper", "work"):
-            shutil.rmtree(os.path.join(self.dir, d))
+            if os.path.isdir(os.path.join(self.dir, d)):
+                shutil.rmtree(os.path.join(self.dir, d))
         self.state.update(image=image, layers=layers, origin=snap.id)
         self._start()
 
@@ -294,9 +324,6 @@ class NamespaceBackend(Backend):
     def _refuse(limits: Limits) -> None:
         _bwrap()
         refuse_unenforceable(limits, detect_layout(), "namespace backend")
-        if limits.disk_bytes is not None:
-            raise SandboxError("namespace backend: cannot enforce limits.disk_bytes (the writable layer is a "
-                               "directory of the host filesystem, no size cap); set it to None")
 
     @staticmethod
     def layers_of(snap: SnapshotInfo) -> tuple[list[str], str]:
@@ -310,6 +337,7 @@ class NamespaceBackend(Backend):
         cls._refuse(limits)
         state = {"id": sid, "backend": cls.name, "image": image, "layers": layers, "origin": origin,
                  "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid), "cgroup_layout": detect_layout().as_dict(),
+                 "upper_mode": "tmpfs" if limits.disk_bytes or _on_overlayfs(manager.sandbox_dir(sid)) else "host",
                  "created": time.time()}
         sb = NamespaceSandbox(manager, state)
         sb.cg.create(limits)
