@@ -115,6 +115,15 @@ class QMP:
                 raise SandboxError(f"vm: QMP {name} failed: {msg['error'].get('desc')}")
 
 
+_PLAIN = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-+=.,:;/'\"$&|<>()[]{}!?*#@%^~`")
+
+
+def printf_escape(data: bytes) -> bytes:
+    """``data`` as one line that ``printf '%b'`` turns back into it: every byte outside a plain
+    set (backslash, whitespace, newline, controls, non-ASCII) as ``\\0ooo``."""
+    return b"".join(bytes([c]) if c in _PLAIN else b"\\0%03o" % c for c in data)
+
+
 class Channel:
     """The host end of the agent's virtio console."""
 
@@ -165,10 +174,10 @@ class Channel:
             deadline: float | None) -> tuple[list[int], bytes, bytes]:
         """One request; returns ([rc, timed_out, oom_kills, out_size, err_size], out, err)."""
         tag = self._tag().encode()
-        sb, ib = base64.b64encode(script), base64.b64encode(stdin)
+        sb, ib = printf_escape(script), base64.b64encode(stdin)
         t = "0" if timeout is None else f"{max(timeout, 0.001):.3f}"
         self.buf = b""
-        self.sock.sendall(b"K3 %s run %s %d %d %d\n" % (tag, t.encode(), cap, len(sb), len(ib)) + sb + ib)
+        self.sock.sendall(b"K3 %s run %s %d %d %d\n" % (tag, t.encode(), cap, len(sb), len(ib)) + sb + b"\n" + ib)
         key = b"K3R " + tag + b" "
         try:
             while (i := self.buf.find(key)) < 0 or b"\n" not in self.buf[i:]:
