@@ -3,10 +3,16 @@
 The guest runs from an initramfs only (``k3.env.vm_image``), so a QMP migration of the stopped VM
 to a file holds everything: kernel, processes, their memory, the files in ``/workspace`` (tmpfs).
 
-* snapshot = QMP ``stop`` + ``migrate`` to ``exec:cat > file`` + ``cont``; id = sha256 of the file;
-* fork = a new QEMU started with ``-incoming`` from that file (the fork's processes continue where
+* snapshot = QMP ``stop`` + ``migrate`` to ``exec:cat > file`` + ``cont``; the file becomes a
+  content-addressed blob of the manager's store (``content={"state": key}``), the record also
+  keeps the ``MachineConfig`` it loads under (a stream loads only into the same machine);
+* fork = a new QEMU started with ``-incoming`` from that blob (the fork's processes continue where
   the snapshot left them, the original moves on); restore = this sandbox's QEMU replaced by one
-  loaded from the file; pause/resume = QMP ``stop``/``cont``;
+  loaded from it; pause/resume = QMP ``stop``/``cont``;
+* the QEMU runs in its own session under ``manager.sandbox_dir(id)/qemu-<n>/`` and outlives the
+  process that started it; ``state.json`` names its pid, so any process attaches (``k3 env exec``);
+* image: only the manager's default image is accepted, and means the busybox guest (a host root
+  tree is not packed into the VM); ``workspace`` is copied in as a tar stream;
 * limits: ``memory_bytes`` -> cgroup ``memory.max`` in the guest (the VM gets 96 MiB more for its
   kernel and agent), ``pids`` -> ``pids.max``, ``cpus`` -> ``cpu.max`` and the vCPU count,
   ``disk_bytes`` -> the size of the ``/workspace`` tmpfs; ``network=True`` is refused (the VM has
