@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -241,3 +242,27 @@ def test_exec_after_close_and_nothing_left_behind(vm, mgr):
             call()
     assert not os.path.exists(f"/proc/{pid}") and not d.exists()
     assert sb.id not in {s["id"] for s in mgr.list()}
+
+
+def test_concurrent_execs_are_served_one_by_one(vm):
+    got = {}
+
+    def worker(i):
+        got[i] = [vm.exec(f"echo {i}-{j}; sleep 0.05").stdout for j in range(3)]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == {i: [f"{i}-{j}\n".encode() for j in range(3)] for i in range(3)}
+
+
+def test_gc_closes_a_vm_whose_qemu_died(vm, mgr):
+    f = vm.fork()
+    live = mgr.gc()["sandboxes_closed"]
+    assert f.id not in live                        # control: a running VM is kept
+    os.kill(f.state["pid"], 9)
+    f._qemu.kill()                                 # reap our child
+    assert f.id in mgr.gc()["sandboxes_closed"]
+    assert f.id not in {s["id"] for s in mgr.list()} and not f.dir.exists()
