@@ -26,6 +26,8 @@ def test_exec_argv_stdin_env_cwd_and_exit_codes(sandbox):
     assert sandbox.exec(["printenv", "K3X"], env={"K3X": "val"}).text() == "val\n"
     sandbox.exec("mkdir -p sub/dir")
     assert sandbox.exec("pwd", cwd="sub/dir").text() == "/workspace/sub/dir\n"
+    r = sandbox.exec("true", cwd="no/such/dir")
+    assert r.exit_code == 126 and b"cwd /workspace/no/such/dir" in r.stderr
     r = sandbox.exec(["/no/such/binary"])
     assert r.exit_code == 127 and b"No such file" in r.stderr
     r = sandbox.exec("echo out; echo err >&2")

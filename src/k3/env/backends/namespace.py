@@ -286,6 +286,8 @@ class NamespaceSandbox(Sandbox):
         snap = self.manager.store.snapshot(snapshot_id)
         layers, image = NamespaceBackend.layers_of(snap)
         self._stop_holder()
+        if self.state.get("paused"):
+            self.cg.set_frozen(False)  # a frozen cgroup would freeze the new holder too
         for d in ("upper", "work"):
             if os.path.isdir(os.path.join(self.dir, d)):
                 shutil.rmtree(os.path.join(self.dir, d))
