@@ -266,3 +266,14 @@ def test_gc_closes_a_vm_whose_qemu_died(vm, mgr):
     f._qemu.kill()                                 # reap our child
     assert f.id in mgr.gc()["sandboxes_closed"]
     assert f.id not in {s["id"] for s in mgr.list()} and not f.dir.exists()
+
+
+def test_disk_and_cpu_limits_of_a_second_machine(mgr):
+    lim = Limits(memory_bytes=96 * 2**20, pids=32, cpus=0.5, disk_bytes=4 * 2**20)
+    with mgr.create(backend="vm", limits=lim) as sb:
+        assert sb.exec("cat /sys/fs/cgroup/box/cpu.max").stdout == b"50000 100000\n"
+        full = sb.exec("dd if=/dev/zero of=/workspace/big bs=1M count=8")
+        assert full.exit_code != 0 and b"No space" in full.stderr   # the 4 MiB workspace is full
+        sb.exec("rm -f /workspace/big")
+        assert sb.exec("dd if=/dev/zero of=/workspace/ok bs=1M count=2").ok   # control: it fits
+        assert sb.exec("dd if=/dev/zero of=/tmp/outside bs=1M count=8").ok    # control: /tmp is not capped
