@@ -32,11 +32,11 @@ sandbox-deps:
 	command -v bwrap >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q bubblewrap; }
 
-# The vm sandbox backend (k3.env.backends.vm) needs QEMU and a guest: a Debian kernel and busybox,
+# The vm sandbox backend (k3.env.backends.vm) needs QEMU, zstd (snapshot files) and a guest: a Debian kernel and busybox,
 # fetched with apt-get download into ~/.cache/k3/vm (K3_VM_CACHE); nothing downloads at test time.
 vm-deps: $(STAMP)
-	command -v qemu-system-x86_64 >/dev/null || { $(SUDO) apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q qemu-system-x86; }
+	command -v qemu-system-x86_64 >/dev/null && command -v zstd >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q qemu-system-x86 zstd; }
 	$(BIN)/python -m k3.env.vm_image install
 
 test: $(STAMP) chromium sandbox-deps vm-deps

@@ -277,3 +277,18 @@ def test_disk_and_cpu_limits_of_a_second_machine(mgr):
         sb.exec("rm -f /workspace/big")
         assert sb.exec("dd if=/dev/zero of=/workspace/ok bs=1M count=2").ok   # control: it fits
         assert sb.exec("dd if=/dev/zero of=/tmp/outside bs=1M count=8").ok    # control: /tmp is not capped
+
+
+def test_zstd_state_codec_keeps_the_counter_and_shrinks_the_file(vm, mgr, monkeypatch):
+    from k3.env.backends import vm as vm_backend
+    start_counter(vm, "z")
+    assert ask(vm, "z") == 1
+    raw = vm.snapshot_info()
+    monkeypatch.setattr(vm_backend, "CODEC", "zstd")
+    packed = vm.snapshot_info()
+    assert (raw.meta["codec"], packed.meta["codec"]) == ("none", "zstd")
+    assert packed.meta["state_bytes"] < raw.meta["state_bytes"] / 2
+    with mgr.fork(packed.id) as f:
+        assert ask(f, "z") == 2                    # the compressed state carries the same process
+    with mgr.fork(raw.id) as f:
+        assert ask(f, "z") == 2                    # control: the uncompressed one

@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,20 @@ from k3.env.vm_image import qemu_binary
 CLOCK_ARGS = "tsc_early_khz=2000000 lpj=4000000 no_timer_check"
 
 
+# How a migration stream is written to / read from its file (QEMU runs these with /bin/sh -c).
+# zstd -1 makes a TCG guest's ~74 MB state ~16 MB (k3.env.backends.vm.CODEC chooses).
+CODECS = {"none": ("cat > {p}", "cat {p}"), "zstd": ("zstd -1 -q -T1 > {p}", "zstd -d -c -q {p}")}
+
+
+def codec_command(codec: str, path: Path, write: bool) -> str:
+    if codec not in CODECS:
+        raise SandboxError(f"vm: unknown state codec {codec!r}; known: {', '.join(CODECS)}")
+    tool = CODECS[codec][0].split()[0]
+    if shutil.which(tool) is None:
+        raise SandboxError(f"vm: {tool} not found on PATH for the {codec} state codec; run `make vm-deps`")
+    return CODECS[codec][0 if write else 1].format(p=shlex.quote(str(path)))
+
+
 @dataclass(frozen=True)
 class MachineConfig:
     """What a migration stream depends on: a state saved under one config loads only under it."""
@@ -40,7 +55,7 @@ class MachineConfig:
     accel: str            # "tcg" | "kvm"
     append: str
 
-    def argv(self, rundir: Path, incoming: Path | None = None) -> list[str]:
+    def argv(self, rundir: Path, incoming: Path | None = None, codec: str = "none") -> list[str]:
         """QEMU's command line; it runs in ``rundir`` (socket paths are relative to it, so a deep
         run directory cannot overflow the 107-byte unix socket limit)."""
         accel = "kvm" if self.accel == "kvm" else "tcg,tb-size=64"
@@ -56,7 +71,7 @@ class MachineConfig:
                 "-qmp", "unix:qmp.sock,server=on,wait=off",
                 "-name", f"k3-vm,process=k3-vm:{rundir}"]
         if incoming is not None:
-            argv += ["-incoming", f"exec:cat {shlex.quote(str(incoming))}"]
+            argv += ["-incoming", "exec:" + codec_command(codec, incoming, write=False)]
         return argv
 
 
@@ -206,15 +221,16 @@ class Qemu:
     def __init__(self, config: MachineConfig, rundir: Path, pid: int | None = None):
         self.config, self.rundir, self.pid = config, Path(rundir), pid
 
-    def start(self, boot_timeout: float, incoming: Path | None = None) -> float:
-        """Start QEMU (booting, or loading ``incoming``) and wait until the agent answers;
+    def start(self, boot_timeout: float, incoming: Path | None = None, codec: str = "none") -> float:
+        """Start QEMU (booting, or loading ``incoming``, a stream written with ``codec``) and wait
+        until the agent answers;
         returns the seconds that took."""
         t0 = time.monotonic()
         self.rundir.mkdir(parents=True, exist_ok=True)
         for name in ("agent.sock", "qmp.sock"):
             (self.rundir / name).unlink(missing_ok=True)
         with open(self.rundir / "qemu.log", "ab") as log:
-            proc = subprocess.Popen(self.config.argv(self.rundir, incoming), cwd=self.rundir,
+            proc = subprocess.Popen(self.config.argv(self.rundir, incoming, codec), cwd=self.rundir,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
         _CHILDREN[proc.pid] = proc
         self.pid = proc.pid
@@ -269,9 +285,9 @@ class Qemu:
                 pass
         return " | ".join(parts) or "(none)"
 
-    def save(self, q: "QMP", path: Path) -> None:
+    def save(self, q: "QMP", path: Path, codec: str = "none") -> None:
         """Write the whole machine (CPU, devices, RAM) to ``path``; the VM must be stopped."""
-        q.cmd("migrate", uri=f"exec:cat > {shlex.quote(str(path))}")
+        q.cmd("migrate", uri="exec:" + codec_command(codec, path, write=True))
         while True:
             st = q.cmd("query-migrate").get("status")
             if st == "completed":
