@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from k3.env import SandboxError, SandboxManager
+from k3.env import SandboxError
 
 COUNTER = "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.02; done' >/dev/null 2>&1 &"
 

@@ -64,3 +64,25 @@ def test_landlock_scope_blocks_host_abstract_sockets_even_with_network(manager):
             assert out.startswith("denied" if abi >= 6 else "connected"), (abi, out)
     finally:
         srv.close()
+
+
+def test_a_manager_root_longer_than_a_socket_address_works(manager, tmp_path):
+    from conftest import leftovers
+    from k3.env import SandboxManager
+    from k3.env.images import import_image
+
+    root = tmp_path / ("r" * 60) / ("s" * 40)
+    mgr = SandboxManager(str(root))
+    assert len(os.path.join(mgr.sandbox_dir("sb-000000000000"), "ctl.sock")) > 108  # beyond sun_path
+    image = import_image(mgr.store, manager.store.layer_dir(manager.resolve_image("default")))
+    with mgr.create(image=image) as sb:
+        assert sb.exec("echo long").text() == "long\n"
+        assert mgr.get(sb.id).exec("echo again").text() == "again\n"   # attach: a fresh object
+    assert leftovers(mgr) == {}
+
+
+def test_images_are_content_addressed(manager):
+    from k3.env.images import import_image
+
+    image = manager.resolve_image("default")
+    assert import_image(manager.store, manager.store.layer_dir(image)) == image   # same tree, same id
