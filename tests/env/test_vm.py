@@ -292,3 +292,17 @@ def test_zstd_state_codec_keeps_the_counter_and_shrinks_the_file(vm, mgr, monkey
         assert ask(f, "z") == 2                    # the compressed state carries the same process
     with mgr.fork(raw.id) as f:
         assert ask(f, "z") == 2                    # control: the uncompressed one
+
+
+def test_snapshots_do_not_cross_backends(vm, mgr):
+    vm_snap = vm.snapshot()
+    with mgr.create() as ns:                       # a namespace sandbox of the same manager
+        ns_snap = ns.snapshot()
+    with pytest.raises(SandboxError, match="only from vm snapshots"):
+        mgr.fork(ns_snap, backend="vm")
+    with pytest.raises(SandboxError, match="file-layer snapshots"):
+        mgr.fork(vm_snap, backend="namespace")
+    with mgr.fork(vm_snap) as f:                   # control: each kind forks in its own backend
+        assert f.backend == "vm" and f.exec("echo ok").stdout == b"ok\n"
+    with mgr.fork(ns_snap) as g:
+        assert g.backend == "namespace" and g.exec(["echo", "ok"]).stdout == b"ok\n"
