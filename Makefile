@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo test install chromium sandbox-deps bench clean
+.PHONY: demo test install chromium sandbox-deps vm-deps bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,7 +32,14 @@ sandbox-deps:
 	command -v bwrap >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q bubblewrap; }
 
-test: $(STAMP) chromium sandbox-deps
+# The vm sandbox backend (k3.env.backends.vm) needs QEMU, zstd (snapshot files) and a guest: a Debian kernel and busybox,
+# fetched with apt-get download into ~/.cache/k3/vm (K3_VM_CACHE); nothing downloads at test time.
+vm-deps: $(STAMP)
+	command -v qemu-system-x86_64 >/dev/null && command -v zstd >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q qemu-system-x86 zstd; }
+	$(BIN)/python -m k3.env.vm_image install
+
+test: $(STAMP) chromium sandbox-deps vm-deps
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

@@ -11,6 +11,11 @@ random files (1 MB each):
 * snapshot / fork -- after changing ``--changed-kb`` KB in one file (baseline: the issue's target)
 * storage -- bytes the store grew by per snapshot / bytes changed (1.0 = only the changed files)
 
+Section ``vm`` (``--vm-repeats``, 0 skips it): the QEMU microvm backend on its own busybox guest --
+create (a boot), exec round trip of ``true``, snapshot (stop + migrate the whole machine to a
+file + store it), fork and restore (a QEMU loading that file), and the state file's size (baseline:
+the VM's RAM size, i.e. what a dump without zero-page elision would write).
+
 Appends JSON lines ``{"bench", "config", "metric", "value", "baseline", "ratio", ...}`` to
 benchmarks/results/env.jsonl. ``--root`` keeps the manager root (default: a fresh temp dir).
 """
@@ -47,6 +52,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--exec-repeats", type=int, default=50)
     ap.add_argument("--root")
+    ap.add_argument("--vm-repeats", type=int, default=3)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="k3bench-env-")
     root = args.root or os.path.join(tmp, "root")
@@ -114,6 +120,58 @@ def main() -> None:
     print(f"{'metric':<34}{'value':>12}{'baseline':>12}{'ratio':>8}  baseline is")
     for r in rows:
         print(f"{r['metric']:<34}{r['value']:>12}{r['baseline']:>12}{r['ratio']:>8}  {r['baseline_name']}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS, "a") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    if args.vm_repeats > 0:
+        bench_vm(args.vm_repeats)
+
+
+def bench_vm(repeats: int) -> None:
+    """The ``vm`` section (see the module docstring); medians of ``repeats`` runs."""
+    tmp = tempfile.mkdtemp(prefix="k3bench-vm-")
+    mgr = SandboxManager(os.path.join(tmp, "root"))
+    mgr.resolve_image("default")
+    sbs = []
+    try:
+        t_create, sb = _timed(lambda: mgr.create(backend="vm"))
+        sbs.append(sb)
+        sb.exec("i=0; while :; do i=$((i+1)); sleep 1; done > /dev/null 2>&1 &")  # a live process
+        t_exec = median_time(lambda: sb.exec(["true"]), 5 * repeats, warmup=2)
+        t_host = median_time(lambda: subprocess.run(["true"]), 5 * repeats, warmup=2)
+        infos = [_timed(sb.snapshot_info) for _ in range(repeats)]
+        t_snap = statistics.median(dt for dt, _ in infos)
+        size = statistics.median(i.meta["state_bytes"] for _, i in infos)
+        t_fork = []
+        for _ in range(repeats):
+            dt, f = _timed(lambda: mgr.fork(infos[-1][1].id))
+            sbs.append(f)
+            t_fork.append(dt)
+        t_restore = statistics.median(_timed(lambda: sb.restore(infos[0][1].id))[0] for _ in range(repeats))
+        ram = sb.config.mem_mb * 2**20
+        accel = sb.config.accel
+    finally:
+        for s in sbs:
+            s.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    config = {"backend": "vm", "accel": accel, "guest_ram_mb": ram >> 20, "cpus": os.cpu_count(),
+              "load1": round(os.getloadavg()[0], 2)}
+    rows = []
+    for metric, value, base, name in (
+            ("create_boot_s", t_create, 0.200, "200 ms (fork target, for scale)"),
+            ("exec_true_s", t_exec, t_host, "host subprocess.run(['true'])"),
+            ("snapshot_s", t_snap, 0.200, "200 ms (fork target, for scale)"),
+            ("fork_s", t_fork and statistics.median(t_fork), 0.200, "target 200 ms"),
+            ("restore_s", t_restore, 0.200, "200 ms (fork target, for scale)"),
+            ("state_bytes", size, ram, "guest RAM size")):
+        rows.append({"bench": "env", "config": config, "metric": metric, "value": round(value, 5),
+                     "baseline": round(base, 5), "baseline_name": name, "ratio": round(value / base, 3)})
+    print(f"\nk3.env vm backend ({accel}, {ram >> 20} MiB guest), median of {repeats} "
+          f"({5 * repeats} for exec); load {config['load1']} on {config['cpus']} CPUs")
+    print(f"{'metric':<34}{'value':>14}{'baseline':>14}{'ratio':>8}  baseline is")
+    for r in rows:
+        print(f"{r['metric']:<34}{r['value']:>14}{r['baseline']:>14}{r['ratio']:>8}  {r['baseline_name']}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as fh:
         for r in rows:
