@@ -164,9 +164,7 @@ def dcp_to_hf(src: str | os.PathLike, dst: str | os.PathLike, model_config=None)
     if folder is None:
         raise CheckpointError(f"{src}: not a torch.distributed.checkpoint folder (no .metadata)")
     full = read_dcp(folder)
-    sd = full["model"] if "model" in full else full
-    sd = {k.removeprefix("model.") if k.startswith("model.model.") or k.startswith("model.lm_head")
-          else k: v for k, v in sd.items()}
+    sd = full["model"] if isinstance(full.get("model"), dict) else full  # training or model-only
     config = _model_config(folder, model_config)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
