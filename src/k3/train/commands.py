@@ -136,7 +136,9 @@ def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = No
         from contextlib import nullcontext
 
         from k3.train.rundir import RunLock
-        held = args.resume and Path(args.resume).is_dir()
+        import os
+        # under torchrun only rank 0 locks the run dir (the others read while it holds the lock)
+        held = args.resume and Path(args.resume).is_dir() and os.environ.get("RANK", "0") == "0"
         with RunLock(args.resume) if held else nullcontext():  # no one saves while we read
             return _train(args, trainer_hook)
 
