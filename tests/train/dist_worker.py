@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-N_TOKENS, BINS = 64, 256
+N_TOKENS, BINS = 64, 4096
 
 
 def _moe_and_tokens(seed: int = 0):
@@ -53,12 +53,19 @@ def dispatch(out: str, capacity_factor: float | None) -> None:
                os.path.join(out, f"rank{rank}.pt"))
 
 
+def qb_moe_and_tokens():
+    """The MoE with a 20x sharper router (scores spread over (0, 1)) and a non-zero bias."""
+    moe, x = _moe_and_tokens()
+    with torch.no_grad():
+        moe.gate.weight.mul_(20)
+        moe.gate.e_score_correction_bias.copy_(torch.linspace(-0.05, 0.05, moe.num_experts))
+    return moe, x
+
+
 def qb(out: str) -> None:
     from k3.train.balance import RouterBalancer
     world, rank = dist.get_world_size(), dist.get_rank()
-    moe, x = _moe_and_tokens()
-    with torch.no_grad():
-        moe.gate.e_score_correction_bias.copy_(torch.linspace(-0.05, 0.05, moe.num_experts))
+    moe, x = qb_moe_and_tokens()
     bal = RouterBalancer([moe], "quantile", bins=BINS, reduce=lambda t: dist.all_reduce(t))
     bal.recording(True)
     with torch.no_grad():
