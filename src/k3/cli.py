@@ -36,30 +36,21 @@ def cmd_params(args) -> int:
     return 0
 
 
-RELEASE_CHECKPOINT_GIB = 1453.7  # the released K3 checkpoint: 96 safetensors shards
-
-
 def mxfp4_note(b, cfg) -> str:
     """Checkpoint bytes with routed experts packed as MXFP4 and the rest as released (bf16, fp32 few)."""
-    import math
-
-    import torch
-
-    from k3.checkpoint.names import expected_tensors
     from k3.model.summary import MXFP4_BITS
+    from k3.train.plan import checkpoint_summary
 
-    total = 0.0
-    for name, (shape, dtype) in expected_tensors(cfg, torch.bfloat16).items():
-        n = math.prod(shape)
-        total += n * MXFP4_BITS / 8 if ".experts." in name else n * dtype.itemsize
+    ck = checkpoint_summary(cfg)
+    total = ck["text"]
     lines = [f"MXFP4 routed experts: {MXFP4_BITS} bits per parameter (4-bit E2M1 + one E8M0 scale per 32), "
              f"{b.routed_experts:,} parameters -> {b.routed_experts * MXFP4_BITS / 8 / 2**30:,.1f} GiB",
              f"packed text checkpoint: {total:,.0f} bytes = {total / 2**30:,.1f} GiB ({total / 1e12:.2f} TB); "
              "other tensors bf16, conv/A_log/dt_bias/o_norm/router bias fp32"]
-    if cfg.num_experts == 896 and cfg.hidden_size == 7168:
-        lines.append(f"release: {RELEASE_CHECKPOINT_GIB:,} GiB in 96 shards; the "
-                     f"{RELEASE_CHECKPOINT_GIB - total / 2**30:.1f} GiB difference is the vision encoder and "
-                     "projector (not part of the text model) and the padded A_log")
+    if "release_gib" in ck:
+        lines.append(f"release: {ck['release_gib']:,} GiB in {ck['release_shards']} shards = text + the vision "
+                     f"tower and projector of the release's vision_config ({ck['vision']:,} bytes bf16): "
+                     f"{ck['total'] / 2**30:,.2f} GiB")
     return "\n".join(lines)
 
 
