@@ -8,6 +8,7 @@ Modes:
   dropped slots and the gradients of its local experts to OUT/rank<r>.pt.
 - ``qb``: the same MoE; each rank's slice goes through the router, and a RouterBalancer with a SUM
   all-reduce installs the pooled-histogram bias; saves it to OUT/rank<r>.pt.
+- ``muon``: ShardedMuon on FSDP2 shards against Muon on full tensors; saves the deviation.
 """
 
 import os
@@ -75,6 +76,52 @@ def qb(out: str) -> None:
     torch.save({"bias": moe.gate.e_score_correction_bias.clone()}, os.path.join(out, f"rank{rank}.pt"))
 
 
+def muon(out: str) -> None:
+    """Three ShardedMuon steps on FSDP2 shards vs Muon on the full tensors (both in this rank).
+
+    Over 4 ranks: ``a`` [10, 12] full-matrix Muon (uneven shards of 3 rows: gathered), ``q`` [16, 12]
+    per-head with 4-row heads (one head per shard: orthogonalized in place), ``k`` [12, 8] per-head
+    with 6-row heads (shards of 3 rows split heads: gathered), ``v`` [7] AdamW.
+    """
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from k3.train.distributed import ShardedMuon
+    from k3.train.optim import Muon
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    shapes = {"a": (10, 12), "q": (16, 12), "k": (12, 8), "v": (7,)}
+    init = {n: torch.randn(*s) for n, s in shapes.items()}
+    grads = [{n: torch.randn(*s) for n, s in shapes.items()} for _ in range(3)]
+
+    def groups(ps):
+        return [dict(params=[ps["a"]], use_muon=True, block_rows=None),
+                dict(params=[ps["q"]], use_muon=True, block_rows=4),
+                dict(params=[ps["k"]], use_muon=True, block_rows=6),
+                dict(params=[ps["v"]], use_muon=False, block_rows=None)]
+
+    ref = {n: nn.Parameter(t.clone()) for n, t in init.items()}
+    m = nn.Module()
+    for n, t in init.items():
+        m.register_parameter(n, nn.Parameter(t.clone()))
+    fully_shard(m, mesh=mesh)
+    sharded = dict(m.named_parameters())
+    opt_ref = Muon(groups(ref), lr=0.02, weight_decay=0.1)
+    opt = ShardedMuon(groups(sharded), lr=0.02, weight_decay=0.1)
+    for g in grads:
+        for n in shapes:
+            ref[n].grad = g[n].clone()
+            sharded[n].grad = distribute_tensor(g[n].clone(), mesh, sharded[n].placements)
+        opt_ref.step()
+        opt.step()
+    dev = max((sharded[n].full_tensor() - ref[n]).abs().max().item() for n in shapes)
+    moved = min((ref[n] - init[n]).abs().max().item() for n in shapes)
+    torch.save({"dev": dev, "moved": moved, "gathers": opt.gathers}, os.path.join(out, f"rank{rank}.pt"))
+
+
 def train(argv: list[str]) -> int:
     from k3.train.commands import train_main
     kill_rank, kill_step = os.environ.get("K3_TEST_KILL_RANK"), os.environ.get("K3_TEST_KILL_STEP")
@@ -99,6 +146,8 @@ if __name__ == "__main__":
             dispatch(out, None if sys.argv[3] == "none" else float(sys.argv[3]))
         elif mode == "qb":
             qb(out)
+        elif mode == "muon":
+            muon(out)
         else:
             raise SystemExit(f"unknown mode {mode}")
     finally:
