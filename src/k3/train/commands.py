@@ -188,22 +188,37 @@ def _make_trainer(tc, args: argparse.Namespace):
 
 
 def _train(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
+    from k3.train.distributed import destroy
+    try:
+        return _train_in_group(args, trainer_hook)
+    finally:
+        destroy()  # a distributed run's process group (also when setup failed)
+
+
+def _param_count(trainer) -> int:
+    """Model parameters (global: an expert-parallel rank holds 1/ep of the routed experts)."""
+    n = sum(p.numel() for p in trainer.model.parameters())
+    layout = getattr(trainer, "layout", None)
+    if layout is not None:
+        n += (layout.ep - 1) * sum(p.numel() for p in trainer.expert_params)
+    return n
+
+
+def _train_in_group(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
     from k3.train.loop import TrainingDiverged
     tc = train_config_from_args(args)
     trainer = _make_trainer(tc, args)
     if trainer_hook is not None:
         trainer_hook(trainer)
-    print(f"{trainer.corpus.summary()}\nmodel: {tc.model_config or tc.preset}, "
-          f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters; run dir {tc.out}"
-          + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
+    if getattr(trainer, "layout", None) is None or trainer.layout.rank == 0:
+        print(f"{trainer.corpus.summary()}\nmodel: {tc.model_config or tc.preset}, "
+              f"{_param_count(trainer):,} parameters; run dir {tc.out}"
+              + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
     try:
         res = trainer.train()
     except TrainingDiverged as e:
         print(f"k3 train: {e}", file=sys.stderr)
         return 1
-    finally:
-        from k3.train.distributed import destroy
-        destroy()
     if res.status == "interrupted":
         from k3.cliutil import exit_quietly_on_signals
         exit_quietly_on_signals()

@@ -250,11 +250,10 @@ class DistTrainer(Trainer):
 
     def _checkpoint_to_resume(self, resume: bool, overwrite: bool):
         from k3.train.state import find_checkpoint, load_trainer_state
-        if self.layout.rank == 0:
-            out = super()._checkpoint_to_resume(resume, overwrite)
+        out = super()._checkpoint_to_resume(resume, overwrite) if self.layout.rank == 0 else (None, None)
         dist.barrier()  # rank 0 has claimed / marked the folder
         if self.layout.rank == 0 or not resume:
-            return out if self.layout.rank == 0 else (None, None)
+            return out
         ckpt = find_checkpoint(self.run_dir)
         return ckpt, load_trainer_state(ckpt)
 
@@ -366,9 +365,6 @@ class DistTrainer(Trainer):
             self.stop_signal = int(flag)
             return {"kind": "stopped", "step": self.step}
         return super().train_step()
-
-    def close(self) -> None:
-        super().close()
 
 
 def destroy() -> None:

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExpertParallel", "CommStats", "ep_capacity", "all_to_all"]
+__all__ = ["ExpertParallel", "CommStats", "ep_capacity", "all_to_all", "shard_experts"]
 
 
 class CommStats:
