@@ -1,6 +1,7 @@
 """Pieces of distributed training: all-to-all expert dispatch, pooled QB, layout errors, DCP resume
 in one process, ``k3 convert`` of a DCP checkpoint (SPEC §5)."""
 
+import json
 import math
 import socket
 
@@ -195,3 +196,20 @@ def test_convert_dcp_to_hf_and_back(dcp_run, tmp_path):
     assert convert_main([str(tmp_path / "hf"), str(tmp_path / "back"), "--to-dcp"]) == 0
     back = read_dcp(tmp_path / "back")["model"]
     assert all(torch.equal(back[k], want[k]) for k in want)
+
+
+def test_capacity_overflow_is_logged_per_step(env, tmp_path):
+    """--capacity-factor 0.25 on nano (C = ceil(0.25·N·2/8)): every step logs dropped_slots > 0,
+    at most the slots routed beyond C; dropless runs (positive control) log no such field."""
+    from k3.train.commands import train_main
+    from test_distributed import _argv, losses
+    base, data = env
+    assert train_main(_argv(data, tmp_path / "cap", steps=2, capacity_factor=0.25)) == 0
+    recs = [json.loads(x) for x in (tmp_path / "cap" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["kind"] == "train"]
+    n_slots = 4 * 32 * 2 * 3  # B·T tokens x k x 3 MoE layers
+    assert len(train) == 2 and all(0 < r["dropped_slots"] < n_slots for r in train)
+    assert train_main(_argv(data, tmp_path / "free", steps=2)) == 0
+    assert len(losses(tmp_path / "free")) == 2
+    recs = [json.loads(x) for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
+    assert all("dropped_slots" not in r for r in recs)
