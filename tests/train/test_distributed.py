@@ -157,3 +157,34 @@ def test_sigkill_at_world_4_then_resume_at_world_2(env, reference):
     _ok(torchrun(2, "train", str(out), "--resume", str(out), "--ep", "2"))
     rel, dev = _check_against(reference, out)
     print(f"killed at W=4, resumed at W=2: max rel loss dev {rel:.2e}, max param dev {dev:.2e}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_all_ranks_at_one_step_with_a_checkpoint(env):
+    """SIGTERM to torchrun reaches every worker; they stop together at the next step boundary
+    (the flag is all-reduced), write the checkpoint of the last finished step and exit."""
+    base, data = env
+    out = base / "sigterm"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(WORKER), "train", str(out), *_argv(data, out, ep=2, steps=500, ckpt_interval=0)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and p.poll() is None:
+            if (out / "metrics.jsonl").is_file() and len(losses(out)) >= 3:
+                break
+            time.sleep(0.5)
+        assert p.poll() is None, p.communicate()[0][-3000:]
+        p.send_signal(signal.SIGTERM)
+        text, _ = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    _assert_session_empty(p.pid)
+    done = len(losses(out))
+    assert 3 <= done < 500
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == done, text[-3000:]
+    assert "SIGTERM: stopped at step" in text
