@@ -27,8 +27,9 @@ from k3.train.plan_activations import ATTENTION_KINDS, activation_bytes
 from k3.train.plan_sizes import (RELEASE_CHECKPOINT_GIB, RELEASE_SHARDS, RELEASE_VISION_CONFIG,
                                  checkpoint_bytes, param_split, vision_bytes)
 
-__all__ = ["parse_bytes", "all_to_all_bytes_per_step", "all_to_all_capacity_bytes_per_step", "fsdp_bytes_per_step", "train_plan",
-           "inference_plan", "format_plan", "plan_main", "checkpoint_bytes", "RELEASE_CHECKPOINT_GIB"]
+__all__ = ["parse_bytes", "all_to_all_bytes_per_step", "all_to_all_capacity_bytes_per_step",
+           "fsdp_bytes_per_step", "train_plan", "inference_plan", "checkpoint_summary", "format_plan",
+           "plan_main", "checkpoint_bytes", "RELEASE_CHECKPOINT_GIB"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -141,7 +142,8 @@ def train_plan(config, devices: int, device_memory: int, dp: int, ep: int, seq_l
     gathered = max(((ne if S > 1 else 0) + (ex / ep if dp > 1 else 0) for ne, ex in sp["layers"]), default=0)
     tokens = micro_batch * seq_len
     act = activation_bytes(config, micro_batch, seq_len, e, attention)
-    a2a_buf = 2 * 2 * tokens * config.num_experts_per_token * config.expert_dim * e if ep > 1 else 0
+    moe = ep > 1 and _moe_layers(config) > 0
+    a2a_buf = 2 * 2 * tokens * config.num_experts_per_token * config.expert_dim * e if moe else 0
     mem = {"parameters": per(sp["total"]) * F32, "gradients": per(sp["parameters"] - sp["no_grad"]) * F32,
            "optimizer_muon_momentum": per(sp["muon"] + sp["muon_experts"]) * F32,
            "optimizer_adamw_moments": per(sp["adamw"]) * 2 * F32,
@@ -157,7 +159,8 @@ def train_plan(config, devices: int, device_memory: int, dp: int, ep: int, seq_l
                        "dtype": str(dtype).removeprefix("torch."), "attention": attention},
             "params": sp | {"layers": len(sp["layers"])}, "memory": mem, "total": total,
             "device_memory": device_memory, "headroom": device_memory - total, "fits": total <= device_memory,
-            "activations": {"full": act["full"], "recompute": act["recompute"]}, "comm": comm}
+            "activations": {"full": act["full"], "recompute": act["recompute"], "terms": act["terms"]},
+            "comm": comm}
 
 
 def inference_plan(config, devices: int, device_memory: int, ep: int, context: int,
@@ -217,9 +220,9 @@ def format_plan(name: str, tp: dict, ip: dict, ck: dict) -> str:
     for k, v in tp["comm"].items():
         lines.append(f"  {k:<26}{_g(v):>34}")
     sp = tp["params"]
-    lines.insert(1, f"parameters + buffers {sp['total']:,} ({sp['routed_experts']:,} routed-expert), activated per token "
-                    f"{sp['activated']:,}; optimizer: Muon {sp['muon'] + sp['muon_experts']:,} (momentum), "
-                    f"AdamW {sp['adamw']:,} (two moments)")
+    lines.insert(1, f"parameters + buffers {sp['total']:,} ({sp['routed_experts']:,} routed-expert), "
+                    f"activated per token {sp['activated']:,}; optimizer: Muon "
+                    f"{sp['muon'] + sp['muon_experts']:,} (momentum), AdamW {sp['adamw']:,} (two moments)")
     lines += [f"inference on ep {ip['ep']} × {ip['replicas']} replica(s) (routed experts packed MXFP4, "
               f"{ip['context']:,}-token context):",
               f"  weights per device        {_g(ip['weights']):>34}  (experts {_g(ip['weights_experts'])}, "

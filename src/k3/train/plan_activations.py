@@ -1,8 +1,8 @@
 """Activation bytes of one training micro-batch, from the config alone (docs/PLAN.md §4).
 
-What counts: every tensor autograd saves for the backward pass of ``K3ForCausalLM(ids,
-labels=ids)`` (the eager PyTorch path of k3.model / k3.ops), each storage once, parameters not
-counted (they are counted as parameters). The terms below follow the op lists of the modules;
+What counts: every tensor autograd holds for the backward pass of ``K3ForCausalLM(ids,
+labels=ids)`` once its forward is done (the eager PyTorch path of k3.model / k3.ops), each storage
+once, parameters not counted (they are counted as parameters). The terms below follow the op lists of the modules;
 ``e`` is the activation (compute) dtype's size, ``4`` marks tensors the code keeps in fp32 whatever
 the dtype (norms, gates, the KDA recurrence, the router, SiTU, the AttnRes mix, the loss).
 
@@ -14,18 +14,21 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
     attn_res_mix(n)     = n·N·(3H + 2)·4                     stacked sources, keys, logits, weights (n ≥ 2)
     glu(M, W)           = M·W·(6·4 + e)                      SiTU: tanh, gate, sigmoid, tanh, up, product; down input
                         = M·W·4·e                            SwiGLU: g, silu(g), u, down input
-    kda_core            = B·⌈T/64⌉·64·nh·(201 + (c + 1/64)·d + 3·d²/64)·4      chunk_kda (torch), chunk 64
-                          c = 30 with factorised diagonal blocks (a gate lower bound lb, |lb|·15 ≤ 80), else 77
+    kda_core            = B·nh·(n_c·(64·201 + (64c + 1)·d + 4d²) − (5 | 7)·d²)·4    chunk_kda (torch)
+                          n_c = ⌈T/64⌉ chunks; 5 when n_c > 1, 7 for one chunk; c = 30 with factorised
+                          diagonal blocks (a gate lower bound lb with |lb|·15 ≤ 80), else 77
     sdpa (math, CPU)    = B·nh_m·T·(2(n+p) + v + T)·4        q, k, v and the T×T probabilities, fp32
     sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
-The ``kda_core`` coefficients are the count of the fp32 numbers ``k3.ops.kda.chunk_kda`` saves per
-token and head (the padded chunk, P and A blocks, the blockwise solve, the per-chunk states), at
-its fixed chunk 64 / sub-chunk 16, for B ≥ 2 (B = 1 saves (1 + d) fewer: two of them are views
-of its inputs); on CUDA with ``fla`` installed the fused kernel saves far less,
-so the figure is the upper bound of the torch path there. The ``fused`` SDPA term (CUDA's
-memory-efficient kernel; flash needs equal q/v head sizes, MLA has 192 and 128) is derived from
-what that kernel saves and is not measured by the CPU tests (CPU SDPA runs the math path).
+The ``kda_core`` coefficients are the count of the fp32 numbers ``k3.ops.kda.chunk_kda`` still
+holds for the backward per chunk and head (the padded chunk, P and A blocks, the blockwise solve,
+the chunk's state and transition), at its fixed chunk 64 / sub-chunk 16, less the last chunk's
+state update (its graph is dropped when the final state is not returned), for B ≥ 2 (B = 1 holds
+1 + d fewer per token and head: two of them are views of its inputs). On CUDA with ``fla``
+installed the fused kernel saves far less, so there the figure is the torch path's upper bound.
+The ``fused`` SDPA term (CUDA's memory-efficient kernel; flash needs equal q/v head sizes, MLA
+has 192 and 128) is derived from what that kernel saves and is not measured by the CPU tests
+(CPU SDPA runs the math path).
 """
 
 from __future__ import annotations
@@ -55,15 +58,17 @@ def _glu(cfg, M: int, W: int, e: int) -> int:
 
 
 def _kda(cfg, B: int, T: int, e: int) -> int:
-    lac, H, N = cfg.linear_attn_config, cfg.hidden_size, B * T
+    lac, N = cfg.linear_attn_config, B * T
     nh, d, K = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
     P = nh * d
     conv = B * 3 * P * (T + K - 1) * e + 3 * P * K * e + 2 * N * 3 * P * e   # conv in, weights, out, SiLU out
     qk_norm = 2 * N * nh * F32                                               # the two 1/‖·‖
     gate_in = N * d * e + 2 * N * P * F32 + N * nh * F32                     # f_a out, decay (2), beta
-    padded = B * math.ceil(T / 64) * 64
+    chunks = math.ceil(T / 64)
     factored = lac.gate_lower_bound is not None and abs(lac.gate_lower_bound) * 15 <= 80  # as chunk_kda picks
-    core = round(padded * nh * (201 + (30 if factored else 77) * d + d / 64 + 3 * d * d / 64)) * F32
+    c = 30 if factored else 77
+    per_chunk = 64 * 201 + (64 * c + 1) * d + 4 * d * d
+    core = B * nh * (chunks * per_chunk - (5 if chunks > 1 else 7) * d * d) * F32
     if lac.use_full_rank_gate:
         out_gate = 0
     else:

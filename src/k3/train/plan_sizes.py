@@ -50,11 +50,12 @@ def vision_tensor_shapes(vc: dict) -> dict[str, tuple[int, ...]]:
     patch embed Conv2d(3, D, p) and a learned [h0, w0, D] position table; per block RMSNorm ×2,
     wqkv [3Q, D], wo [D, Q], fc0 [I, D], fc1 [D, I]; a final RMSNorm; projector linear_1
     [m²D, m²D], linear_2 [H_text, m²D], post RMSNorm [H_text]. Biases only where the config asks.
+    A field the config leaves out (or null) takes the release's value, as its configuration class does.
     """
     if vc.get("mm_projector_type", "patchmergerv2") != "patchmergerv2":
         raise ConfigError(f"vision_config.mm_projector_type={vc.get('mm_projector_type')!r}: only "
                           "'patchmergerv2' (the release's) is counted")
-    g = {**RELEASE_VISION_CONFIG, **vc}
+    g = {**RELEASE_VISION_CONFIG, **{k: v for k, v in vc.items() if v is not None}}  # absent: release values
     D, I, Q, p = g["vt_hidden_size"], g["vt_intermediate_size"], g["qkv_hidden_size"], g["patch_size"]
     mh, mw = g["merge_kernel_size"]
     M, Ht = mh * mw * g.get("mm_hidden_size", D), g["text_hidden_size"]
@@ -89,37 +90,34 @@ _SPLITS: dict[tuple, dict] = {}  # config fingerprint -> split (building the k3 
 def _split(config) -> dict:
     from k3.model.summary import build_meta_model
     from k3.train.optim import classify_param
+    from k3.train.plan_activations import _sources
 
     model = build_meta_model(config)
-    out = {"muon": 0, "muon_experts": 0, "adamw": 0, "routed_experts": 0, "total": 0, "embedding": 0}
+    out = dict.fromkeys(("muon", "muon_experts", "adamw", "routed_experts", "parameters", "embedding"), 0)
     layers: dict[int, list[int]] = {}   # layer -> [non-expert, routed expert] parameters
+    names = set()
     for name, p in model.named_parameters():
+        names.add(name)
         kind, _ = classify_param(name, p, config)
-        n = p.numel()
-        out["total"] += n
-        out["adamw" if kind.startswith("adamw") else ("muon_experts" if kind == "muon_experts" else "muon")] += n
-        expert = ".experts." in name
-        out["embedding"] += n if name.startswith("model.embed_tokens") else 0
+        n, expert = p.numel(), ".experts." in name
+        out["parameters"] += n
+        out[kind if kind in ("muon", "muon_experts") else "muon" if kind.startswith("muon") else "adamw"] += n
         out["routed_experts"] += n if expert else 0
+        out["embedding"] += n if name.startswith("model.embed_tokens") else 0
         if name.startswith("model.layers."):
             layers.setdefault(int(name.split(".")[2]), [0, 0])[1 if expert else 0] += n
-    out["parameters"] = out["total"]
     # An AttnRes mix over one source returns it unchanged (layer 0's attention mix): its pseudo-query
     # and key norm get no gradient, hence no gradient memory and no (AdamW) optimizer state.
-    from k3.train.plan_activations import _sources
-    unused = sum(2 * config.hidden_size for l in range(config.num_hidden_layers)
-                 if config.attn_res_block_size is not None and _sources(config, l)[0] < 2)
-    out["no_grad"] = unused
-    out["adamw"] -= unused
-    out["buffers"] = sum(b.numel() for n, b in model.named_buffers()
-                         if n.rsplit(".", 1)[-1] in model.get_submodule(n.rsplit(".", 1)[0])._buffers
-                         and n.rsplit(".", 1)[-1] not in model.get_submodule(n.rsplit(".", 1)[0])._non_persistent_buffers_set)
-    out["total"] += out["buffers"]
+    out["no_grad"] = sum(2 * config.hidden_size for l in range(config.num_hidden_layers)
+                         if config.attn_res_block_size is not None and _sources(config, l)[0] < 2)
+    out["adamw"] -= out["no_grad"]
+    out["buffers"] = sum(t.numel() for n, t in model.state_dict().items() if n not in names)  # persistent only
+    out["total"] = out["parameters"] + out["buffers"]
     out["non_expert"] = out["total"] - out["routed_experts"]
-    k, E = config.num_experts_per_token, config.num_experts
     # activated per token: everything but the input embedding, routed experts counted k of E
+    E = config.num_experts
     out["activated"] = out["total"] - out["embedding"] - out["routed_experts"] + (
-        out["routed_experts"] * k // E if E else 0)
+        out["routed_experts"] * config.num_experts_per_token // E if E else 0)
     out["layers"] = [tuple(layers[l]) for l in sorted(layers)]
     return out
 
@@ -129,7 +127,9 @@ def param_split(config) -> dict:
     checkpoint holds), ``routed_experts``, ``non_expert``; by optimizer state: ``muon``
     (2-D matrices, per-head blocks included: one momentum buffer), ``muon_experts`` (expert stacks,
     momentum), ``adamw`` (embeddings, lm_head, router, norms, biases, conv, A_log, dt_bias, AttnRes:
-    two moments; parameters that never get a gradient, ``no_grad``, excluded); ``activated`` (per token: routed experts k of E, input embedding not); ``layers`` [(non-expert, routed-expert) per decoder layer]."""
+    two moments; parameters that never get a gradient, ``no_grad``, excluded); ``activated`` (per
+    token: routed experts k of E, input embedding not); ``layers`` [(non-expert, routed-expert)
+    parameters per decoder layer]."""
     key = config.fingerprint()
     if key not in _SPLITS:
         _SPLITS[key] = _split(config)
