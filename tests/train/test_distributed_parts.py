@@ -213,3 +213,16 @@ def test_capacity_overflow_is_logged_per_step(env, tmp_path):
     assert len(losses(tmp_path / "free")) == 2
     recs = [json.loads(x) for x in (tmp_path / "free" / "metrics.jsonl").read_text().splitlines()]
     assert all("dropped_slots" not in r for r in recs)
+
+
+def test_distributed_config_fields_are_validated():
+    from k3.train.config import TrainConfig
+    ok = TrainConfig.build(overrides=dict(preset="nano", dp=2, ep=2, capacity_factor=1.25, qb_bins=512))
+    assert (ok.dp, ok.ep, ok.capacity_factor, ok.qb_bins) == (2, 2, 1.25, 512)
+    for bad, msg in [(dict(ep=0), "ep must be > 0"), (dict(dp=0), "dp must be > 0"),
+                     (dict(capacity_factor=0.0), "capacity_factor must be > 0"),
+                     (dict(capacity_factor=float("inf")), "capacity_factor must be finite"),
+                     (dict(qb_bins=1), "qb_bins must be >= 2"), (dict(ep=True), "ep must be an int"),
+                     (dict(qb_bins=64, balance="sign"), "qb_bins applies to balance='quantile'")]:
+        with pytest.raises(ConfigError, match=msg):
+            TrainConfig.build(overrides=dict(preset="nano", **bad))

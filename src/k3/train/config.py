@@ -175,6 +175,8 @@ class TrainConfig:
             check_int("dp", self.dp, lo=1)
         if self.qb_bins is not None:
             check_int("qb_bins", self.qb_bins, lo=2, hi=1 << 20)
+            if self.balance != "quantile":
+                raise ConfigError(f"qb_bins applies to balance='quantile', not balance={self.balance!r}")
         if self.capacity_factor is not None:
             check_float("capacity_factor", self.capacity_factor, lo=0.0, lo_open=True)
         check_int("threads", self.threads, lo=0, hi=max_threads())
