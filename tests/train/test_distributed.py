@@ -188,3 +188,25 @@ def test_sigterm_to_torchrun_stops_all_ranks_at_one_step_with_a_checkpoint(env):
     state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert state["step"] == done, text[-3000:]
     assert "SIGTERM: stopped at step" in text
+
+
+@pytest.mark.slow
+def test_one_process_checkpoint_resumes_on_two_processes(env, reference):
+    """A one-process run stopped after step 10 (its model/ + optimizer.pt checkpoint) continues
+    under torchrun at ep=2: steps 11-20 and the final parameters match the uninterrupted run."""
+    base, data = env
+    out = base / "one-then-two"
+    tc = TrainConfig.build(overrides={**{k: v for k, v in FLAGS.items() if k != "seq_len"},
+                                      "curriculum": [[0, FLAGS["seq_len"]]], "data": str(data),
+                                      "out": str(out), "plot": False})
+    tr = Trainer(tc, print_fn=lambda *a: None, tty=False)
+
+    def stop_at_10(trainer, rec):
+        if trainer.step == 10:
+            trainer.stop_signal = signal.SIGTERM
+    tr.on_step_end.append(stop_at_10)
+    assert tr.train().status == "interrupted"
+    assert (out / "checkpoint" / "optimizer.pt").is_file()
+    _ok(torchrun(2, "train", str(out), "--resume", str(out), "--ep", "2"))
+    rel, dev = _check_against(reference, out)
+    print(f"one process to step 10, then ep=2: max rel loss dev {rel:.2e}, max param dev {dev:.2e}")

@@ -13,6 +13,8 @@ A distributed run's checkpoint folder (the same versioned, manifest-checked comm
 Tensors in ``dcp/``: ``model.<name>`` (FSDP DTensor shards; routed experts as DTensors
 [Replicate over dp, Shard(0) over ep], i.e. the global [E, …] stack; router biases replicated) and
 ``optim.<name>.<state>`` (Muon momentum, AdamW moments, AdamW step as an int64 scalar).
+A one-process checkpoint (``model/`` + ``optimizer.pt``) also resumes under torchrun: every rank
+reads the full tensors and keeps its shard.
 
 All ranks write their shards into a staging folder ``.dcp-stage-<step>``; rank 0 (the holder of
 the run lock) then commits it together with the small files.
@@ -101,8 +103,7 @@ def save_sharded(trainer) -> Path:
 def load_sharded(trainer, ckpt: Path, saved: dict) -> None:
     """Load ``ckpt/dcp`` into the (sharded) model and optimizer of this run, whatever W wrote it."""
     if saved.get("format") != "dcp":
-        raise CheckpointError(f"{ckpt}: written by a one-process run (model/ safetensors, no dcp/); "
-                              "resume it without torchrun")
+        return _load_one_process(trainer, ckpt)
     state, back = _state(trainer)
     dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
     with torch.no_grad():
@@ -115,6 +116,48 @@ def load_sharded(trainer, ckpt: Path, saved: dict) -> None:
             st = trainer.optimizer.state[p]
             if "step" in st:
                 st["step"] = int(state["optim"][f"{name}.step"])
+
+
+@torch.no_grad()
+def _load_one_process(trainer, ckpt: Path) -> None:
+    """A one-process checkpoint (model/ safetensors + optimizer.pt) cut into this rank's shards."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from k3.model.decoder import K3ForCausalLM
+    from k3.train.state import load_model_weights
+    full = K3ForCausalLM(trainer.model_config)
+    load_model_weights(full, ckpt / "model")
+    experts = {id(p) for p in trainer.expert_params}
+    lay = trainer.layout
+
+    def piece(dst: torch.Tensor, src: torch.Tensor, is_expert: bool) -> None:
+        if isinstance(dst, DTensor):
+            dst.to_local().copy_(distribute_tensor(src, dst.device_mesh, dst.placements,
+                                                   src_data_rank=None).to_local())
+        elif is_expert:
+            el = src.shape[0] // lay.ep
+            dst.copy_(src[lay.ep_rank * el:(lay.ep_rank + 1) * el])
+        else:
+            dst.copy_(src)
+
+    _state(trainer)  # reshards the FSDP modules, so named_parameters() are the sharded ones
+    full_sd = full.state_dict()
+    expert_names = {n for n, p in trainer.model.named_parameters() if id(p) in experts}
+    for name, t in trainer.model.state_dict().items():
+        piece(t, full_sd[name], name in expert_names)
+    saved = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    by_name = {}
+    for g in saved["param_groups"]:
+        for idx, name in zip(g["params"], g["param_names"]):
+            by_name[name] = saved["state"].get(idx, {})
+    for group in trainer.optimizer.param_groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            st = trainer.optimizer.state[p]
+            for k, v in by_name.get(name, {}).items():
+                if k == "step":
+                    st[k] = int(v)
+                else:
+                    piece(st[k], v.to(st[k].dtype), id(p) in experts)
 
 
 # ----------------------------------------------------------------------- conversion (k3 convert)
