@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_worker import BINS, N_TOKENS, _moe_and_tokens, qb_moe_and_tokens
-from test_distributed import _ok, _run, torchrun
+from test_distributed import _ok, torchrun
 from k3.errors import ConfigError
 from k3.train.distributed import resolve_layout
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
