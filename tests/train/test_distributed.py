@@ -92,12 +92,16 @@ def reference(env):
     tr = Trainer(tc, print_fn=lambda *a: None, tty=False)
     res = tr.train()
     assert res.status == "done" and len(res.losses) == STEPS
-    return res.losses, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+    return (res.losses, {k: v.detach().clone() for k, v in tr.model.state_dict().items()},
+            res.val["val_loss"])
 
 
 def _check_against(reference, run_dir: Path, first: int = 0) -> tuple[float, float]:
-    ref_losses, ref_params = reference
+    ref_losses, ref_params, ref_val = reference
     got = losses(run_dir)
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in recs if r["kind"] == "val"][-1]  # rows split over the ranks
+    assert abs(val - ref_val) / ref_val < 1e-4, (val, ref_val)
     assert len(got) == STEPS
     rel = max(abs(a - b) / abs(b) for a, b in zip(got[first:], ref_losses[first:]))
     assert rel < 1e-4, (got, ref_losses)

@@ -5,7 +5,7 @@ which runs torchrun). Backend from the device: gloo on CPU, NCCL on CUDA; the co
 
 Layout of W = dp · ep ranks (rank = dp_index · ep + ep_index):
 
-- data: every rank trains on its own B/W rows of the global batch (expert parallelism borrows its
+- data: every rank trains (and evaluates) on its own B/W rows of each global batch (expert parallelism borrows its
   ranks from data parallelism, as in DeepSpeed-MoE); all ranks keep the B row cursors, so the data
   state is one global object that resumes on any W.
 - dense and attention parameters (everything but routed experts): FSDP2 ``fully_shard`` over all
@@ -313,6 +313,23 @@ class DistTrainer(Trainer):
         t = torch.tensor([value], dtype=torch.float64, device=self.layout.device)
         dist.all_reduce(t)
         return float(t) / self.layout.world
+
+    def _eval_part(self, x, y):
+        """Rank's rows of a validation batch; a short last batch is padded to B rows (inputs 0,
+        labels ignored) so every rank runs the same shapes through the collectives."""
+        from k3.data.packing import IGNORE_INDEX
+        b = self.tc.batch_size
+        if x.shape[0] < b:
+            pad = b - x.shape[0]
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
+        rows = self.layout.rows(b)
+        return x[rows], y[rows]
+
+    def _sum_eval(self, nats: float, ntok: int, nbytes: int):
+        t = torch.tensor([nats, ntok, nbytes], dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(t)
+        return float(t[0]), int(t[1]), int(t[2])
 
     @torch.no_grad()
     def _sync_grads(self) -> None:

@@ -202,6 +202,14 @@ class Trainer:
     def _sync_grads(self) -> None:
         """Finish gradients after the micro-batches (one process: nothing to do)."""
 
+    def _eval_part(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's rows of a validation batch (one process: all of them)."""
+        return x, y
+
+    def _sum_eval(self, nats: float, ntok: int, nbytes: int) -> tuple[float, int, int]:
+        """Validation sums over the processes (one process: these)."""
+        return nats, ntok, nbytes
+
     def _clip_grad_norm(self, max_norm: float) -> float:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
 
@@ -380,12 +388,14 @@ class Trainer:
                                      max_batches or None):
                 if self.stop_signal is not None:
                     return None
+                x, y = self._eval_part(x, y)
                 nats += self._loss(x, y, reduction="sum").item()
                 keep = y[y != IGNORE_INDEX]
                 ntok += keep.numel()
                 nbytes += int(self.token_bytes[keep].sum())
         finally:
             self.model.train()
+        nats, ntok, nbytes = self._sum_eval(nats, ntok, nbytes)
         if ntok == 0:
             raise ValueError("the validation split is empty")
         return {"val_loss": nats / ntok, "val_bpb": nats / math.log(2) / max(nbytes, 1),
