@@ -115,7 +115,8 @@ def inspect(directory: str | os.PathLike, verify: bool = True) -> str:
 
 
 def convert_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3 convert", description="re-export a checkpoint in k3's layout")
+    p = argparse.ArgumentParser(prog="k3 convert", description="re-export a checkpoint in k3's layout "
+                                "(a distributed run's DCP checkpoint too; --to-dcp for the reverse)")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--dtype", choices=sorted(DTYPE_ARGS), default=None,
@@ -123,7 +124,16 @@ def convert_main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", default="2GB")
     p.add_argument("--lenient", action="store_true", help="skip tensors k3 does not know instead of failing")
     p.add_argument("--no-verify", action="store_true", help="do not check the source's sha256 hashes")
+    p.add_argument("--to-dcp", action="store_true",
+                   help="write a model-only torch.distributed.checkpoint folder instead")
     a = p.parse_args(argv)
+    from k3.train.dist_checkpoint import dcp_to_hf, hf_to_dcp, is_dcp_dir
+    if a.to_dcp:
+        print(f"wrote a torch.distributed.checkpoint folder to {hf_to_dcp(a.src, a.dst)}")
+        return 0
+    if is_dcp_dir(a.src):  # a distributed run's checkpoint (or its dcp/ folder) -> HF safetensors
+        print(f"wrote the HF safetensors layout to {dcp_to_hf(a.src, a.dst)}")
+        return 0
     names = convert(a.src, a.dst, DTYPE_ARGS[a.dtype] if a.dtype else None, a.max_shard_size, not a.lenient,
                     not a.no_verify)
     print(f"wrote {len(names)} shard(s) to {a.dst}")

@@ -188,6 +188,9 @@ class LatentMoE(nn.Module):
         self.last_scores: torch.Tensor | None = None
         self.last_counts: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None  # capacity path: slots dropped (0-d tensor)
+        # Pluggable dispatch: ``dispatcher(moe, z, weights, indices) -> u [N, ℓ] fp32`` replaces the
+        # local paths (expert parallelism, k3.train.distributed); None: the paths below.
+        self.dispatcher = None
         std = config.initializer_range
         self.gate = MoEGate(config)
         if self.latent:
@@ -224,7 +227,9 @@ class LatentMoE(nn.Module):
             self.last_scores = scores.detach()
             self.last_counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
         z = self.routed_expert_down_proj(x2) if self.latent else x2
-        if self.capacity_factor is None:
+        if self.dispatcher is not None:
+            u = self.dispatcher(self, z, weights, indices)
+        elif self.capacity_factor is None:
             u = self._dispatch_sorted(z, weights, indices)
         else:
             u = self._dispatch_capacity(z, weights, indices, self.capacity_factor)

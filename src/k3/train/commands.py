@@ -40,6 +40,10 @@ _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--dtype", "dtype", str, "fp32 | bf16 (bf16 autocast; fp32 master weights and KDA state)"),
     ("--attn-res", "attn_res", bool, "Block Attention Residuals (--no-attn-res: standard residuals)"),
     ("--hidden-act", "hidden_act", str, "situ | silu"),
+    ("--capacity-factor", "capacity_factor", float, "MoE expert capacity factor (default: dropless)"),
+    ("--qb-bins", "qb_bins", int, "histogram Quantile Balancing bins (default: exact; 1024 distributed)"),
+    ("--dp", "dp", int, "data-parallel degree under torchrun (default: world size / ep)"),
+    ("--ep", "ep", int, "expert-parallel degree under torchrun (each rank holds num_experts/ep)"),
     ("--log-interval", "log_interval", int, "steps between log lines (non-terminal output)"),
     ("--eval-interval", "eval_interval", int, "steps between validation evals (0: only at the end)"),
     ("--eval-batches", "eval_batches", int, "validation batches per eval (0: whole split)"),
@@ -64,6 +68,8 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the checkpoint (and metrics) of an earlier run in --out")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="launch N processes on this machine with torchrun (torch.distributed.run)")
     p.add_argument("--seq-len", type=int, help="one fixed sequence length (instead of --curriculum)")
     p.add_argument("--curriculum", help="context-length stages START:SEQ_LEN,... (START a step, or a "
                                         "fraction of the run when it has a dot), e.g. 0:256,0.4:512")
@@ -123,27 +129,91 @@ def default_out(tc) -> str:
 def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = None) -> int:
     """``k3 train``. ``trainer_hook(trainer)`` runs before training (tests attach callbacks)."""
     args = build_train_parser().parse_args(argv)
+    if args.nproc is not None:
+        return _run_guarded("train", lambda: launch_torchrun(args.nproc, argv))
 
     def run() -> int:
         from contextlib import nullcontext
 
         from k3.train.rundir import RunLock
-        held = args.resume and Path(args.resume).is_dir()
+        import os
+        # under torchrun only rank 0 locks the run dir (the others read while it holds the lock)
+        held = args.resume and Path(args.resume).is_dir() and os.environ.get("RANK", "0") == "0"
         with RunLock(args.resume) if held else nullcontext():  # no one saves while we read
             return _train(args, trainer_hook)
 
     return _run_guarded("train", run)
 
 
+def launch_torchrun(nproc: int, argv: list[str] | None) -> int:
+    """``k3 train --nproc N ...``: run ``torchrun --standalone --nproc-per-node N -m k3 train ...``
+    (a free rendezvous port on localhost) and return its exit status."""
+    import os
+    import subprocess
+
+    from k3.errors import ConfigError
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be > 0, got {nproc}")
+    rest, skip = [], False
+    for a in (sys.argv[1:] if argv is None else argv):
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "k3", "train", *rest]
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _make_trainer(tc, args: argparse.Namespace):
+    """The one-process Trainer, or DistTrainer under torchrun / for a DCP checkpoint; dp·ep > 1
+    without torchrun is refused."""
+    from k3.errors import ConfigError
+    from k3.train.distributed import DistTrainer, is_distributed_launch
+    from k3.train.loop import Trainer
+    from k3.train.state import find_checkpoint, load_trainer_state
+    dcp = False
+    if args.resume:
+        ckpt = find_checkpoint(args.resume)
+        dcp = ckpt is not None and load_trainer_state(ckpt).get("format") == "dcp"
+    if not is_distributed_launch() and (tc.dp or 1) * tc.ep > 1:
+        raise ConfigError(f"dp × ep = {(tc.dp or 1) * tc.ep} processes: launch with "
+                          f"k3 train --nproc {(tc.dp or 1) * tc.ep} ... or torchrun")
+    cls = DistTrainer if is_distributed_launch() or dcp else Trainer
+    return cls(tc, resume=bool(args.resume), overwrite=args.overwrite)
+
+
 def _train(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
-    from k3.train.loop import Trainer, TrainingDiverged
+    from k3.train.distributed import destroy
+    try:
+        return _train_in_group(args, trainer_hook)
+    finally:
+        destroy()  # a distributed run's process group (also when setup failed)
+
+
+def _param_count(trainer) -> int:
+    """Model parameters (global: an expert-parallel rank holds 1/ep of the routed experts)."""
+    n = sum(p.numel() for p in trainer.model.parameters())
+    layout = getattr(trainer, "layout", None)
+    if layout is not None:
+        n += (layout.ep - 1) * sum(p.numel() for p in trainer.expert_params)
+    return n
+
+
+def _train_in_group(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
+    from k3.train.loop import TrainingDiverged
     tc = train_config_from_args(args)
-    trainer = Trainer(tc, resume=bool(args.resume), overwrite=args.overwrite)
+    trainer = _make_trainer(tc, args)
     if trainer_hook is not None:
         trainer_hook(trainer)
-    print(f"{trainer.corpus.summary()}\nmodel: {tc.model_config or tc.preset}, "
-          f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters; run dir {tc.out}"
-          + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
+    if getattr(trainer, "layout", None) is None or trainer.layout.rank == 0:
+        print(f"{trainer.corpus.summary()}\nmodel: {tc.model_config or tc.preset}, "
+              f"{_param_count(trainer):,} parameters; run dir {tc.out}"
+              + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
     try:
         res = trainer.train()
     except TrainingDiverged as e:

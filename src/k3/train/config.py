@@ -77,6 +77,11 @@ class TrainConfig:
     qat: bool = False
     qk_clip: float | None = None             # QK-Clip τ for MLA max logits (None: off)
     dtype: str = "fp32"                      # fp32 | bf16 (autocast; fp32 master weights, KDA state)
+    capacity_factor: float | None = None     # MoE capacity C = ceil(f·N·k/E) (None: dropless)
+    qb_bins: int | None = None               # histogram QB bins (None: exact; 1024 when distributed)
+    # distributed (torchrun; k3.train.distributed): mesh dp x ep, world size = dp * ep
+    dp: int | None = None                    # data-parallel degree (None: world size / ep)
+    ep: int = 1                              # expert-parallel degree (each rank holds E/ep experts)
     # ablations (None: as the model config says)
     attn_res: bool | None = None
     hidden_act: str | None = None            # situ | silu
@@ -165,6 +170,15 @@ class TrainConfig:
             check_int(name, getattr(self, name), lo=0)
         check_int("val_percent", self.val_percent, lo=0, hi=99)
         check_int("seed", self.seed, lo=0, hi=SEED_MAX)
+        check_int("ep", self.ep, lo=1)
+        if self.dp is not None:
+            check_int("dp", self.dp, lo=1)
+        if self.qb_bins is not None:
+            check_int("qb_bins", self.qb_bins, lo=2, hi=1 << 20)
+            if self.balance != "quantile":
+                raise ConfigError(f"qb_bins applies to balance='quantile', not balance={self.balance!r}")
+        if self.capacity_factor is not None:
+            check_float("capacity_factor", self.capacity_factor, lo=0.0, lo_open=True)
         check_int("threads", self.threads, lo=0, hi=max_threads())
         for name in ("qat", "plot"):
             check_bool(name, getattr(self, name))

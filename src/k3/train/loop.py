@@ -104,17 +104,21 @@ class Trainer:
         tc = absolute_paths(tc)
         self.tc, self.print = tc, print_fn
         self.run_dir = Path(tc.out)
-        if not resume:
-            check_foreign_dir(self.run_dir)  # before the lock file goes into someone else's folder
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        elif not self.run_dir.is_dir():
-            raise CheckpointError(f"nothing to resume: {self.run_dir} does not exist")
-        self.lock = RunLock(self.run_dir).acquire()  # held until train() returns (or close())
+        self.lock = self._open_run_dir(resume)  # held until train() returns (or close())
         try:
             self._setup(resume, tty, overwrite)
         except BaseException:
             self.lock.release()
             raise
+
+    def _open_run_dir(self, resume: bool) -> RunLock:
+        """Check (fresh: not someone else's folder) or find (resume) the run dir; lock it."""
+        if not resume:
+            check_foreign_dir(self.run_dir)  # before the lock file goes into someone else's folder
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        elif not self.run_dir.is_dir():
+            raise CheckpointError(f"nothing to resume: {self.run_dir} does not exist")
+        return RunLock(self.run_dir).acquire()
 
     def close(self) -> None:
         """Release the run directory's lock (train() does so when it returns)."""
@@ -146,22 +150,22 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self._build_data(ckpt, saved)
         self.model = K3ForCausalLM(self.model_config)
+        for moe in self.model.moe_layers():
+            moe.capacity_factor = tc.capacity_factor
         if tc.qat:
             from k3.train.qat import enable_qat
             enable_qat(self.model)
         self.model.to(self.device)
-        self.optimizer = build_optimizer(self.model, self.model_config, tc.lr, tc.weight_decay,
-                                         muon=_OPTIMIZER_MODES[tc.optimizer])
-        self.balancer = RouterBalancer(self.model, tc.balance, tc.balance_rate)
+        self._parallelize()
+        self.optimizer = self._make_optimizer()
+        self.balancer = self._make_balancer()
         self.qk_clip = QKClip(self.model, tc.qk_clip, self.model_config) if tc.qk_clip else None
         self.autocast_dtype = _autocast_dtype(tc.dtype, self.device)
         self.step, self.skips, self.tokens_seen = 0, 0, 0
         self.last_saved_step: int | None = None
         records: list[dict] = []
         if saved is not None:
-            load_model_weights(self.model, ckpt / "model")
-            self.optimizer.load_state_dict(
-                torch.load(ckpt / "optimizer.pt", map_location=self.device, weights_only=True))
+            self._load_weights_and_optimizer(ckpt, saved)
             self.data.load_state_dict(saved["data"])
             self.step, self.skips = saved["step"], saved["skips"]
             self.tokens_seen = saved["tokens_seen"]
@@ -169,8 +173,45 @@ class Trainer:
             self.last_saved_step = self.step
             set_rng_state(saved["rng"])  # last: building the model above consumed random numbers
         check_free_space(self.run_dir, checkpoint_bytes(self))  # fail now, not after training
-        self.metrics = MetricsLog(self.run_dir, records)
+        self.metrics = self._make_metrics(records)
         self._write_run_info(resumed_from=self.step if saved is not None else None)
+
+    # ------------------------------------------------ seams (k3.train.distributed overrides them)
+    def _parallelize(self) -> None:
+        """Shard the model across processes (one process: nothing to do)."""
+
+    def _make_optimizer(self):
+        return build_optimizer(self.model, self.model_config, self.tc.lr, self.tc.weight_decay,
+                               muon=_OPTIMIZER_MODES[self.tc.optimizer])
+
+    def _make_balancer(self) -> RouterBalancer:
+        return RouterBalancer(self.model, self.tc.balance, self.tc.balance_rate, bins=self.tc.qb_bins)
+
+    def _make_metrics(self, records: list[dict]) -> MetricsLog:
+        return MetricsLog(self.run_dir, records)
+
+    def _load_weights_and_optimizer(self, ckpt: Path, saved: dict) -> None:
+        load_model_weights(self.model, ckpt / "model")
+        self.optimizer.load_state_dict(
+            torch.load(ckpt / "optimizer.pt", map_location=self.device, weights_only=True))
+
+    def _reduce_loss(self, value: float) -> float:
+        """The batch loss from this process's part (one process: itself)."""
+        return value
+
+    def _sync_grads(self) -> None:
+        """Finish gradients after the micro-batches (one process: nothing to do)."""
+
+    def _eval_part(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's rows of a validation batch (one process: all of them)."""
+        return x, y
+
+    def _sum_eval(self, nats: float, ntok: int, nbytes: int) -> tuple[float, int, int]:
+        """Validation sums over the processes (one process: these)."""
+        return nats, ntok, nbytes
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
 
     # -------------------------------------------------------------------------------- setup
     def _checkpoint_to_resume(self, resume: bool, overwrite: bool) -> tuple[Path | None, dict | None]:
@@ -228,16 +269,20 @@ class Trainer:
             save_model_weights(self.model, folder / "model")
             self.tokenizer.save(folder / "tokenizer.json")
             torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
-            torch.save({"step": self.step, "skips": self.skips, "tokens_seen": self.tokens_seen,
-                        "data": self.data.state_dict(), "rng": rng_state(),
-                        "metrics": self.metrics.records, "train_config": self.tc.to_dict(),
-                        "model_config": self.model_config.to_text_dict(),
-                        "corpus_fingerprint": self.corpus.fingerprint,
-                        "corpus_docs": self.corpus.doc_digests()}, folder / "trainer_state.pt")
+            torch.save(self._trainer_state(), folder / "trainer_state.pt")
         with RunLock(self.run_dir):  # re-entrant: a no-op while this trainer holds it
             path = save_checkpoint(self.run_dir, self.step, write, need_bytes=checkpoint_bytes(self))
         self.last_saved_step = self.step
         return path
+
+    def _trainer_state(self) -> dict:
+        """What trainer_state.pt holds besides the tensors: step, data cursor, RNG, metrics, configs."""
+        return {"step": self.step, "skips": self.skips, "tokens_seen": self.tokens_seen,
+                "data": self.data.state_dict(), "rng": rng_state(),
+                "metrics": self.metrics.records, "train_config": self.tc.to_dict(),
+                "model_config": self.model_config.to_text_dict(),
+                "corpus_fingerprint": self.corpus.fingerprint,
+                "corpus_docs": self.corpus.doc_digests()}
 
     # --------------------------------------------------------------------------------- step
     def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -272,7 +317,7 @@ class Trainer:
                 return {"kind": "stopped", "step": self.step}
             x, y = self.data.next_batch(seq_len)
             loss = self._loss(x, y)
-            lv = loss.item()
+            lv = self._reduce_loss(loss.item())
             if not math.isfinite(lv):
                 reason = f"non-finite loss ({lv}) in micro-batch {micro}"
                 break
@@ -284,7 +329,8 @@ class Trainer:
         grad_norm = float("nan")
         if reason is None:
             max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+            self._sync_grads()
+            grad_norm = self._clip_grad_norm(max_norm)
             if not math.isfinite(grad_norm):
                 reason = f"non-finite gradient norm ({grad_norm})"
         tokens = tc.batch_size * seq_len * tc.grad_accum
@@ -311,7 +357,8 @@ class Trainer:
             "train", step=self.step, loss=loss_sum / tc.grad_accum, lr=lr, seq_len=seq_len,
             tokens=self.tokens_seen, tokens_per_s=tokens / dt, grad_norm=grad_norm,
             load_cv=sum(cv) / len(cv) if cv else None, load_cv_layers=cv,
-            load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None, **clip)
+            load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None, **clip,
+            **({"dropped_slots": stats["dropped_slots"]} if "dropped_slots" in stats else {}))
 
     def _abandon_step(self, data_state: dict, rng: dict) -> None:
         """Drop a step interrupted between micro-batches: the state is as after the last step."""
@@ -341,12 +388,14 @@ class Trainer:
                                      max_batches or None):
                 if self.stop_signal is not None:
                     return None
+                x, y = self._eval_part(x, y)
                 nats += self._loss(x, y, reduction="sum").item()
                 keep = y[y != IGNORE_INDEX]
                 ntok += keep.numel()
                 nbytes += int(self.token_bytes[keep].sum())
         finally:
             self.model.train()
+        nats, ntok, nbytes = self._sum_eval(nats, ntok, nbytes)
         if ntok == 0:
             raise ValueError("the validation split is empty")
         return {"val_loss": nats / ntok, "val_bpb": nats / math.log(2) / max(nbytes, 1),
@@ -373,7 +422,8 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, self._handle_signal)
-        prog = Progress(tc.steps, self.step, tc.log_interval, tty=self.tty)
+        prog = Progress(tc.steps, self.step, tc.log_interval, tty=self.tty,
+                        stream=getattr(self, "progress_stream", None))
         losses: list[float | None] = []
         val = None
         try:

@@ -130,9 +130,14 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.mul_(mu).add_(g)
             u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-            o, (rows, cols) = orthogonalize(u, group["block_rows"], group["ns_steps"], self.ns_dtype)
+            o, (rows, cols) = self._orthogonalize(u, group)
             p.mul_(1 - lr * wd)
             p.add_(o, alpha=-lr * 0.2 * math.sqrt(max(rows, cols)))
+
+    def _orthogonalize(self, u: Tensor, group: dict[str, Any]) -> tuple[Tensor, tuple[int, int]]:
+        """NS5 of one momentum update (per head block / per expert); the seam a sharded optimizer
+        overrides (k3.train.distributed gathers a sharded matrix here)."""
+        return orthogonalize(u, group["block_rows"], group["ns_steps"], self.ns_dtype)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
