@@ -67,6 +67,7 @@ class ApprovalRequest:
     arguments: dict
     reason: str
     effects: list[Effect]
+    call_id: str = ""
 
 
 @dataclass
@@ -204,17 +205,17 @@ class Policy:
         d = Decision(tool, call_id, worst.action, worst.action == "allow", worst.rule, worst.reason,
                      list(ctx.effects))
         if worst.action == "ask":
-            d.allowed, d.approval = self._ask(tool, args, worst.reason, d.effects)
+            d.allowed, d.approval = self._ask(ApprovalRequest(tool, dict(args), worst.reason, d.effects, call_id))
         self.log.append(d)
         return d
 
-    def _ask(self, tool, args, reason, effects) -> tuple[bool, str]:
+    def _ask(self, req: ApprovalRequest) -> tuple[bool, str]:
         if self.yolo:
             return True, "yolo"
         if self.approve is None:
             return False, "no approver"
         try:
-            ok = bool(self.approve(ApprovalRequest(tool, dict(args), reason, effects)))
+            ok = bool(self.approve(req))
         except Exception as e:  # noqa: BLE001 - an approver that fails has not approved
             return False, f"approver failed: {type(e).__name__}"
         return ok, "approved" if ok else "denied"
