@@ -45,7 +45,7 @@ _SYSPKG = {"apt", "apt-get", "aptitude", "dpkg", "yum", "dnf", "zypper", "apk", 
            "flatpak", "port", "nix-env", "rpm"}
 _LANGPKG = {"npm", "pnpm", "yarn", "npx", "bun", "gem", "cargo", "go", "composer", "cpan", "cpanm"}
 _PKG_VERBS = {"install", "i", "add", "ci", "sync", "uninstall", "remove", "upgrade", "update", "get",
-              "download", "-i", "-S", "-U", "-Syu", "exec", "dlx", "x"}
+              "download", "exec", "dlx", "x"}
 _GIT_NETWORK = {"clone", "fetch", "pull", "ls-remote", "send-email", "request-pull", "archive"}
 _CODE_NET = re.compile(r"\b(socket|urllib|urllib2|urllib3|http\.client|http\.server|httplib|requests|httpx|"
                        r"aiohttp|ftplib|smtplib|telnetlib|xmlrpc|paramiko|websocket|websockets|asyncio\."
@@ -273,8 +273,9 @@ class _Analyzer:
                 j = i + 1
                 while j < len(args) and args[j].text not in (";", "+"):
                     j += 1
-                inner = [roots[0] if a.text == "{}" else a for a in args[i + 1:j]]
-                self.argv(inner, detail)
+                for r in roots:  # {} is whatever matches below (or at) the root
+                    below = Word(posixpath.join(r.text, "*"), r.dynamic, True, r.quoted)
+                    self.argv([below if a.text == "{}" else a for a in args[i + 1:j]], detail)
                 i = j
             elif t in ("-fprint", "-fprintf", "-fls"):
                 if i + 1 < len(args):
@@ -315,9 +316,13 @@ class _Analyzer:
 
     def _package(self, name: str, args: list[Word], detail: str):
         texts = [a.text for a in args if a.text not in ("-m",)]
-        verbs = [t for t in texts if not t.startswith("-")] + [t for t in texts if t in ("-i", "-S", "-U", "-Syu")]
-        if name == "npx" or (name == "uv" and verbs[:1] in (["pip"], ["add"], ["sync"], ["tool"], ["run"])) \
-                or any(v in _PKG_VERBS for v in verbs[:2]):
+        verbs = [t for t in texts if not t.startswith("-")]
+        v0 = verbs[0] if verbs else ""
+        if v0 in ("pip", "tool", "env", "global") and len(verbs) > 1:  # uv pip install, yarn global add
+            v0 = verbs[1]
+        flag_install = name in ("dpkg", "pacman", "rpm") and any(
+            t in ("-i", "--install", "-U", "-S", "-Syu", "-Sy") for t in texts)
+        if name == "npx" or v0 in _PKG_VERBS or flag_install:
             self.add("package_install", None, detail)
         else:
             self.add("execute", None, detail)

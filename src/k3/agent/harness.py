@@ -193,7 +193,7 @@ class Harness:
             why = f"unknown tool {raw['name']!r}" if name is None else "arguments are not a JSON object"
             result = ToolResult(call.id, call.name, f"error: {why}", error=True, meta={"bad_call": True})
         else:
-            ctx = PolicyContext(self.tools.workdir, self.tools.env.get("HOME", "/tmp/home"),
+            ctx = PolicyContext(self.tools.workdir, self.tools.env.get("HOME", "/root"),
                                 allowed_tools=self.allowed, steps_left=self.budget.steps - self.steps + 1,
                                 submissions_left=self.budget.submissions - self.submissions,
                                 wall_left=left())

@@ -75,7 +75,7 @@ class PolicyContext:
     """What the rules need to know about the episode (filled in by the harness before each call)."""
 
     workdir: str = "/workspace"
-    home: str = "/tmp/home"
+    home: str = "/root"
     writable_roots: tuple[str, ...] = ("/workspace", "/tmp")
     allowed_tools: tuple[str, ...] = ("shell", "read", "write", "edit", "list", "submit")
     steps_left: int = 1

@@ -35,7 +35,7 @@ TOOL_SPECS: dict[str, tuple[str, dict[str, tuple[str, bool, str]]]] = {
     "submit": ("Submit the current work for grading by the hidden verifier (counts against the budget).", {}),
 }
 _JSON_TYPES = {"string": str, "number": (int, float)}
-AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp/home", "LANG": "C.UTF-8"}
+AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
 DEFAULT_SHELL_TIMEOUT = 60.0
 
 
