@@ -1,0 +1,128 @@
+"""Reasoning state through ``OpenAICompatible`` against a real ``k3 serve`` of a nano model.
+
+Two recording proxies (in this test, loopback, free ports) stand in front of ONE server, so provider
+A and provider B are different endpoints of the same model. What each proxy received is compared
+with what the provider was meant to send, and the server's ``usage.prompt_tokens`` with the length
+of the chat format's rendering of exactly those messages (``ChatFormat.render`` here, in the test):
+the server rendered the earlier reasoning for A, and never saw A's reasoning when B was asked.
+``LocalEngine`` is checked the same way in process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+import torch
+
+from k3.agent.providers import LocalEngine, OpenAICompatible, ProviderRequest
+from k3.agent.randomize import HarnessConfig
+from k3.agent.tools import TOOL_SPECS, tool_schemas
+from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
+from k3.config import get_preset
+from k3.data.chat import ChatFormat
+from k3.model.decoder import K3ForCausalLM
+from k3.serve.launch import launch
+
+
+@pytest.fixture(scope="module")
+def nano(tmp_path_factory):
+    from k3.checkpoint import save_pretrained
+    from k3.data.tokenizer import train_tokenizer
+
+    d = tmp_path_factory.mktemp("agent-serve") / "nano"
+    torch.manual_seed(0)
+    model = K3ForCausalLM(get_preset("nano"))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    save_pretrained(model, d)
+    tok = train_tokenizer(["run the shell command, read the file, then submit the work. " * 30], vocab_size=400)
+    tok.save(d)
+    return d, model.eval(), tok
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.bodies.append(json.loads(body))
+        r = httpx.post(self.server.upstream + self.path, content=body,
+                       headers={"Content-Type": "application/json"}, timeout=120)
+        self.send_response(r.status_code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(r.content)))
+        self.end_headers()
+        self.wfile.write(r.content)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture(scope="module")
+def proxies(nano):
+    with launch(nano[0], "--thinking-cap-low", "3", threads=1) as srv:
+        made = []
+        for _ in range(2):
+            p = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+            p.upstream, p.bodies = srv.url, []
+            threading.Thread(target=p.serve_forever, daemon=True).start()
+            made.append(p)
+        try:
+            yield made
+        finally:
+            for p in made:
+                p.shutdown()
+                p.server_close()
+
+
+def _req(messages, tools):
+    return ProviderRequest(messages, tools, HarnessConfig(), max_tokens=6, temperature=0.0, seed=0, effort="low")
+
+
+@pytest.mark.slow
+def test_reasoning_round_trips_to_its_own_provider_and_never_reaches_another(nano, proxies):
+    fmt = ChatFormat(nano[2])
+    pa_http, pb_http = proxies
+    a = OpenAICompatible(f"http://127.0.0.1:{pa_http.server_port}/v1", "nano")
+    b = OpenAICompatible(f"http://127.0.0.1:{pb_http.server_port}/v1", "nano")
+    assert a.id != b.id
+    tools = tool_schemas(HarnessConfig(), list(TOOL_SPECS))
+    first = a.complete(_req(history_messages("system", "list the files", [], a.id), tools))
+    assert first.reasoning  # the low-effort cap ends thinking after 3 tokens; 3 tokens of text came back
+    # the harness records A's turn, with one tool call and its result, and asks A again
+    t1 = AgentTurn(first.visible, first.reasoning, [ToolCall("functions.list:0", "list", {"path": "."})],
+                   [ToolResult("functions.list:0", "list", "calc.py (40 bytes)")], a.id)
+    msgs_a = history_messages("system", "list the files", [t1], a.id)
+    second = a.complete(_req(msgs_a, tools))
+    got = pa_http.bodies[-1]["messages"]
+    assert [m.get("reasoning_content") for m in got if m["role"] == "assistant"] == [first.reasoning]
+    rendered = fmt.render(msgs_a, tools=tools, reasoning_effort="low")
+    without = fmt.render([{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs_a],
+                         tools=tools, reasoning_effort="low", allow_missing_reasoning=True)
+    assert second.usage["prompt_tokens"] == len(rendered) > len(without)
+    # the same history asked of B: A's reasoning is not sent, the turns come as a re-plan note
+    msgs_b = history_messages("system", "list the files", [t1], b.id)
+    third = b.complete(_req(msgs_b, tools))
+    sent_b = pb_http.bodies[-1]
+    assert all("reasoning_content" not in m and "reasoning" not in m for m in sent_b["messages"])
+    assert first.reasoning not in [m.get("content") for m in sent_b["messages"]]
+    assert third.usage["prompt_tokens"] == len(fmt.render(msgs_b, tools=tools, reasoning_effort="low"))
+    assert len(pa_http.bodies) == 2 and len(pb_http.bodies) == 1
+    a.close()
+    b.close()
+
+
+def test_local_engine_provider_renders_the_same_prompt_and_parses_reasoning(nano):
+    from k3.infer.engine import Engine
+
+    _, model, tok = nano
+    with Engine(model, tokenizer=tok) as eng:
+        p = LocalEngine(eng, name="nano")
+        tools = tool_schemas(HarnessConfig(), ["shell", "submit"])
+        msgs = history_messages("system", "run ls", [], p.id)
+        r = p.complete(ProviderRequest(msgs, tools, HarnessConfig(), max_tokens=5, temperature=0.0, seed=0,
+                                       effort="low"))
+        assert r.usage["prompt_tokens"] == len(ChatFormat(tok).render(msgs, tools=tools, reasoning_effort="low"))
+        assert r.usage["completion_tokens"] >= 1 and r.reasoning is not None
