@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo test install chromium bench clean
+.PHONY: demo test install chromium sandbox-deps bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,12 @@ chromium:
 	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
 
-test: $(STAMP) chromium
+# The namespace sandbox backend (k3.env) runs on Debian's bubblewrap; install it when missing.
+sandbox-deps:
+	command -v bwrap >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q bubblewrap; }
+
+test: $(STAMP) chromium sandbox-deps
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

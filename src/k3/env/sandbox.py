@@ -5,6 +5,25 @@ chosen by name (``namespace`` | ``vm`` | ``local``) through ``SandboxManager`` a
 swapped for another. Paths given to the file methods are relative to the sandbox's workspace
 (``Sandbox.workdir`` inside the sandbox, ``/workspace`` by default) or absolute inside the sandbox;
 they are resolved inside the sandbox, so a symlink can never lead a read or write to a host file.
+
+Backend protocol (``Backend`` below; registry in ``k3.env.backends``: name -> "module:Class"). The
+``SandboxManager`` (``k3.env.manager``) owns a root directory and calls three classmethods:
+
+* ``create(manager, sandbox_id, image, limits, workspace) -> Sandbox``: ``image`` is an image id
+  (a layer id of ``manager.store``, resolved from "default" by the manager); ``workspace`` is
+  ``None`` or a host directory whose files appear under ``/workspace``.
+* ``fork(manager, snapshot, sandbox_id, limits) -> Sandbox``: ``snapshot`` is a ``SnapshotInfo``
+  of ``manager.store``; the new sandbox starts from it without copying it.
+* ``attach(manager, state) -> Sandbox``: re-open a live sandbox from its ``state`` dict (what the
+  backend wrote with ``manager.write_state``), e.g. in a new process (``k3 env exec ID ...``).
+
+Per sandbox, a backend may use ``manager.sandbox_dir(id)`` (removed by ``close``) and must name
+its cgroups ``manager.cgroup_name(id)`` (``k3-<tag>-<id>``). Snapshots go to ``manager.store``
+(``k3.env.store.Store``): file trees as content-addressed layers (``commit_layer``), other
+content (e.g. a VM memory image) as content-addressed blobs (``add_blob``), recorded with
+``save_snapshot(image, layers, parent, backend, nbytes, content=..., meta=...)`` whose id is the
+sha256 of {image, layers, parent, backend, content}. A backend refuses (``SandboxError``) a
+snapshot it cannot start from (e.g. a VM memory snapshot in the namespace backend).
 """
 
 from __future__ import annotations
@@ -14,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from k3.errors import K3Error
 
-__all__ = ["ExecResult", "FileEntry", "Limits", "Sandbox", "SandboxError", "SnapshotInfo"]
+__all__ = ["Backend", "ExecResult", "FileEntry", "Limits", "Sandbox", "SandboxError", "SnapshotInfo"]
 
 
 class SandboxError(K3Error):
@@ -36,6 +55,32 @@ class Limits:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def unlimited(cls, **overrides) -> "Limits":
+        """No memory/pids/cpu/disk limit and the host network (e.g. for the ``local`` backend)."""
+        return cls(**{"memory_bytes": None, "pids": None, "cpus": None, "network": True,
+                      "disk_bytes": None, **overrides})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Limits":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise SandboxError(f"limits: unknown field(s) {sorted(unknown)}")
+        return cls(**d)
+
+    def __post_init__(self):
+        for name in ("memory_bytes", "pids", "disk_bytes"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise SandboxError(f"limits.{name} must be a positive int or None, got {v!r}")
+        if self.cpus is not None and (isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float))
+                                      or not self.cpus > 0):
+            raise SandboxError(f"limits.cpus must be a positive number or None, got {self.cpus!r}")
+        if isinstance(self.output_bytes, bool) or not isinstance(self.output_bytes, int) or self.output_bytes < 0:
+            raise SandboxError(f"limits.output_bytes must be an int >= 0, got {self.output_bytes!r}")
+        if not isinstance(self.network, bool):
+            raise SandboxError(f"limits.network must be a bool, got {self.network!r}")
 
 
 @dataclass
@@ -138,3 +183,22 @@ class SnapshotInfo:
     created: float
     bytes: int                         # bytes this snapshot added to the store
     meta: dict = field(default_factory=dict)
+
+
+class Backend(abc.ABC):
+    """What ``SandboxManager`` calls on a backend class (see the module docstring)."""
+
+    name: str = "?"
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, manager, sandbox_id: str, image: str, limits: Limits,
+               workspace: str | None) -> Sandbox: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def fork(cls, manager, snapshot: SnapshotInfo, sandbox_id: str, limits: Limits) -> Sandbox: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def attach(cls, manager, state: dict) -> Sandbox: ...

@@ -1,0 +1,326 @@
+"""The ``namespace`` backend: bubblewrap namespaces over an overlayfs root, cgroup limits.
+
+One sandbox = one long-lived process tree, all in the cgroup ``k3-<tag>-<id>``::
+
+    python (preexec: join the cgroup, a private mount namespace, mount the overlay there)
+      -> bwrap  (new user/pid/ipc/uts/cgroup/net namespaces, all capabilities dropped,
+                 the overlay bound at /, fresh /proc and /dev)
+           -> bwrap as pid 1 -> python3 /.k3/agent.py (the exec agent, k3.env.backends.agent)
+
+The overlay: lowers = the snapshot layers (newest first) over the workspace layer over the base
+image, all read-only in the manager's store; upper = ``sandboxes/<id>/upper`` (the only place a
+sandbox can write). The overlay mount exists only in the holder's private mount namespace, so
+it disappears with the sandbox's last process. Commands reach the agent over a listening unix
+socket made on the host (``sandboxes/<id>/ctl.sock``) and inherited by the agent: nothing inside
+can see its path. File methods go through ``/proc/<pid 1>/root`` with ``openat2(RESOLVE_IN_ROOT)``.
+
+Snapshot = freeze the cgroup, commit the upper layer to the store (content-addressed, only the
+files the sandbox changed since it started), thaw. Fork = a new sandbox whose lowers include the
+snapshot's layers (nothing is copied). Restore = kill the processes, empty the upper layer,
+restart on the snapshot's layers. Files survive snapshot/fork/restore; process memory does not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import time
+
+from k3.env.cgroups import Cgroup, CgroupLayout, detect_layout, refuse_unenforceable
+from k3.env.execio import DEFAULT_ENV, agent_exec, agent_ping, normalize_cmd
+from k3.env.fsview import FsView
+from k3.env.sandbox import Backend, ExecResult, FileEntry, Limits, Sandbox, SandboxError, SnapshotInfo
+
+__all__ = ["NamespaceBackend", "NamespaceSandbox"]
+
+AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
+_libc = ctypes.CDLL(None, use_errno=True)
+_CLONE_NEWNS, _MS_REC, _MS_PRIVATE = 0x00020000, 0x4000, 0x40000
+_CHILDREN: dict[int, subprocess.Popen] = {}   # holders started by this process (reaped at close)
+_MAX_MOUNT_DATA = 4000
+
+
+def _bwrap() -> str:
+    path = shutil.which("bwrap")
+    if not path:
+        raise SandboxError("namespace backend: bubblewrap (bwrap) is not installed; run `make sandbox-deps` "
+                           "(apt-get install bubblewrap)")
+    return path
+
+
+def _sock_path(path: str) -> tuple[str, int | None]:
+    """A unix socket address for ``path`` within the 107-byte limit (via /proc/self/fd)."""
+    if len(path.encode()) < 100:
+        return path, None
+    fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
+
+
+class NamespaceSandbox(Sandbox):
+    backend = "namespace"
+
+    def __init__(self, manager, state: dict):
+        super().__init__(state["id"], Limits.from_dict(state["limits"]))
+        self.manager, self.state = manager, state
+        self.dir = manager.sandbox_dir(self.id)
+        self.cg = Cgroup(state["cgroup"], CgroupLayout.from_dict(state["cgroup_layout"]))
+        self._closed = False
+        self._dfd: int | None = None
+
+    # the holder -------------------------------------------------------------------------------
+    def _save(self) -> None:
+        self.manager.write_state(self.id, self.state)
+
+    def _start(self) -> None:
+        st, store = self.state, self.manager.store
+        lowers = [st["image"]] + st["layers"]
+        for lid in lowers:
+            store.layer_dir(lid)
+        for d in ("upper", "work", "root"):
+            os.makedirs(os.path.join(self.dir, d), exist_ok=True)
+        data = (f"lowerdir={':'.join(reversed(lowers))},upperdir={self.dir}/upper,workdir={self.dir}/work,"
+                "index=off,metacopy=off,redirect_dir=off").encode()
+        if len(data) > _MAX_MOUNT_DATA:
+            raise SandboxError(f"sandbox {self.id}: {len(lowers)} layers exceed the overlay mount limit; "
+                               "fork from a snapshot of a sandbox with fewer layers")
+        layers_dir = os.path.join(store.root, "layers").encode()
+        merged = os.path.join(self.dir, "root").encode()
+        procs = [p.encode() for p in self.cg.procs_files]
+
+        def holder_setup():  # in the child, before exec(bwrap): only syscalls and small writes
+            for p in procs:
+                fd = os.open(p, os.O_WRONLY)
+                os.write(fd, b"0")
+                os.close(fd)
+            if _libc.unshare(_CLONE_NEWNS) != 0 or _libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+                os._exit(90)
+            os.chdir(layers_dir)
+            if _libc.mount(b"k3-overlay", merged, b"overlay", 0, data) != 0:
+                os.write(2, f"k3: overlay mount failed: {os.strerror(ctypes.get_errno())}\n".encode())
+                os._exit(91)
+
+        sock_file = os.path.join(self.dir, "ctl.sock")
+        if os.path.exists(sock_file):
+            os.unlink(sock_file)
+        addr, dfd = _sock_path(sock_file)
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        info_r, info_w = os.pipe()
+        try:
+            lsock.bind(addr)
+            lsock.listen(64)
+            argv = [_bwrap(), "--bind", merged.decode(), "/", "--proc", "/proc", "--dev", "/dev",
+                    "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
+                    *([] if self.limits.network else ["--unshare-net"]),
+                    "--uid", "0", "--gid", "0", "--hostname", "k3-sandbox", "--cap-drop", "ALL",
+                    "--ro-bind", AGENT, "/.k3/agent.py", "--chdir", "/", "--info-fd", str(info_w),
+                    "--", "/usr/bin/python3", "-I", "-S", "/.k3/agent.py", str(lsock.fileno())]
+            log = open(os.path.join(self.dir, "holder.log"), "wb")
+            with log:
+                p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={},
+                                     pass_fds=(lsock.fileno(), info_w), preexec_fn=holder_setup,
+                                     start_new_session=True)
+            _CHILDREN[p.pid] = p
+            os.close(info_w)
+            info_w = -1
+            root_pid = self._read_info(info_r, p)
+        finally:
+            lsock.close()
+            os.close(info_r)
+            if info_w >= 0:
+                os.close(info_w)
+            if dfd is not None:
+                os.close(dfd)
+        st.update(pid=p.pid, root_pid=root_pid, paused=False)
+        self._save()
+        ans = agent_ping(self._sock(), self.id)
+        st["landlock"] = ans.get("landlock", 0)
+        self._save()
+
+    def _read_info(self, info_r: int, p: subprocess.Popen) -> int:
+        buf, end = b"", time.monotonic() + 20
+        while b"}" not in buf:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([info_r], [], [], left)[0]:
+                break
+            chunk = os.read(info_r, 4096)
+            if not chunk:
+                break
+            buf += chunk
+        if b"}" not in buf:
+            if p.poll() is None:
+                self.cg.kill_all()
+            p.wait(5)
+            with open(os.path.join(self.dir, "holder.log"), "rb") as f:
+                why = f.read().decode(errors="replace").strip()[-500:]
+            raise SandboxError(f"sandbox {self.id}: the namespace holder did not start (exit {p.poll()}): {why}")
+        return int(json.loads(buf[:buf.index(b"}") + 1])["child-pid"])
+
+    def _sock(self) -> str:
+        path = os.path.join(self.dir, "ctl.sock")
+        if len(path.encode()) < 100:
+            return path
+        if self._dfd is None:
+            self._dfd = os.open(self.dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return f"/proc/self/fd/{self._dfd}/ctl.sock"
+
+    def _stop_holder(self) -> None:
+        self.cg.kill_all()
+        p = _CHILDREN.pop(self.state.get("pid", -1), None)
+        if p is not None:
+            p.wait(10)
+
+    def _check(self, running: bool = True) -> None:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        if running and self.state.get("paused"):
+            raise SandboxError(f"sandbox {self.id} is paused; resume() it first")
+
+    def _fs(self) -> FsView:
+        self._check(running=False)
+        pid = self.state["root_pid"]
+        if pid not in self.cg.pids():
+            raise SandboxError(f"sandbox {self.id}: its processes are gone (pid {pid} is not in its cgroup)")
+        return FsView(f"/proc/{pid}/root", self.workdir, self.id)
+
+    # Sandbox API ------------------------------------------------------------------------------
+    def exec(self, cmd, timeout=60.0, stdin=None, env=None, cwd=None) -> ExecResult:
+        self._check()
+        argv = normalize_cmd(cmd, timeout, self.id)
+        full_env = {**DEFAULT_ENV, **(env or {})}
+        wd = os.path.normpath(os.path.join(self.workdir, cwd)) if cwd else self.workdir
+        before = self.cg.oom_kills()
+        sock = self._sock()
+        res = agent_exec(sock, self.id, argv, full_env, wd, timeout, stdin, self.limits.output_bytes)
+        res.oom_killed = self.cg.oom_kills() > before
+        return res
+
+    def read_file(self, path, max_bytes=None) -> bytes:
+        return self._fs().read(path, max_bytes)
+
+    def write_file(self, path, data, mode=0o644) -> None:
+        self._fs().write(path, data, mode)
+
+    def list(self, path=".", recursive=False) -> list[FileEntry]:
+        return self._fs().list(path, recursive)
+
+    def pause(self) -> None:
+        self._check(running=False)
+        self.cg.set_frozen(True)
+        self.state["paused"] = True
+        self._save()
+
+    def resume(self) -> None:
+        self._check(running=False)
+        self.cg.set_frozen(False)
+        self.state["paused"] = False
+        self._save()
+
+    def snapshot(self) -> str:
+        self._check(running=False)
+        was_paused = self.state.get("paused")
+        if not was_paused:
+            self.cg.set_frozen(True)
+        try:
+            layer, added = self.manager.store.commit_layer(os.path.join(self.dir, "upper"))
+        finally:
+            if not was_paused:
+                self.cg.set_frozen(False)
+        st = self.state
+        info = self.manager.store.save_snapshot(st["image"], st["layers"] + [layer], st.get("origin"),
+                                                self.backend, added,
+                                                meta={"limits": self.limits.as_dict(), "sandbox": self.id})
+        return info.id
+
+    def restore(self, snapshot_id: str) -> None:
+        self._check(running=False)
+        snap = self.manager.store.snapshot(snapshot_id)
+        layers, image = NamespaceBackend.layers_of(snap)
+        self._stop_holder()
+        for d in ("upper", "work"):
+            shutil.rmtree(os.path.join(self.dir, d))
+        self.state.update(image=image, layers=layers, origin=snap.id)
+        self._start()
+
+    def fork(self, snapshot_id=None) -> Sandbox:
+        self._check(running=False)
+        return self.manager.fork(snapshot_id or self.snapshot(), limits=self.limits, backend=self.backend)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop_holder()
+        self.cg.remove()
+        if self._dfd is not None:
+            os.close(self._dfd)
+            self._dfd = None
+        shutil.rmtree(self.dir)
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def describe(self) -> dict:
+        return {**super().describe(), "image": self.state["image"], "layers": list(self.state["layers"]),
+                "origin": self.state.get("origin"), "paused": bool(self.state.get("paused")),
+                "landlock": self.state.get("landlock", 0)}
+
+
+class NamespaceBackend(Backend):
+    name = "namespace"
+
+    @staticmethod
+    def _refuse(limits: Limits) -> None:
+        _bwrap()
+        refuse_unenforceable(limits, detect_layout(), "namespace backend")
+        if limits.disk_bytes is not None:
+            raise SandboxError("namespace backend: cannot enforce limits.disk_bytes (the writable layer is a "
+                               "directory of the host filesystem, no size cap); set it to None")
+
+    @staticmethod
+    def layers_of(snap: SnapshotInfo) -> tuple[list[str], str]:
+        if snap.backend not in ("namespace", "local") or not snap.meta.get("image"):
+            raise SandboxError(f"snapshot {snap.id} is a {snap.backend!r} snapshot: the namespace backend "
+                               "can only start from file-layer snapshots (namespace, local)")
+        return list(snap.meta["layers"]), snap.meta["image"]
+
+    @classmethod
+    def _launch(cls, manager, sid, image, layers, limits, origin) -> NamespaceSandbox:
+        cls._refuse(limits)
+        state = {"id": sid, "backend": cls.name, "image": image, "layers": layers, "origin": origin,
+                 "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid), "cgroup_layout": detect_layout().as_dict(),
+                 "created": time.time()}
+        sb = NamespaceSandbox(manager, state)
+        sb.cg.create(limits)
+        try:
+            sb._start()
+        except BaseException:
+            sb._stop_holder()
+            sb.cg.remove()
+            raise
+        return sb
+
+    @classmethod
+    def create(cls, manager, sandbox_id, image, limits, workspace) -> Sandbox:
+        cls._refuse(limits)
+        layers = [manager.store.commit_layer(workspace, prefix="workspace")[0]] if workspace else []
+        return cls._launch(manager, sandbox_id, image, layers, limits, None)
+
+    @classmethod
+    def fork(cls, manager, snapshot, sandbox_id, limits) -> Sandbox:
+        layers, image = cls.layers_of(snapshot)
+        return cls._launch(manager, sandbox_id, image, layers, limits, snapshot.id)
+
+    @classmethod
+    def attach(cls, manager, state) -> Sandbox:
+        return NamespaceSandbox(manager, state)
+
+    @staticmethod
+    def alive(manager, state) -> bool:
+        cg = Cgroup(state["cgroup"], CgroupLayout.from_dict(state["cgroup_layout"]))
+        return state.get("root_pid") in cg.pids()

@@ -1,0 +1,171 @@
+"""Running one command and collecting its output under a deadline and a byte cap.
+
+``pump`` reads a command's stdout/stderr pipes and a control descriptor (the exec agent's socket,
+or a pidfd for host processes) with one selector. Each stream keeps at most ``cap`` bytes; the
+rest is read and dropped (``truncated``), so memory stays O(cap) whatever the command prints.
+When the command has exited, the pipes are drained until EOF or for ``EXIT_GRACE`` seconds more
+(a background process that inherited stdout would otherwise hold the result forever).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import threading
+import time
+from typing import Callable
+
+from k3.env.sandbox import ExecResult, SandboxError
+
+__all__ = ["pump", "agent_exec", "agent_ping", "normalize_cmd", "EXIT_GRACE"]
+
+EXIT_GRACE = 0.2
+DEFAULT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
+               "HOME": "/root", "LANG": "C.UTF-8", "USER": "root", "TERM": "dumb"}
+
+
+def normalize_cmd(cmd, timeout, label: str) -> list[str]:
+    if isinstance(cmd, str):
+        argv = ["/bin/sh", "-c", cmd]
+    elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+        argv = list(cmd)
+    else:
+        raise SandboxError(f"sandbox {label}: cmd must be a string or a non-empty list of strings, got {cmd!r}")
+    if any("\0" in a for a in argv):
+        raise SandboxError(f"sandbox {label}: cmd contains a NUL byte")
+    if timeout is not None and not timeout > 0:
+        raise SandboxError(f"sandbox {label}: timeout must be > 0 seconds or None, got {timeout!r}")
+    return argv
+
+
+def _feed(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view[:65536])
+            view = view[n:]
+    except OSError:  # the command closed its stdin early
+        pass
+    finally:
+        os.close(fd)
+
+
+def pump(out_r: int, err_r: int, ctl: int, on_ctl: Callable[[], int | None], kill: Callable[[], None],
+         timeout: float | None, cap: int, stdin_w: int | None = None, stdin: bytes | None = None) -> ExecResult:
+    """Collect output until the command exits (``on_ctl`` returns its exit code) or the deadline.
+    Closes ``out_r``/``err_r``. On timeout calls ``kill`` and returns ``timed_out``."""
+    t0 = time.monotonic()
+    deadline = None if timeout is None else t0 + timeout
+    if stdin_w is not None:
+        threading.Thread(target=_feed, args=(stdin_w, stdin or b""), daemon=True).start()
+    bufs = {out_r: bytearray(), err_r: bytearray()}
+    truncated, code, timed_out, grace_end = False, None, False, None
+    sel = selectors.DefaultSelector()
+    for fd in (out_r, err_r, ctl):
+        sel.register(fd, selectors.EVENT_READ)
+    open_streams = 2
+    try:
+        while open_streams or code is None:
+            now = time.monotonic()
+            if code is not None:
+                grace_end = grace_end or now + EXIT_GRACE
+                wait = grace_end - now
+            else:
+                wait = None if deadline is None else deadline - now
+            if wait is not None and wait <= 0:
+                if code is None:
+                    kill()
+                    timed_out = True
+                break
+            for key, _ in sel.select(wait):
+                fd = key.fd
+                if fd == ctl:
+                    code = on_ctl()
+                    if code is not None:
+                        sel.unregister(ctl)
+                    continue
+                data = os.read(fd, 65536)
+                if not data:
+                    sel.unregister(fd)
+                    open_streams -= 1
+                    continue
+                room = cap - len(bufs[fd])
+                if len(data) > room:
+                    truncated = True
+                bufs[fd] += data[:max(room, 0)]
+    finally:
+        sel.close()
+        os.close(out_r)
+        os.close(err_r)
+    return ExecResult(exit_code=None if timed_out else code, stdout=bytes(bufs[out_r]),
+                      stderr=bytes(bufs[err_r]), elapsed=time.monotonic() - t0, timed_out=timed_out,
+                      truncated=truncated)
+
+
+def _connect(sock_path: str, label: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.connect(sock_path)
+    except OSError as e:
+        s.close()
+        raise SandboxError(f"sandbox {label}: its exec agent is unreachable ({e.strerror}); is it running?") from None
+    return s
+
+
+def agent_ping(sock_path: str, label: str, timeout: float = 10.0) -> dict:
+    s = _connect(sock_path, label)
+    with s:
+        s.settimeout(timeout)
+        s.send(json.dumps({"op": "ping"}).encode())
+        try:
+            data = s.recv(65536)
+        except socket.timeout:
+            raise SandboxError(f"sandbox {label}: exec agent did not answer within {timeout} s") from None
+    if not data:
+        raise SandboxError(f"sandbox {label}: exec agent closed the connection (did it start?)")
+    return json.loads(data)
+
+
+def agent_exec(sock_path: str, label: str, argv: list[str], env: dict, cwd: str, timeout: float | None,
+               stdin: bytes | None, cap: int) -> ExecResult:
+    """One command through the sandbox's exec agent (protocol: ``k3.env.backends.agent``)."""
+    s = _connect(sock_path, label)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    in_r = in_w = None
+    if stdin is not None:
+        in_r, in_w = os.pipe()
+    req = {"op": "exec", "argv": argv, "env": env, "cwd": cwd, "stdin": stdin is not None}
+    try:
+        socket.send_fds(s, [json.dumps(req).encode()], ([in_r] if in_r is not None else []) + [out_w, err_w])
+    finally:
+        for fd in (in_r, out_w, err_w):
+            if fd is not None:
+                os.close(fd)
+    state = {"error": None}
+
+    def on_ctl():
+        data = s.recv(65536)
+        if not data:
+            state["error"] = "the exec agent died"
+            return -1
+        msg = json.loads(data)
+        if "error" in msg:
+            state["error"] = msg["error"]
+        return msg.get("exit")
+
+    def kill():
+        try:
+            s.send(json.dumps({"op": "kill"}).encode())
+        except OSError:
+            pass
+
+    with s:
+        res = pump(out_r, err_r, s.fileno(), on_ctl, kill, timeout, cap, in_w, stdin)
+    if state["error"] == "the exec agent died":
+        raise SandboxError(f"sandbox {label}: the exec agent died during the command")
+    if state["error"]:
+        res.stderr += f"k3 sandbox: {state['error']}\n".encode()
+    return res
