@@ -18,14 +18,15 @@ BROKEN = "def add(a, b):\n    return a - b\n"
 FIXED = "def add(a, b):\n    return a + b\n"
 
 
-def toml(task_id: str, *, wall: float = 60, submissions: int = 2, use: str = "best", extra: str = "") -> str:
+def toml(task_id: str, *, wall: float = 60, submissions: int = 2, use: str = "best", extra: str = "",
+         steps: int = 20) -> str:
     return f'''id = "{task_id}"
 kind = "python"
 goal = """calc.add(a, b) subtracts; make it add. Visible check: python3 checks/check.py"""
 submit = ["*.py"]
 {extra}
 [budget]
-steps = 20
+steps = {steps}
 tokens = 32000
 wall_seconds = {wall}
 submissions = {submissions}
