@@ -183,8 +183,8 @@ def _run_ray(jobs: list[dict], workers: int) -> list[dict]:
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"])
         else:
-            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+            # a local instance; its workers inherit this process's environment (PYTHONPATH, K3_ENV_HOME)
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
         started = True
     try:
         remote = ray.remote(num_cpus=1)(rollout)
