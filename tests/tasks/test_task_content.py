@@ -29,6 +29,7 @@ CANON = Path(__file__).with_name("vharness.py").read_bytes()
 
 # Hacks replayed only in real sandboxes (k3 task suite): (task id, hack name).
 NEEDS_SANDBOX = {
+    ("placeholder", "placeholder"),
 }
 
 ALL_HACKS = [(p, name, t) for p in TASK_DIRS for name, t in applier.transcripts(p) if name != "solution"]
