@@ -65,15 +65,16 @@ class FsView:
     def read(self, path: str, max_bytes: int | None = None) -> bytes:
         rfd = self._root_fd()
         try:
-            fd = _openat2(rfd, self.rel(path), os.O_RDONLY)
+            fd = _openat2(rfd, self.rel(path), os.O_RDONLY | os.O_NONBLOCK)  # a planted fifo must not block
         except OSError as e:
             raise self._fail(path, e) from None
         finally:
             os.close(rfd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise SandboxError(f"sandbox {self.label}: {path}: not a regular file")
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise SandboxError(f"sandbox {self.label}: {path}: not a regular file")
             if max_bytes is not None and st.st_size > max_bytes:
                 raise SandboxError(f"sandbox {self.label}: {path}: {st.st_size} bytes > max_bytes={max_bytes}")
             return f.read() if max_bytes is None else f.read(max_bytes)
@@ -102,7 +103,7 @@ class FsView:
         rfd = self._root_fd()
         try:
             self._mkdirs(rfd, posixpath.dirname(rel))
-            fd = _openat2(rfd, rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            fd = _openat2(rfd, rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode)
         except OSError as e:
             raise self._fail(path, e) from None
         finally:

@@ -113,17 +113,24 @@ class NamespaceSandbox(Sandbox):
         try:
             lsock.bind(addr)
             lsock.listen(64)
-            argv = [_bwrap(), "--bind", merged.decode(), "/", "--proc", "/proc", "--dev", "/dev",
+            args = ["--bind", merged.decode(), "/", "--proc", "/proc", "--dev", "/dev",
                     "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
                     *([] if self.limits.network else ["--unshare-net"]),
                     "--uid", "0", "--gid", "0", "--hostname", "k3-sandbox", "--cap-drop", "ALL",
-                    "--ro-bind", AGENT, "/.k3/agent.py", "--chdir", "/", "--info-fd", str(info_w),
+                    "--ro-bind", AGENT, "/.k3/agent.py", "--chdir", "/", "--info-fd", str(info_w)]
+            # the arguments go through a pipe (--args): pid 1's cmdline must not show host paths
+            blob = b"".join(a.encode() + b"\0" for a in args)
+            args_r, args_w = os.pipe()
+            os.write(args_w, blob)
+            os.close(args_w)
+            argv = [_bwrap(), "--args", str(args_r),
                     "--", "/usr/bin/python3", "-I", "-S", "/.k3/agent.py", str(lsock.fileno())]
             log = open(os.path.join(self.dir, "holder.log"), "wb")
             with log:
                 p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={},
-                                     pass_fds=(lsock.fileno(), info_w), preexec_fn=holder_setup,
+                                     pass_fds=(lsock.fileno(), info_w, args_r), preexec_fn=holder_setup,
                                      start_new_session=True)
+            os.close(args_r)
             _CHILDREN[p.pid] = p
             os.close(info_w)
             info_w = -1
@@ -137,7 +144,10 @@ class NamespaceSandbox(Sandbox):
                 os.close(dfd)
         st.update(pid=p.pid, root_pid=root_pid, paused=False)
         self._save()
-        ans = agent_ping(self._sock(), self.id)
+        try:
+            ans = agent_ping(self._sock(), self.id)
+        except (OSError, SandboxError) as e:
+            raise SandboxError(f"sandbox {self.id}: the exec agent did not start ({e}): {self._log()}") from None
         st["landlock"] = ans.get("landlock", 0)
         self._save()
 
@@ -155,10 +165,16 @@ class NamespaceSandbox(Sandbox):
             if p.poll() is None:
                 self.cg.kill_all()
             p.wait(5)
-            with open(os.path.join(self.dir, "holder.log"), "rb") as f:
-                why = f.read().decode(errors="replace").strip()[-500:]
-            raise SandboxError(f"sandbox {self.id}: the namespace holder did not start (exit {p.poll()}): {why}")
+            raise SandboxError(f"sandbox {self.id}: the namespace holder did not start (exit {p.poll()}): "
+                               f"{self._log()}")
         return int(json.loads(buf[:buf.index(b"}") + 1])["child-pid"])
+
+    def _log(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "holder.log"), "rb") as f:
+                return f.read().decode(errors="replace").strip()[-500:] or "(no output)"
+        except OSError:
+            return "(no log)"
 
     def _sock(self) -> str:
         path = os.path.join(self.dir, "ctl.sock")
