@@ -183,13 +183,15 @@ class Harness:
 
     def _call(self, index: int, turn: AgentTurn, raw: dict, left) -> None:
         args = raw["arguments"]
-        name, cargs = self.cfg.from_model(raw["name"], args) if isinstance(args, dict) else (
-            self.cfg.from_model(raw["name"], {})[0], args)
-        call = ToolCall(raw["id"], name or raw["name"], cargs if isinstance(cargs, dict) else {"_raw": cargs})
+        if isinstance(args, dict):
+            name, cargs = self.cfg.from_model(raw["name"], args)
+        else:  # arguments that were not a JSON object: answered with an error below
+            name, cargs = self.cfg.from_model(raw["name"], {})[0], {"_raw": args}
+        call = ToolCall(raw["id"], name or raw["name"], cargs)
         turn.tool_calls.append(call)
         self.steps += 1
         t1 = self.clock()
-        if name is None or not isinstance(cargs, dict):
+        if name is None or not isinstance(args, dict):
             why = f"unknown tool {raw['name']!r}" if name is None else "arguments are not a JSON object"
             result = ToolResult(call.id, call.name, f"error: {why}", error=True, meta={"bad_call": True})
         else:

@@ -145,16 +145,18 @@ def _rounded(d):
 
 def rollout(job: dict) -> dict:
     """The picklable entry a worker runs: one job dict -> its summary (with label/expect/out)."""
-    provider = make_provider(job["provider"])
-    writer = TrajectoryWriter(job.get("out"))
+    writer, provider = TrajectoryWriter(job.get("out")), None
     try:
+        provider = make_provider(job["provider"])
         s = run_episode(job["task"], provider, writer, backend=job.get("backend", "namespace"),
                         harness=job.get("seed"), yolo=job.get("yolo", False), seed=job.get("seed"))
-    except K3Error as e:
-        s = {"task": Path(job["task"]).name, "score": 0.0, "status": "error", "detail": str(e), "timings": {}}
+    except Exception as e:  # noqa: BLE001 - one broken rollout is reported (status error), not fatal to a suite
+        s = {"task": Path(job["task"]).name, "score": 0.0, "status": "error",
+             "detail": f"{type(e).__name__}: {e}", "timings": {}}
     finally:
         writer.close()
-        provider.close()
+        if provider is not None:
+            provider.close()
     return {**s, "label": job.get("label", ""), "expect": job.get("expect"), "out": job.get("out")}
 
 
