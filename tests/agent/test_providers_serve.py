@@ -126,3 +126,44 @@ def test_local_engine_provider_renders_the_same_prompt_and_parses_reasoning(nano
                                        effort="low"))
         assert r.usage["prompt_tokens"] == len(ChatFormat(tok).render(msgs, tools=tools, reasoning_effort="low"))
         assert r.usage["completion_tokens"] >= 1 and r.reasoning is not None
+
+
+VERIFY_ZERO = 'import json\nprint(json.dumps({"reward": 0.0, "reason": "nothing to check"}))\n'
+
+
+@pytest.mark.slow
+def test_k3_task_run_with_the_openai_provider_records_what_the_server_was_sent(nano, proxies, tmp_path,
+                                                                              monkeypatch, capsys):
+    """The whole loop with a model-backed provider, in a real namespace sandbox: the trajectory's
+    conditions are what the server received (renamed tools of seed 5, prompt, sampling)."""
+    from k3.env.manager import SandboxManager
+    from k3.rl.cli import task_main
+    from k3.rl.trajectory import read_trajectory
+
+    monkeypatch.setenv("K3_ENV_HOME", str(tmp_path / "env"))
+    d = tmp_path / "tiny-openai"
+    (d / "workspace").mkdir(parents=True)
+    (d / "verifier").mkdir()
+    (d / "workspace" / "a.txt").write_text("hello\n")
+    (d / "verifier" / "verify.py").write_text(VERIFY_ZERO)
+    (d / "task.toml").write_text('id = "tiny-openai"\nkind = "shell"\ngoal = "say hi"\nsubmit = ["a.txt"]\n'
+                                 "[budget]\nsteps = 3\nwall_seconds = 60\n")
+    pa = proxies[0]
+    before = len(pa.bodies)
+    url = f"http://127.0.0.1:{pa.server_port}/v1"
+    traj = tmp_path / "t.jsonl"
+    code = task_main(["run", str(d), "--provider", "openai", "--base-url", url, "--model", "nano", "--seed", "5",
+                      "--max-tokens", "8", "--effort", "low", "--out", str(traj)])
+    assert code == 0 and "tiny-openai: score 0.000" in capsys.readouterr().out
+    recs = read_trajectory(traj)
+    cond = recs[0]["conditions"]
+    sent = pa.bodies[before]
+    assert cond["model"] == {"kind": "openai", "base_url": url, "model": "nano", "id": f"openai:{url}#nano"}
+    assert sent["tools"] == cond["tools"] and {t["function"]["name"] for t in sent["tools"]} == \
+        set(HarnessConfig.from_seed(5).tool_names.values())
+    assert sent["messages"][0]["content"] == cond["prompt"]["system"] and sent["messages"][1]["content"] == "say hi"
+    assert (sent["max_tokens"], sent["reasoning_effort"], sent["seed"]) == (8, "low", 5)
+    turns = [r for r in recs if r["type"] == "turn"]
+    assert turns and turns[0]["provider"] == f"openai:{url}#nano" and turns[0]["reasoning"]
+    assert recs[-1]["type"] == "end" and recs[-1]["tokens"] > 0
+    assert SandboxManager(str(tmp_path / "env")).list() == []  # nothing left behind

@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument("--ckpt", default=None, help="local: the checkpoint directory")
         r.add_argument("--yolo", action="store_true", help="approve every 'ask' (isolating sandboxes only)")
         r.add_argument("--out", default=None, help="trajectory file (run) or folder (suite)")
+        r.add_argument("--max-tokens", type=int, default=1024, help="completion tokens per model call")
+        r.add_argument("--temperature", type=float, default=0.0)
+        r.add_argument("--effort", choices=["low", "high", "max"], default=None, help="reasoning effort")
         if name == "run":
             r.add_argument("--transcript", default=None, help="scripted: the transcript (default: the solution)")
             r.add_argument("--show-reasoning", action="store_true")
@@ -67,6 +70,12 @@ def _provider_spec(args, transcript: str | None) -> dict:
     if not args.ckpt:
         raise ConfigError("--provider local needs --ckpt")
     return {"kind": "local", "ckpt": args.ckpt}
+
+
+def _sampling(args) -> dict:
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "effort": args.effort}
 
 
 def _check_flags(args) -> None:
@@ -107,7 +116,7 @@ def cmd_run(args) -> int:
     writer = TrajectoryWriter(out)
     try:
         s = run_episode(task.root, provider, writer, backend=args.backend, harness=args.seed, yolo=args.yolo,
-                        seed=args.seed)
+                        seed=args.seed, **_sampling(args))
     finally:
         writer.close()
         provider.close()
@@ -141,7 +150,7 @@ def _suite_jobs(args, out_dir: Path | None) -> list[dict]:
             jobs.append({"task": str(t.root), "provider": _provider_spec(args, None), "label": "run",
                          "expect": None})
     for j in jobs:
-        j.update(seed=args.seed, backend=args.backend, yolo=args.yolo)
+        j.update(seed=args.seed, backend=args.backend, yolo=args.yolo, sampling=_sampling(args))
         if out_dir is not None:
             j["out"] = str(out_dir / f"{Path(j['task']).name}.{j['label'].replace(':', '-')}.jsonl")
     return jobs
