@@ -5,8 +5,8 @@
 - ``run DIR --provider scripted|openai|local``: one episode. ``scripted`` replays ``--transcript``
   (default DIR/solution/solve.json); ``openai`` needs ``--base-url`` and ``--model`` (key from
   ``--api-key-env``); ``local`` needs ``--ckpt``. ``--seed`` draws the harness randomization;
-  ``--backend`` picks the sandbox backend (namespace by default); ``--yolo`` approves every ``ask``
-  (refused on the local backend). Writes the trajectory to ``--out`` (default
+  ``--backend`` picks the sandbox backend (namespace by default, or vm; local is refused);
+  ``--yolo`` approves every ``ask``. Writes the trajectory to ``--out`` (default
   trajectories/ID-TIMESTAMP.jsonl) and prints the turns (reasoning only with ``--show-reasoning``).
 - ``suite DIR --workers N [--ray]``: every task; with ``scripted``, the solution and every hack,
   each checked against its ``expect_reward``; exit 1 on any mismatch.
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
         r = sub.add_parser(name, help="run one task" if name == "run" else "run every task in a folder")
         r.add_argument("dir")
         r.add_argument("--provider", choices=["scripted", "openai", "local"], default="scripted")
-        r.add_argument("--backend", default="namespace", help="sandbox backend (namespace | vm | local)")
+        r.add_argument("--backend", default="namespace", help="sandbox backend (namespace | vm)")
         r.add_argument("--seed", type=int, default=None, help="harness randomization seed (default: canonical)")
         r.add_argument("--base-url", default=None, help="openai: e.g. http://127.0.0.1:8000/v1")
         r.add_argument("--model", default=None, help="openai: the model name")
@@ -83,8 +83,6 @@ def _check_flags(args) -> None:
         raise ConfigError("--base-url/--model/--api-key-env are for --provider openai")
     if args.provider != "local" and args.ckpt:
         raise ConfigError("--ckpt is for --provider local")
-    if args.yolo and args.backend == "local":
-        raise ConfigError("--yolo is only allowed inside an isolating sandbox (not --backend local)")
 
 
 def cmd_validate(args) -> int:
@@ -162,9 +160,8 @@ def cmd_suite(args) -> int:
     _check_flags(args)
     out_dir = Path(args.out) if args.out else None
     jobs = _suite_jobs(args, out_dir)
-    if args.backend != "local":  # build the base image once, before the workers race for it
-        from k3.rl.verify import Sandboxes
-        Sandboxes(args.backend).close()
+    from k3.rl.verify import Sandboxes
+    Sandboxes(args.backend).close()  # build the base image once, before the workers race for it
     t0 = time.monotonic()
     results = run_jobs(jobs, workers=args.workers, use_ray=args.ray)
     wall = time.monotonic() - t0

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3.env.sandbox import Limits, Sandbox, SandboxError
+from k3.errors import ConfigError
 
 __all__ = ["Verdict", "Submission", "Sandboxes", "agent_sandbox", "collect_submission", "verify",
            "glob_regex", "VERIFIER_ENV", "MAX_SUBMIT_FILE", "MAX_SUBMIT_FILES"]
@@ -59,24 +60,25 @@ class Submission:
 
 
 class Sandboxes:
-    """Makes sandboxes of one backend (``namespace`` by default; ``local`` only when asked, and it
-    says it does not isolate). Owns one ``SandboxManager`` for its lifetime; ``close()`` closes it."""
+    """Makes sandboxes of one isolating backend (``namespace`` by default, or ``vm``); ``local`` is
+    refused: it isolates nothing and has no sandbox root for /workspace and /verifier."""
 
     def __init__(self, backend: str = "namespace", root: str | None = None):
         from k3.env.manager import SandboxManager
 
+        if backend == "local":
+            raise ConfigError("tasks cannot run on the 'local' backend: it does not isolate, and the task "
+                              "protocol needs a sandbox root with /workspace and /verifier (use namespace or vm)")
         self.backend = backend
         self.manager = SandboxManager(root)
         self.image = self.manager.resolve_image("default")  # built once per host state, then cached
 
     @property
     def isolating(self) -> bool:
-        return self.backend != "local"
+        return True  # local is refused above
 
     def create(self, network: bool = False, memory_bytes: int | None = 1 << 30) -> Sandbox:
-        # the local backend enforces no limit (and says so); asking it for one is refused
-        limits = Limits.unlimited() if self.backend == "local" else Limits(memory_bytes=memory_bytes, pids=512,
-                                                                           network=network)
+        limits = Limits(memory_bytes=memory_bytes, pids=512, network=network)
         return self.manager.create(self.image, limits, backend=self.backend)
 
     def close(self) -> None:
