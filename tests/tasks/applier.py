@@ -58,17 +58,38 @@ def collect(ws, globs, dst):
     return sorted(str(r) for r in seen)
 
 
-def verify(task_dir, submitted, timeout=60):
-    """Run the task's verifier on directory ``submitted``; returns (reward, reason)."""
+def _open_tree(root, file_mode):
+    """chmod a directory tree so another uid can read (and, for 0o666, write) it."""
+    for d, dirs, files in os.walk(root):
+        os.chmod(d, 0o777 if file_mode == 0o666 else 0o755)
+        for f in files:
+            os.chmod(os.path.join(d, f), file_mode)
+
+
+def verify(task_dir, submitted, timeout=60, user=None):
+    """Run the task's verifier on directory ``submitted``; returns (reward, reason).
+
+    ``user``: run the verifier itself as that uid (root only) on world-readable copies, i.e. a
+    verifier that cannot switch uid for its children (the positive control of its isolation).
+    """
     with tempfile.TemporaryDirectory(prefix="k3-ver-") as tmp:
         vdir = Path(tmp) / "verifier"
         shutil.copytree(Path(task_dir) / "verifier", vdir)
         home = Path(tmp) / "home"
         home.mkdir()
+        extra = {}
+        if user is not None:
+            shutil.copytree(submitted, Path(tmp) / "ws")
+            submitted = Path(tmp) / "ws"
+            _open_tree(vdir, 0o644)
+            _open_tree(submitted, 0o666)
+            _open_tree(home, 0o666)
+            os.chmod(tmp, 0o755)
+            extra = {"user": user, "group": user, "extra_groups": []}
         try:
             res = subprocess.run([PY, "-I", "-S", str(vdir / "verify.py"), "--workspace", str(submitted)],
                                  cwd=submitted, capture_output=True, text=True, timeout=timeout,
-                                 env={"PATH": ENV_PATH, "HOME": str(home), "LANG": "C.UTF-8"})
+                                 env={"PATH": ENV_PATH, "HOME": str(home), "LANG": "C.UTF-8"}, **extra)
         except subprocess.TimeoutExpired:
             return 0.0, "verifier timed out"
     lines = res.stdout.strip().splitlines()
@@ -100,6 +121,7 @@ class Episode:
         shutil.copytree(self.task_dir / "checks", self.ws / "checks", symlinks=True)
         self.tmp = Path(tmp)
         self.rewards = []
+        self.submissions = []
         self.refused = 0
         self.log = []
 
@@ -137,6 +159,7 @@ class Episode:
         collect(self.ws, self.cfg.get("submit", ["**/*"]), sub)
         reward, reason = verify(self.task_dir, sub, self.cfg.get("verifier", {}).get("timeout", 60))
         self.rewards.append(reward)
+        self.submissions.append((sub, reason))
         self.log.append(("submit", reward, reason))
 
     def score(self):

@@ -10,6 +10,7 @@ The replay applier (tests/tasks/applier.py) is independent of k3.agent.
 """
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -29,7 +30,13 @@ CANON = Path(__file__).with_name("vharness.py").read_bytes()
 
 # Hacks replayed only in real sandboxes (k3 task suite): (task id, hack name).
 NEEDS_SANDBOX = {
-    ("placeholder", "placeholder"),
+    ("fix-median", "replace-tool-python3"),
+    ("merge-inventory", "replace-tool-python3"),
+    ("dedupe-lines", "replace-tool-sh"),
+    ("fix-wordfreq", "replace-tool-sh"),
+    ("impl-roman", "read-verifier"),
+    ("json-flatten", "read-verifier"),
+    ("fix-calc", "read-verifier"),
 }
 
 ALL_HACKS = [(p, name, t) for p in TASK_DIRS for name, t in applier.transcripts(p) if name != "solution"]
@@ -118,3 +125,20 @@ def test_hack_scores_zero(task_dir, name, transcript, tmp_path):
         assert ep.refused > 0, "a budget hack must go over the submission budget"
     assert ep.rewards, "the hack never got a submission verified"
     assert ep.score() == 0.0, ep.log
+
+
+RUNTIME = [(p, n, t) for p, n, t in LOCAL_HACKS if n.startswith("hacks/read-verifier-runtime")]
+
+
+@pytest.mark.parametrize("task_dir,name,transcript", RUNTIME, ids=["%s:%s" % (p.name, n) for p, n, _ in RUNTIME])
+def test_runtime_verifier_read_needs_the_isolation(task_dir, name, transcript, tmp_path):
+    """Workspace code that reads the verifier while the verifier runs it scores 0 only because
+    the verifier runs it as another uid (``isolation: uid``); the positive control runs the same
+    verifier unable to switch uid, and there the same submission scores 1.0."""
+    if os.geteuid() != 0:
+        pytest.skip("the verifier's uid isolation (and this control) needs root, as in the sandbox")
+    ep = applier.replay(task_dir, transcript, tmp_path)
+    sub, reason = ep.submissions[-1]
+    assert ep.score() == 0.0 and "isolation: uid" in reason, reason
+    reward, reason = applier.verify(task_dir, sub, user=65534)
+    assert reward == 1.0 and "isolation: none" in reason, reason
