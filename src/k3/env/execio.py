@@ -9,7 +9,6 @@ When the command has exited, the pipes are drained until EOF or for ``EXIT_GRACE
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import socket
@@ -118,14 +117,26 @@ def agent_ping(sock_path: str, label: str, timeout: float = 10.0) -> dict:
     s = _connect(sock_path, label)
     with s:
         s.settimeout(timeout)
-        s.send(json.dumps({"op": "ping"}).encode())
+        s.send(b"ping")
         try:
             data = s.recv(65536)
         except socket.timeout:
             raise SandboxError(f"sandbox {label}: exec agent did not answer within {timeout} s") from None
-    if not data:
+    parts = data.split(b"\0")
+    if parts[0] != b"ok":
         raise SandboxError(f"sandbox {label}: exec agent closed the connection (did it start?)")
-    return json.loads(data)
+    return {"ok": True, "landlock": int(parts[1])}
+
+
+def _encode_request(argv: list[str], env: dict, cwd: str, stdin: bool) -> bytes:
+    items = [f"{k}={v}" for k, v in env.items()]
+    for x in [cwd, *items]:
+        if "\0" in x:
+            raise SandboxError(f"exec: NUL byte in cwd or env ({x[:40]!r})")
+    if any("=" in k or not k for k in env):
+        raise SandboxError(f"exec: bad environment variable name in {sorted(env)}")
+    fields = ["exec", "1" if stdin else "0", cwd, str(len(argv)), *argv, str(len(items)), *items]
+    return b"\0".join(os.fsencode(f) for f in fields)
 
 
 def agent_exec(sock_path: str, label: str, argv: list[str], env: dict, cwd: str, timeout: float | None,
@@ -137,9 +148,15 @@ def agent_exec(sock_path: str, label: str, argv: list[str], env: dict, cwd: str,
     in_r = in_w = None
     if stdin is not None:
         in_r, in_w = os.pipe()
-    req = {"op": "exec", "argv": argv, "env": env, "cwd": cwd, "stdin": stdin is not None}
     try:
-        socket.send_fds(s, [json.dumps(req).encode()], ([in_r] if in_r is not None else []) + [out_w, err_w])
+        req = _encode_request(argv, env, cwd, stdin is not None)
+        socket.send_fds(s, [req], ([in_r] if in_r is not None else []) + [out_w, err_w])
+    except BaseException:
+        s.close()
+        for fd in (out_r, err_r, in_w):
+            if fd is not None:
+                os.close(fd)
+        raise
     finally:
         for fd in (in_r, out_w, err_w):
             if fd is not None:
@@ -147,25 +164,29 @@ def agent_exec(sock_path: str, label: str, argv: list[str], env: dict, cwd: str,
     state = {"error": None}
 
     def on_ctl():
-        data = s.recv(65536)
+        try:
+            data = s.recv(65536)
+        except OSError:
+            data = b""
         if not data:
             state["error"] = "the exec agent died"
             return -1
-        msg = json.loads(data)
-        if "error" in msg:
-            state["error"] = msg["error"]
-        return msg.get("exit")
+        parts = data.split(b"\0")
+        if parts[0] == b"error":
+            state["error"] = parts[2].decode(errors="replace")
+            return int(parts[1])
+        return int(parts[1]) if parts[0] == b"exit" else None
 
     def kill():
         try:
-            s.send(json.dumps({"op": "kill"}).encode())
+            s.send(b"kill")
         except OSError:
             pass
 
     with s:
         res = pump(out_r, err_r, s.fileno(), on_ctl, kill, timeout, cap, in_w, stdin)
     if state["error"] == "the exec agent died":
-        raise SandboxError(f"sandbox {label}: the exec agent died during the command")
+        raise SandboxError(f"sandbox {label}: the exec agent dropped the command (agent or sandbox killed?)")
     if state["error"]:
         res.stderr += f"k3 sandbox: {state['error']}\n".encode()
     return res

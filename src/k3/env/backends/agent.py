@@ -1,34 +1,36 @@
-"""The exec agent: runs inside a namespace sandbox as the child of its init (stdlib only).
+"""The exec agent: runs inside a namespace sandbox as the child of its init.
 
-It accepts connections on an inherited listening SOCK_SEQPACKET unix socket (fd ``argv[1]``;
-the socket's path lives on the host, outside the sandbox's view). One connection = one command:
+Stdlib C modules only (no json/re/socket/subprocess: they would triple its start-up time, which
+is most of a fork's latency). It accepts connections on an inherited listening SOCK_SEQPACKET
+unix socket (fd ``argv[1]``; the socket's path lives on the host, outside the sandbox's view).
+One connection = one command; messages are NUL-separated fields (arguments cannot hold NUL):
 
-  client -> agent  {"op": "exec", "argv": [...], "env": {...}, "cwd": "/workspace", "stdin": bool}
-                   with SCM_RIGHTS fds [stdin_r if stdin] + [stdout_w, stderr_w]
-  agent -> client  {"pid": N}  then  {"exit": code}   (code = 128 + signal when killed)
-                   or {"exit": 126|127, "error": "..."} when the command cannot start
-  client -> agent  {"op": "kill"} or closing the connection before the exit message:
+  client -> agent  exec \\0 STDIN(0|1) \\0 CWD \\0 N \\0 ARG1 .. ARGN \\0 M \\0 K=V1 .. K=VM
+                   with SCM_RIGHTS fds [stdin_r if STDIN] + [stdout_w, stderr_w]
+  agent -> client  pid \\0 N     then   exit \\0 CODE     (CODE = 128 + signal when killed)
+                   or  error \\0 CODE \\0 MESSAGE      (126/127: the command could not start)
+  client -> agent  kill, or closing the connection before the exit message:
                    SIGKILL to the command's process group
-  client -> agent  {"op": "ping"} -> {"ok": true, "landlock": ABI or 0}
+  client -> agent  ping  ->  ok \\0 LANDLOCK_ABI
 
 Each command starts in a new session (its own process group) with oom_score_adj 500 (raising
-needs no privilege; the agent stays at 0, so the memory limit's OOM kill picks commands, not it). At start the agent sets
-no_new_privs and, where the kernel has Landlock ABI >= 6, restricts itself (so every command) to a
-domain whose signals and abstract unix sockets cannot reach a process outside the sandbox (this
-matters with ``network=True``, where the host's abstract sockets would otherwise be reachable).
+needs no privilege; the agent stays at 0, so the memory limit's OOM kill picks commands, not it).
+At start the agent sets no_new_privs and, where the kernel has Landlock ABI >= 6, restricts itself
+(so every command) to a domain whose signals and abstract unix sockets cannot reach a process
+outside the sandbox (this matters with ``network=True``, where the host's abstract sockets would
+otherwise be reachable).
 """
 
+import _socket
+import _thread
 import ctypes
-import json
 import os
-import signal
-import socket
-import subprocess
+import select
 import sys
-import threading
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_CREATE, _SYS_RESTRICT = 444, 446
+_SOL_SOCKET, _SCM_RIGHTS, _SIGKILL = 1, 1, 9
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -51,73 +53,126 @@ def landlock_scope() -> int:
     return abi
 
 
-def main() -> None:
-    listen_fd = int(sys.argv[1])
-    abi = landlock_scope()
-    srv = socket.socket(fileno=listen_fd)
-    srv.set_inheritable(False)
+def _recv_request(conn):
+    msg, anc, _flags, _addr = conn.recvmsg(1 << 20, 64)
+    fds = []
+    for level, kind, data in anc:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            fds += [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, len(data) - 3, 4)]
+    return msg.split(b"\0"), fds
 
-    def child_setup():
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("500")
 
-    def send(conn, obj):
+def _spawn(argv, env, cwd, fds):
+    """fork + execve in a new session; returns (pid, 0) or (0, errno of the failed exec)."""
+    err_r, err_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
         try:
-            conn.send(json.dumps(obj).encode())
+            os.close(err_r)
+            os.setsid()
+            for target, fd in zip((0, 1, 2), fds):
+                os.dup2(fd, target)
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            os.write(fd, b"500")
+            os.close(fd)
+            os.chdir(cwd)
+            os.execvpe(argv[0], argv, env)
+        except OSError as e:
+            os.write(err_w, str(e.errno or 1).encode())
+        finally:
+            os._exit(127)
+    os.close(err_w)
+    err = os.read(err_r, 64)
+    os.close(err_r)
+    if err:
+        os.waitpid(pid, 0)
+        return 0, int(err)
+    return pid, 0
+
+
+def _wait(conn, pid):
+    """Wait for the command (a pidfd) while listening to the client: ``kill`` or a closed
+    connection before the exit kills the command's process group. One thread, no helper."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.register(conn.fileno(), select.POLLIN)
+        listening = True
+        while True:
+            ready = dict(poller.poll())
+            if pidfd in ready:
+                break
+            if listening and conn.fileno() in ready:
+                try:
+                    data = conn.recv(64)
+                except OSError:
+                    data = b""
+                if not data or data == b"kill":
+                    try:
+                        os.killpg(pid, _SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                if not data:
+                    poller.unregister(conn.fileno())
+                    listening = False
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(pidfd)
+    code = os.waitstatus_to_exitcode(status)
+    try:
+        conn.send(b"exit\0%d" % (code if code >= 0 else 128 - code))
+    except OSError:
+        pass
+
+
+def serve(conn, abi):
+    def send(*fields):
+        try:
+            conn.send(b"\0".join(f if isinstance(f, bytes) else str(f).encode() for f in fields))
         except OSError:
             pass
 
-    def serve(conn):
-        with conn:
-            msg, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
-            if not msg:
-                return
-            req = json.loads(msg)
-            if req.get("op") == "ping":
-                send(conn, {"ok": True, "landlock": abi})
-                return
-            stdin = fds[0] if req.get("stdin") else subprocess.DEVNULL
-            try:
-                p = subprocess.Popen(req["argv"], stdin=stdin, stdout=fds[-2], stderr=fds[-1],
-                                     cwd=req.get("cwd") or "/", env=req.get("env") or {},
-                                     start_new_session=True, preexec_fn=child_setup)
-            except OSError as e:
-                send(conn, {"exit": 127 if isinstance(e, FileNotFoundError) else 126,
-                            "error": f"{req['argv'][0]}: {e.strerror or e}"})
-                return
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            send(conn, {"pid": p.pid})
-            done = threading.Event()
-
-            def watch():
-                while not done.is_set():
-                    try:
-                        data = conn.recv(4096)
-                    except OSError:
-                        data = b""
-                    if done.is_set():
-                        return
-                    if not data or json.loads(data).get("op") == "kill":
-                        try:
-                            os.killpg(p.pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                        if not data:
-                            return
-
-            threading.Thread(target=watch, daemon=True).start()
-            rc = p.wait()
-            done.set()
-            send(conn, {"exit": rc if rc >= 0 else 128 - rc})
-
-    while True:
-        conn, _ = srv.accept()
+    try:
+        parts, fds = _recv_request(conn)
+        if parts[0] == b"ping":
+            send(b"ok", abi)
+            return
+        stdin, cwd, n = parts[1] == b"1", os.fsdecode(parts[2]), int(parts[3])
+        argv = [os.fsdecode(a) for a in parts[4:4 + n]]
+        m = int(parts[4 + n])
+        env = dict(os.fsdecode(kv).split("=", 1) for kv in parts[5 + n:5 + n + m])
+        devnull = None if stdin else os.open("/dev/null", os.O_RDONLY)
+        std = fds if stdin else [devnull] + fds
         try:
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+            pid, err = _spawn(argv, env, cwd, std)
+        except OSError as e:  # fork failed: the pids limit is reached
+            pid, err = 0, e.errno or 11
+        finally:
+            for fd in fds + ([devnull] if devnull is not None else []):
+                os.close(fd)
+        if err:
+            send(b"error", 127 if err == 2 else 126, f"{argv[0]}: {os.strerror(err)}")
+            return
+        send(b"pid", pid)
+        _wait(conn, pid)
+    finally:
+        conn.close()
+
+
+def main() -> None:
+    listen_fd = int(sys.argv[1])
+    abi = landlock_scope()
+    srv = _socket.socket(fileno=listen_fd)
+    os.set_inheritable(listen_fd, False)
+    while True:
+        fd, _addr = srv._accept()
+        conn = _socket.socket(fileno=fd)
+        os.set_inheritable(fd, False)
+        try:
+            _thread.start_new_thread(serve, (conn, abi))
         except RuntimeError:  # no thread left (pids limit): refuse this one command
-            send(conn, {"exit": 126, "error": "sandbox pids limit reached: cannot start a command"})
+            conn.send(b"error\x00126\x00sandbox pids limit reached: cannot start a command")
             conn.close()
 
 
