@@ -55,6 +55,7 @@ class Transcript:
     description: str
     expect_reward: float
     turns: list[dict]
+    needs_sandbox: bool = False   # informational: only meaningful in a real sandbox (k3 always uses one)
 
 
 @dataclass
@@ -179,8 +180,10 @@ def load_transcript(path: str | Path) -> Transcript:
     if not isinstance(d, dict):
         raise ConfigError(f"{path}: a transcript is a JSON object")
     for k in d:
-        if k not in ("description", "expect_reward", "turns"):
+        if k not in ("description", "expect_reward", "turns", "needs_sandbox"):
             raise ConfigError(f"{path}: unknown key {k!r}")
+    if not isinstance(d.get("needs_sandbox", False), bool):
+        raise ConfigError(f"{path}: needs_sandbox must be true or false")
     turns = d.get("turns")
     if not isinstance(turns, list):
         raise ConfigError(f"{path}: 'turns' must be a list")
@@ -199,7 +202,7 @@ def load_transcript(path: str | Path) -> Transcript:
             problem = check_arguments(c["name"], c.get("arguments", {}))
             if problem:
                 raise ConfigError(f"{path}: turns[{i}].tool_calls[{j}]: {problem}")
-    return Transcript(path, str(d.get("description", "")), float(er), turns)
+    return Transcript(path, str(d.get("description", "")), float(er), turns, d.get("needs_sandbox", False))
 
 
 def find_tasks(root: str | Path) -> list[Path]:
