@@ -19,7 +19,7 @@ FIXED = "def add(a, b):\n    return a + b\n"
 
 
 def toml(task_id: str, *, wall: float = 60, submissions: int = 2, use: str = "best", extra: str = "",
-         steps: int = 20) -> str:
+         steps: int = 20, tokens: int = 32000) -> str:
     return f'''id = "{task_id}"
 kind = "python"
 goal = """calc.add(a, b) subtracts; make it add. Visible check: python3 checks/check.py"""
@@ -27,7 +27,7 @@ submit = ["*.py"]
 {extra}
 [budget]
 steps = {steps}
-tokens = 32000
+tokens = {tokens}
 wall_seconds = {wall}
 submissions = {submissions}
 

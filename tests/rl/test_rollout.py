@@ -36,7 +36,7 @@ def test_submissions_beyond_the_budget_are_refused_and_logged(tmp_path, sandboxe
     tool = [r["result"] for r in recs if r["type"] == "tool" and r["name"] == "submit"]
     assert [t["error"] for t in tool] == [False, False, True, True]
     assert (s["submissions"], s["refused_submissions"], s["score"]) == (2, 2, 1.0)
-    assert len([r for r in recs if r["type"] == "verdict"]) == 2  # best-of: both accepted ones verified
+    assert [r["submission"] for r in recs if r["type"] == "verdict"] == [0]  # best-of stops at a 1.0
 
 
 def test_over_the_wall_time_budget_the_episode_is_stopped_and_scored_zero(tmp_path, sandboxes):
@@ -56,12 +56,15 @@ def test_over_the_wall_time_budget_the_episode_is_stopped_and_scored_zero(tmp_pa
     assert (ok["status"], ok["score"]) == ("completed", 1.0)
 
 
-@pytest.mark.parametrize("use,score", [("best", 1.0), ("last", 0.0)])
-def test_scoring_uses_the_best_or_the_last_submission(tmp_path, sandboxes, use, score):
-    d = make_task(tmp_path, use=use)
-    s, recs = episode(d, [{"tool_calls": [FIX, SUBMIT, BREAK, SUBMIT]}], sandboxes)
-    assert s["score"] == score
-    assert [r["reward"] for r in recs if r["type"] == "verdict"] == ([1.0, 0.0] if use == "best" else [0.0])
+@pytest.mark.parametrize("use,calls,rewards", [
+    ("best", [BREAK, SUBMIT, FIX, SUBMIT, BREAK, SUBMIT], [0.0, 1.0]),  # verified in order until a 1.0
+    ("last", [BREAK, SUBMIT, FIX, SUBMIT, BREAK, SUBMIT], [0.0]),
+    ("last", [BREAK, SUBMIT, FIX, SUBMIT], [1.0])])
+def test_scoring_uses_the_best_or_the_last_submission(tmp_path, sandboxes, use, calls, rewards):
+    d = make_task(tmp_path, use=use, submissions=3)
+    s, recs = episode(d, [{"tool_calls": calls}], sandboxes)
+    assert [r["reward"] for r in recs if r["type"] == "verdict"] == rewards
+    assert s["score"] == max(rewards)
 
 
 def test_harness_randomization_is_recorded_and_the_renamed_tools_still_solve_the_task(tmp_path, sandboxes):

@@ -3,7 +3,7 @@
 ``run_episode`` is the one episode: agent sandbox from the task (namespace backend unless told),
 the harness loop with the task's budgets and policy, submissions collected as data at each
 ``submit``, then the clean-room verification of the submissions the scoring needs ("last": the
-last accepted one; "best": every accepted one, the maximum). An episode past its wall-time budget
+last accepted one; "best": the accepted ones in order until one scores 1.0, the maximum). An episode past its wall-time budget
 is scored 0 without verification. ``rollout(job)`` is the same from a plain, picklable job dict
 (what workers receive); ``run_jobs(jobs, workers, use_ray)`` runs many: in this process for one
 worker, a process pool for several, or Ray tasks (``ray.init(num_cpus=workers)`` when Ray is not
@@ -129,6 +129,8 @@ def _score(task, status, subs, sandboxes, writer):
         v = verify(task, subs[i], sandboxes)
         verdicts.append(v)
         writer.write("verdict", {"submission": i, **v.as_dict()})
+        if v.reward >= 1.0:
+            break  # "best" cannot improve on 1.0: later submissions are not verified
     return max(v.reward for v in verdicts), verdicts
 
 
