@@ -140,3 +140,16 @@ def test_pool_and_ray_run_the_same_rollouts_with_the_same_results(tmp_path, sand
     none = run_jobs([{**jobs[0], "provider": {"kind": "scripted", "transcript": str(tmp_path / "x.json")},
                       "out": None}], workers=1)
     assert (none[0]["score"], none[0]["submissions"]) == (0.0, 0)
+
+
+def test_k3_task_run_ask_answers_on_the_terminal(tmp_path, monkeypatch, capsys, sandboxes):
+    d = make_task(tmp_path)
+    pip = {"name": "shell", "arguments": {"command": "pip --version > /dev/null; pip3 install nothing-at-all"}}
+    tr = write_transcript(tmp_path / "t.json", [{"tool_calls": [pip, pip]}])
+    answers = iter(["y", "n"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(answers))
+    assert task_main(["run", str(d), "--transcript", str(tr), "--ask", "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert capsys.readouterr().out.count("policy asks: shell") == 2
+    pol = [r for r in read_trajectory(tmp_path / "a.jsonl") if r["type"] == "policy"]
+    assert [(p["action"], p["allowed"], p["approval"]) for p in pol] == [("ask", True, "approved"),
+                                                                       ("ask", False, "denied")]

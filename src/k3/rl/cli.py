@@ -6,7 +6,7 @@
   (default DIR/solution/solve.json); ``openai`` needs ``--base-url`` and ``--model`` (key from
   ``--api-key-env``); ``local`` needs ``--ckpt``. ``--seed`` draws the harness randomization;
   ``--backend`` picks the sandbox backend (namespace by default, or vm; local is refused);
-  ``--yolo`` approves every ``ask``. Writes the trajectory to ``--out`` (default
+  ``--yolo`` approves every ``ask``; ``--ask`` asks on the terminal (without either, an ``ask`` is denied). Writes the trajectory to ``--out`` (default
   trajectories/ID-TIMESTAMP.jsonl) and prints the turns (reasoning only with ``--show-reasoning``).
 - ``suite DIR --workers N [--ray]``: every task; with ``scripted``, the solution and every hack,
   each checked against its ``expect_reward``; exit 1 on any mismatch.
@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         r.add_argument("--temperature", type=float, default=0.0)
         r.add_argument("--effort", choices=["low", "high", "max"], default=None, help="reasoning effort")
         if name == "run":
+            r.add_argument("--ask", action="store_true",
+                           help="answer each policy 'ask' on the terminal (default: an 'ask' is denied)")
             r.add_argument("--transcript", default=None, help="scripted: the transcript (default: the solution)")
             r.add_argument("--show-reasoning", action="store_true")
         else:
@@ -70,6 +72,15 @@ def _provider_spec(args, transcript: str | None) -> dict:
     if not args.ckpt:
         raise ConfigError("--provider local needs --ckpt")
     return {"kind": "local", "ckpt": args.ckpt}
+
+
+def _terminal_approver(req) -> bool:
+    """The approval callback of ``--ask``: shows the call and the reason, reads y/N from stdin."""
+    print(f"policy asks: {req.tool} {json.dumps(req.arguments, ensure_ascii=False)[:300]}\n  because {req.reason}")
+    try:
+        return input("  allow? [y/N] ").strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
 
 
 def _sampling(args) -> dict:
@@ -110,11 +121,13 @@ def cmd_run(args) -> int:
         raise ConfigError("--transcript is for --provider scripted")
     transcript = args.transcript or str(task.root / "solution" / "solve.json")
     provider = make_provider(_provider_spec(args, transcript))
+    if args.ask and args.yolo:
+        raise ConfigError("--ask and --yolo exclude each other")
     out = Path(args.out or f"trajectories/{task.id}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     writer = TrajectoryWriter(out)
     try:
         s = run_episode(task.root, provider, writer, backend=args.backend, harness=args.seed, yolo=args.yolo,
-                        seed=args.seed, **_sampling(args))
+                        approve=_terminal_approver if args.ask else None, seed=args.seed, **_sampling(args))
     finally:
         writer.close()
         provider.close()
