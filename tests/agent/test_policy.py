@@ -175,11 +175,14 @@ def test_yolo_approves_asks_but_not_denies_and_is_refused_outside_a_sandbox():
     assert Policy(yolo=False, sandboxed=False).decide  # without yolo a local policy is fine
 
 
-@pytest.mark.parametrize("line", ["$CMD -rf build", "x=rm; $x -rf /", "eval \"$SCRIPT\"", "bash -c \"$S\"",
-                                  "echo / | xargs rm -rf", "rm -rf \"$DIR\""])
-def test_commands_known_only_at_run_time_ask(line):
+@pytest.mark.parametrize("line,literal", [("$CMD -rf build", "rm -rf build"), ("x=rm; $x -rf b", "x=rm; rm -rf b"),
+                                          ("eval \"$SCRIPT\"", "eval \"ls -l\""), ("bash -c \"$S\"", "bash -c \"ls\""),
+                                          ("echo b | xargs rm -rf", "echo b | xargs wc -l"),
+                                          ("rm -rf \"$DIR\"", "rm -rf \"dir\"")])
+def test_commands_known_only_at_run_time_ask(line, literal):
     d = decide(line)
     assert d.action == "ask" and not d.allowed, (line, d)
+    assert decide(literal).allowed, literal
 
 
 @pytest.mark.parametrize("line", ["echo 'unterminated", "echo $(ls", "case $x in a) ls;; esac", "f() { ls; }",
@@ -213,6 +216,7 @@ def test_a_rule_that_raises_denies(monkeypatch):
     def broken(tool, args, ctx):
         raise RuntimeError("boom")
 
+    assert decide("ls", p).allowed
     monkeypatch.setattr(p.rules[2], "check", broken)
     d = decide("ls", p)
     assert (d.action, d.rule) == ("deny", "path-rules") and "boom" in d.reason

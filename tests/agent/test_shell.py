@@ -52,11 +52,14 @@ def test_expansions_and_globs_are_marked():
                                                           (False, True), (False, False), (False, False)]
 
 
-@pytest.mark.parametrize("line", ["echo 'x", 'echo "x', "echo $(x", "echo `x", "case a in a) x;; esac",
-                                  "f() { x; }", "echo $(( $(id) ))", "cat <<E\nx", "a \\"])
-def test_unreadable_lines_raise(line):
+@pytest.mark.parametrize("line,fixed", [("echo 'x", "echo 'x'"), ('echo "x', 'echo "x"'), ("echo $(x", "echo $(x)"),
+                                       ("echo `x", "echo `x`"), ("case a in a) x;; esac", "test a = a && x"),
+                                       ("f() { x; }", "{ x; }"), ("echo $(( $(id) ))", "echo $(( 1 + 2 ))"),
+                                       ("cat <<E\nx", "cat <<E\nx\nE"), ("a \\", "a \\\\")])
+def test_unreadable_lines_raise(line, fixed):
     with pytest.raises(ShellParseError):
         parse_shell(line)
+    assert parse_shell(fixed)
 
 
 def test_nesting_is_bounded():

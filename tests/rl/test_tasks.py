@@ -63,6 +63,8 @@ def test_required_fields(tmp_path, head, match):
     (d / "task.toml").write_text(head)
     with pytest.raises(ConfigError, match=match):
         load_task(d)
+    (d / "task.toml").write_text('id = "tiny-add"\nkind = "python"\ngoal = "g"\nsubmit = ["a"]\n')
+    load_task(d)  # the positive control
 
 
 def test_transcripts_are_checked_against_the_tool_schema(tmp_path):
