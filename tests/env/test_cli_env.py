@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
+from k3.cli import main
 from k3.env.cli import parse_size
 
 
 def k3env(root, *args, check=True):
+    """``k3 env`` in a new process."""
     r = subprocess.run([sys.executable, "-m", "k3.cli", "env", "--root", root, *args],
                        capture_output=True, text=True, timeout=120)
     if check:
@@ -19,43 +21,62 @@ def k3env(root, *args, check=True):
     return r
 
 
-def test_create_exec_snapshot_fork_restore_ls_rm_across_processes(manager, tmp_path):
-    root = manager.root
+@pytest.fixture
+def cli(manager, capsys):
+    """``k3 env`` in this process (through k3.cli.main, so errors take the one-line path)."""
+    def run(*args, code=0):
+        got = main(["env", "--root", manager.root, *args])
+        out, err = capsys.readouterr()
+        assert got == code, (args, out, err)
+        return out, err
+    return run
+
+
+def test_a_sandbox_lives_across_processes(manager, tmp_path):
     (tmp_path / "hello.txt").write_text("hi\n")
-    sid = k3env(root, "create", "--workspace", str(tmp_path), "--name", "cli1", "--memory", "256M").stdout.strip()
-    assert k3env(root, "exec", "cli1", "--", "cat", "hello.txt").stdout == "hi\n"
-    r = k3env(root, "exec", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 5", check=False)
+    sid = k3env(manager.root, "create", "--workspace", str(tmp_path), "--name", "cli1",
+                "--memory", "256M").stdout.strip()
+    assert k3env(manager.root, "exec", "cli1", "--", "cat", "hello.txt").stdout == "hi\n"
+    r = k3env(manager.root, "exec", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 5", check=False)
     assert (r.returncode, r.stdout, r.stderr) == (5, "out\n", "err\n")
-    k3env(root, "exec", sid, "echo v1 > v.txt")
-    snap = k3env(root, "snapshot", sid).stdout.strip()
-    k3env(root, "exec", sid, "echo v2 > v.txt")
-    fid = k3env(root, "fork", snap).stdout.strip()
-    assert k3env(root, "exec", fid, "cat v.txt").stdout == "v1\n"
-    k3env(root, "restore", sid, snap)
-    assert k3env(root, "exec", sid, "cat v.txt").stdout == "v1\n"
-    rows = json.loads(k3env(root, "ls", "--json").stdout)
-    assert {r["id"] for r in rows} == {sid, fid} and {r["name"] for r in rows} == {"cli1", ""}
-    assert snap in k3env(root, "ls", "--snapshots").stdout
-    r = k3env(root, "exec", sid, "--timeout", "0.3", "--", "sleep", "30", check=False)
-    assert r.returncode == 124 and "timed out" in r.stderr
-    k3env(root, "pause", sid)
-    r = k3env(root, "exec", sid, "true", check=False)
-    assert r.returncode == 2 and "paused" in r.stderr
-    k3env(root, "resume", sid)
-    k3env(root, "rm", sid, fid)
-    k3env(root, "rm", "--snapshot", snap)
-    assert json.loads(k3env(root, "ls", "--json").stdout) == []
+    k3env(manager.root, "rm", "cli1")
+    assert manager.list() == []
 
 
-def test_cli_errors_are_one_line_exit_2(manager):
+def test_snapshot_fork_restore_pause_ls_rm(manager, cli):
+    sid = cli("create", "--pids", "64", "--cpus", "1")[0].strip()
+    cli("exec", sid, "echo v1 > v.txt")
+    snap = cli("snapshot", sid)[0].strip()
+    cli("exec", sid, "echo v2 > v.txt")
+    fid = cli("fork", snap, "--name", "forked")[0].strip()
+    assert cli("exec", "forked", "cat v.txt")[0] == "v1\n"
+    cli("restore", sid, snap)
+    assert cli("exec", sid, "--", "cat", "v.txt")[0] == "v1\n"
+    rows = json.loads(cli("ls", "--json")[0])
+    assert {r["id"] for r in rows} == {sid, fid} and {r["name"] for r in rows} == {"forked", ""}
+    assert snap in cli("ls", "--snapshots")[0]
+    out, err = cli("exec", sid, "--timeout", "0.3", "--", "sleep", "30", code=124)
+    assert "timed out" in err
+    cli("pause", sid)
+    assert "paused" in cli("exec", sid, "true", code=2)[1]
+    cli("resume", sid)
+    assert cli("exec", sid, "--env", "A=b", "--", "sh", "-c", "echo $A")[0] == "b\n"
+    cli("rm", sid, fid)
+    cli("rm", "--snapshot", snap)
+    assert json.loads(cli("ls", "--json")[0]) == []
+    assert "gc" not in cli("gc")[1]
+
+
+def test_cli_errors_are_one_line_exit_2(cli):
     for args, needle in ((["exec", "sb-nope", "--", "true"], "unknown sandbox"),
                          (["fork", "0" * 64], "unknown snapshot"),
                          (["create", "--memory", "12Q"], "--memory"),
                          (["create", "--backend", "nope"], "unknown sandbox backend"),
-                         (["exec", "x"], "no command")):
-        r = k3env(manager.root, *args, check=False)
-        assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
-    assert k3env(manager.root, "ls").returncode == 0                       # control
+                         (["exec", "x"], "no command"),
+                         (["build-image", "--mirror", "http://x"], "--mirror needs --debootstrap")):
+        _out, err = cli(*args, code=2)
+        assert needle in err and err.count("\n") == 1, (args, err)
+    assert cli("ls")[0].startswith("id")                                  # control
 
 
 def test_build_image_prints_the_default_image_id(manager):

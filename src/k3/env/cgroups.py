@@ -50,6 +50,14 @@ class CgroupLayout:
     def supports(self, controller: str) -> bool:
         return controller in self.dirs
 
+    def for_limits(self, limits: Limits) -> "CgroupLayout":
+        """The hierarchies a sandbox with ``limits`` joins. A v1 ``cpu`` hierarchy is left out
+        when no CPU limit is set: a group of its own there would make the whole sandbox one
+        scheduling entity (one task's share of the CPU under load), not a limit anyone asked for."""
+        if limits.cpus is None and "cpu" in self.dirs and "cpu" not in self.v2:
+            return CgroupLayout({k: v for k, v in self.dirs.items() if k != "cpu"}, set(self.v2))
+        return CgroupLayout(dict(self.dirs), set(self.v2))
+
     def as_dict(self) -> dict:
         return {"dirs": dict(self.dirs), "v2": sorted(self.v2)}
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 from k3.env.sandbox import ExecResult, SandboxError
 
-__all__ = ["pump", "agent_exec", "agent_ping", "normalize_cmd", "EXIT_GRACE"]
+__all__ = ["pump", "agent_exec", "agent_ping", "normalize_cmd", "std_pipes", "EXIT_GRACE"]
 
 EXIT_GRACE = 0.2
 DEFAULT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
@@ -103,6 +103,15 @@ def pump(out_r: int, err_r: int, ctl: int, on_ctl: Callable[[], int | None], kil
                       truncated=truncated)
 
 
+def std_pipes(with_stdin: bool) -> tuple:
+    """(out_r, out_w, err_r, err_w, in_r, in_w) for one command; the stdin pair is (None, None)
+    when it reads nothing."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    in_r, in_w = os.pipe() if with_stdin else (None, None)
+    return out_r, out_w, err_r, err_w, in_r, in_w
+
+
 def _connect(sock_path: str, label: str) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
@@ -143,11 +152,7 @@ def agent_exec(sock_path: str, label: str, argv: list[str], env: dict, cwd: str,
                stdin: bytes | None, cap: int) -> ExecResult:
     """One command through the sandbox's exec agent (protocol: ``k3.env.backends.agent``)."""
     s = _connect(sock_path, label)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    in_r = in_w = None
-    if stdin is not None:
-        in_r, in_w = os.pipe()
+    out_r, out_w, err_r, err_w, in_r, in_w = std_pipes(stdin is not None)
     try:
         req = _encode_request(argv, env, cwd, stdin is not None)
         socket.send_fds(s, [req], ([in_r] if in_r is not None else []) + [out_w, err_w])

@@ -142,6 +142,11 @@ def serve(conn, abi):
         argv = [os.fsdecode(a) for a in parts[4:4 + n]]
         m = int(parts[4 + n])
         env = dict(os.fsdecode(kv).split("=", 1) for kv in parts[5 + n:5 + n + m])
+        if not os.path.isdir(cwd):
+            for fd in fds:
+                os.close(fd)
+            send(b"error", 126, f"cwd {cwd}: not a directory in the sandbox")
+            return
         devnull = None if stdin else os.open("/dev/null", os.O_RDONLY)
         std = fds if stdin else [devnull] + fds
         try:

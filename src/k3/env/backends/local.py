@@ -21,10 +21,11 @@ import time
 import warnings
 
 from k3.env.cgroups import Cgroup, CgroupLayout, detect_layout, refuse_unenforceable
-from k3.env.execio import DEFAULT_ENV, normalize_cmd, pump
+from k3.env.execio import DEFAULT_ENV, normalize_cmd, pump, std_pipes
 from k3.env.fsview import FsView
 from k3.env.layers import materialize
-from k3.env.sandbox import Backend, ExecResult, FileEntry, Limits, Sandbox, SandboxError
+from k3.env.backends.base import StateSandbox, file_layers
+from k3.env.sandbox import Backend, ExecResult, FileEntry, Sandbox, SandboxError
 
 __all__ = ["LocalBackend", "LocalSandbox", "NotIsolatedWarning"]
 
@@ -33,26 +34,14 @@ class NotIsolatedWarning(UserWarning):
     """Raised (as a warning) for every ``local`` sandbox: it is not a sandbox."""
 
 
-class LocalSandbox(Sandbox):
+class LocalSandbox(StateSandbox):
     backend = "local"
 
     def __init__(self, manager, state: dict):
-        super().__init__(state["id"], Limits.from_dict(state["limits"]))
-        self.manager, self.state = manager, state
-        self.dir = manager.sandbox_dir(self.id)
+        super().__init__(manager, state)
         self.fs_root = os.path.join(self.dir, "fs")
         lay = state.get("cgroup_layout")
         self.cg = Cgroup(state["cgroup"], CgroupLayout.from_dict(lay)) if lay else None
-        self._closed = False
-
-    def _save(self) -> None:
-        self.manager.write_state(self.id, self.state)
-
-    def _check(self, running: bool = True) -> None:
-        if self._closed:
-            raise SandboxError(f"sandbox {self.id} is closed")
-        if running and self.state.get("paused"):
-            raise SandboxError(f"sandbox {self.id} is paused; resume() it first")
 
     def _host(self, sandbox_path: str) -> str:
         rel = FsView(self.fs_root, self.workdir, self.id).rel(sandbox_path)
@@ -64,11 +53,7 @@ class LocalSandbox(Sandbox):
         wd = self._host(cwd or self.workdir)
         full_env = {**DEFAULT_ENV, "HOME": os.path.join(self.fs_root, "root"), **(env or {})}
         before = self.cg.oom_kills() if self.cg else 0
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        in_r = in_w = None
-        if stdin is not None:
-            in_r, in_w = os.pipe()
+        out_r, out_w, err_r, err_w, in_r, in_w = std_pipes(stdin is not None)
         try:
             p = subprocess.Popen(argv, cwd=wd, env=full_env, stdin=in_r if in_r is not None else subprocess.DEVNULL,
                                  stdout=out_w, stderr=err_w, start_new_session=True,
@@ -145,10 +130,7 @@ class LocalSandbox(Sandbox):
     def snapshot(self) -> str:
         self._check(running=False)
         layer, added = self.manager.store.commit_layer(self.fs_root)
-        info = self.manager.store.save_snapshot(self.state["image"], [layer], self.state.get("origin"),
-                                                self.backend, added,
-                                                meta={"limits": self.limits.as_dict(), "sandbox": self.id})
-        return info.id
+        return self._record_snapshot([layer], added)
 
     def _kill_all(self) -> None:
         if self.cg:
@@ -166,10 +148,6 @@ class LocalSandbox(Sandbox):
         self.state.update(origin=snap.id, paused=False, pgids=[])
         self._save()
 
-    def fork(self, snapshot_id=None) -> Sandbox:
-        self._check(running=False)
-        return self.manager.fork(snapshot_id or self.snapshot(), limits=self.limits, backend=self.backend)
-
     def close(self) -> None:
         if self._closed:
             return
@@ -179,24 +157,16 @@ class LocalSandbox(Sandbox):
         shutil.rmtree(self.dir)
         self._closed = True
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def describe(self) -> dict:
-        return {**super().describe(), "isolated": False, "host_dir": self.fs_root,
-                "paused": bool(self.state.get("paused"))}
+        return {**super().describe(), "isolated": False, "host_dir": self.fs_root}
 
 
 class LocalBackend(Backend):
     name = "local"
 
-    @staticmethod
-    def layer_dirs(manager, snap) -> list[str]:
-        if snap.backend not in ("namespace", "local"):
-            raise SandboxError(f"snapshot {snap.id} is a {snap.backend!r} snapshot: the local backend can only "
-                               "start from file-layer snapshots (namespace, local)")
-        return [manager.store.layer_dir(lid) for lid in snap.meta["layers"]]
+    @classmethod
+    def layer_dirs(cls, manager, snap) -> list[str]:
+        return [manager.store.layer_dir(lid) for lid in file_layers(snap, cls.name)[0]]
 
     @classmethod
     def _launch(cls, manager, sid, image, limits, origin, fill) -> LocalSandbox:
@@ -213,7 +183,7 @@ class LocalBackend(Backend):
         print(msg, file=sys.stderr)
         state = {"id": sid, "backend": cls.name, "image": image, "layers": [], "origin": origin,
                  "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid),
-                 "cgroup_layout": layout.as_dict() if layout.dirs else None, "created": time.time(),
+                 "cgroup_layout": layout.for_limits(limits).as_dict() if layout.dirs else None, "created": time.time(),
                  "pgids": []}
         sb = LocalSandbox(manager, state)
         fill(sb.fs_root)

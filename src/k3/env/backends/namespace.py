@@ -9,7 +9,10 @@ One sandbox = one long-lived process tree, all in the cgroup ``k3-<tag>-<id>``::
 
 The overlay: lowers = the snapshot layers (newest first) over the workspace layer over the base
 image, all read-only in the manager's store; upper = ``sandboxes/<id>/upper`` (the only place a
-sandbox can write). The overlay mount exists only in the holder's private mount namespace, so
+sandbox can write), or, when ``limits.disk_bytes`` is set or the host directory cannot hold an
+overlay upper layer (it is itself on overlayfs, as in many containers), ``upperfs/upper`` on a
+tmpfs of that size mounted in the holder's mount namespace (its pages count against the
+sandbox's memory limit; the host reaches it through ``/proc/<holder>/root``). The overlay mount exists only in the holder's private mount namespace, so
 it disappears with the sandbox's last process. Commands reach the agent over a listening unix
 socket made on the host (``sandboxes/<id>/ctl.sock``) and inherited by the agent: nothing inside
 can see its path. File methods go through ``/proc/<pid 1>/root`` with ``openat2(RESOLVE_IN_ROOT)``.
@@ -29,12 +32,14 @@ import select
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 from k3.env.cgroups import Cgroup, CgroupLayout, detect_layout, refuse_unenforceable
 from k3.env.execio import DEFAULT_ENV, agent_exec, agent_ping, normalize_cmd
 from k3.env.fsview import FsView
-from k3.env.sandbox import Backend, ExecResult, FileEntry, Limits, Sandbox, SandboxError, SnapshotInfo
+from k3.env.backends.base import StateSandbox, file_layers
+from k3.env.sandbox import Backend, ExecResult, FileEntry, Limits, Sandbox, SandboxError
 
 __all__ = ["NamespaceBackend", "NamespaceSandbox"]
 
@@ -53,6 +58,14 @@ def _bwrap() -> str:
     return path
 
 
+def _on_overlayfs(path: str) -> bool:
+    """True when ``path`` is on overlayfs (which cannot hold another overlay's upper layer)."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return False
+    return int.from_bytes(buf.raw[:8], sys.byteorder) == 0x794C7630  # OVERLAYFS_SUPER_MAGIC
+
+
 def _sock_path(path: str) -> tuple[str, int | None]:
     """A unix socket address for ``path`` within the 107-byte limit (via /proc/self/fd)."""
     if len(path.encode()) < 100:
@@ -61,94 +74,114 @@ def _sock_path(path: str) -> tuple[str, int | None]:
     return f"/proc/self/fd/{fd}/{os.path.basename(path)}", fd
 
 
-class NamespaceSandbox(Sandbox):
+def _holder_setup(procs: list[str], layers_dir: str, merged: str, overlay_opts: bytes, upperfs: str,
+                  tmpfs_opts: bytes | None):
+    """The holder's preexec function: join the cgroup, make a private mount namespace, mount the
+    tmpfs upper (if any) and the overlay there. Runs in the forked child before exec(bwrap), so
+    it only makes syscalls on values prepared here."""
+    procs_b = [p.encode() for p in procs]
+    layers_b, merged_b, upper_b = layers_dir.encode(), merged.encode(), upperfs.encode()
+
+    def fail(what: str, code: int):
+        os.write(2, f"k3: {what} failed: {os.strerror(ctypes.get_errno())}\n".encode())
+        os._exit(code)
+
+    def setup():
+        for p in procs_b:
+            fd = os.open(p, os.O_WRONLY)
+            os.write(fd, b"0")
+            os.close(fd)
+        if _libc.unshare(_CLONE_NEWNS) != 0 or _libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+            fail("private mount namespace", 90)
+        if tmpfs_opts is not None:
+            if _libc.mount(b"k3-upper", upper_b, b"tmpfs", 0, tmpfs_opts) != 0:
+                fail("tmpfs mount", 92)
+            os.mkdir(upper_b + b"/upper", 0o755)
+            os.mkdir(upper_b + b"/work", 0o755)
+        os.chdir(layers_b)  # the lowerdir names are relative: they fit in one page of options
+        if _libc.mount(b"k3-overlay", merged_b, b"overlay", 0, overlay_opts) != 0:
+            fail("overlay mount", 91)
+
+    return setup
+
+
+class NamespaceSandbox(StateSandbox):
     backend = "namespace"
 
     def __init__(self, manager, state: dict):
-        super().__init__(state["id"], Limits.from_dict(state["limits"]))
-        self.manager, self.state = manager, state
-        self.dir = manager.sandbox_dir(self.id)
+        super().__init__(manager, state)
         self.cg = Cgroup(state["cgroup"], CgroupLayout.from_dict(state["cgroup_layout"]))
-        self._closed = False
         self._dfd: int | None = None
 
     # the holder -------------------------------------------------------------------------------
-    def _save(self) -> None:
-        self.manager.write_state(self.id, self.state)
-
-    def _start(self) -> None:
-        st, store = self.state, self.manager.store
+    def _mount_plan(self) -> tuple[bytes, bytes | None]:
+        """(overlay mount options, tmpfs options for the upper layer or None); makes the dirs."""
+        st = self.state
         lowers = [st["image"]] + st["layers"]
         for lid in lowers:
-            store.layer_dir(lid)
-        for d in ("upper", "work", "root"):
+            self.manager.store.layer_dir(lid)
+        tmpfs = st.get("upper_mode") == "tmpfs"
+        for d in ("upperfs", "root") if tmpfs else ("upper", "work", "root"):
             os.makedirs(os.path.join(self.dir, d), exist_ok=True)
-        data = (f"lowerdir={':'.join(reversed(lowers))},upperdir={self.dir}/upper,workdir={self.dir}/work,"
+        base = f"{self.dir}/upperfs" if tmpfs else self.dir
+        data = (f"lowerdir={':'.join(reversed(lowers))},upperdir={base}/upper,workdir={base}/work,"
                 "index=off,metacopy=off,redirect_dir=off").encode()
         if len(data) > _MAX_MOUNT_DATA:
             raise SandboxError(f"sandbox {self.id}: {len(lowers)} layers exceed the overlay mount limit; "
                                "fork from a snapshot of a sandbox with fewer layers")
-        layers_dir = os.path.join(store.root, "layers").encode()
-        merged = os.path.join(self.dir, "root").encode()
-        procs = [p.encode() for p in self.cg.procs_files]
+        size = self.limits.disk_bytes
+        return data, ((f"size={size}" if size else "size=50%").encode() + b",mode=0755") if tmpfs else None
 
-        def holder_setup():  # in the child, before exec(bwrap): only syscalls and small writes
-            for p in procs:
-                fd = os.open(p, os.O_WRONLY)
-                os.write(fd, b"0")
-                os.close(fd)
-            if _libc.unshare(_CLONE_NEWNS) != 0 or _libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-                os._exit(90)
-            os.chdir(layers_dir)
-            if _libc.mount(b"k3-overlay", merged, b"overlay", 0, data) != 0:
-                os.write(2, f"k3: overlay mount failed: {os.strerror(ctypes.get_errno())}\n".encode())
-                os._exit(91)
+    def _bwrap_argv(self, info_w: int, listen_fd: int) -> tuple[list[str], int]:
+        """bwrap's command line and the pipe its options come through (``--args``: so pid 1's
+        cmdline, visible inside, shows no host path)."""
+        args = ["--bind", os.path.join(self.dir, "root"), "/", "--proc", "/proc", "--dev", "/dev",
+                "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
+                *([] if self.limits.network else ["--unshare-net"]),
+                "--uid", "0", "--gid", "0", "--hostname", "k3-sandbox", "--cap-drop", "ALL",
+                "--ro-bind", AGENT, "/.k3/agent.py", "--chdir", "/", "--info-fd", str(info_w)]
+        args_r, args_w = os.pipe()
+        os.write(args_w, b"".join(a.encode() + b"\0" for a in args))
+        os.close(args_w)
+        return [_bwrap(), "--args", str(args_r),
+                "--", "/usr/bin/python3", "-I", "-S", "/.k3/agent.py", str(listen_fd)], args_r
 
+    def _start(self) -> None:
+        """Mount, start the holder and wait until its exec agent answers."""
+        data, tmpfs_opts = self._mount_plan()
+        setup = _holder_setup(self.cg.procs_files, os.path.join(self.manager.store.root, "layers"),
+                              os.path.join(self.dir, "root"), data, os.path.join(self.dir, "upperfs"), tmpfs_opts)
         sock_file = os.path.join(self.dir, "ctl.sock")
         if os.path.exists(sock_file):
             os.unlink(sock_file)
         addr, dfd = _sock_path(sock_file)
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         info_r, info_w = os.pipe()
+        args_r = -1
         try:
             lsock.bind(addr)
             lsock.listen(64)
-            args = ["--bind", merged.decode(), "/", "--proc", "/proc", "--dev", "/dev",
-                    "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
-                    *([] if self.limits.network else ["--unshare-net"]),
-                    "--uid", "0", "--gid", "0", "--hostname", "k3-sandbox", "--cap-drop", "ALL",
-                    "--ro-bind", AGENT, "/.k3/agent.py", "--chdir", "/", "--info-fd", str(info_w)]
-            # the arguments go through a pipe (--args): pid 1's cmdline must not show host paths
-            blob = b"".join(a.encode() + b"\0" for a in args)
-            args_r, args_w = os.pipe()
-            os.write(args_w, blob)
-            os.close(args_w)
-            argv = [_bwrap(), "--args", str(args_r),
-                    "--", "/usr/bin/python3", "-I", "-S", "/.k3/agent.py", str(lsock.fileno())]
-            log = open(os.path.join(self.dir, "holder.log"), "wb")
-            with log:
+            argv, args_r = self._bwrap_argv(info_w, lsock.fileno())
+            with open(os.path.join(self.dir, "holder.log"), "wb") as log:
                 p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={},
-                                     pass_fds=(lsock.fileno(), info_w, args_r), preexec_fn=holder_setup,
+                                     pass_fds=(lsock.fileno(), info_w, args_r), preexec_fn=setup,
                                      start_new_session=True)
-            os.close(args_r)
             _CHILDREN[p.pid] = p
             os.close(info_w)
             info_w = -1
             root_pid = self._read_info(info_r, p)
         finally:
             lsock.close()
-            os.close(info_r)
-            if info_w >= 0:
-                os.close(info_w)
-            if dfd is not None:
-                os.close(dfd)
-        st.update(pid=p.pid, root_pid=root_pid, paused=False)
+            for fd in (info_r, info_w, args_r, dfd if dfd is not None else -1):
+                if fd >= 0:
+                    os.close(fd)
+        self.state.update(pid=p.pid, root_pid=root_pid, paused=False)
         self._save()
         try:
             ans = agent_ping(self._sock(), self.id)
         except (OSError, SandboxError) as e:
             raise SandboxError(f"sandbox {self.id}: the exec agent did not start ({e}): {self._log()}") from None
-        st["landlock"] = ans.get("landlock", 0)
+        self.state["landlock"] = ans.get("landlock", 0)
         self._save()
 
     def _read_info(self, info_r: int, p: subprocess.Popen) -> int:
@@ -168,6 +201,12 @@ class NamespaceSandbox(Sandbox):
             raise SandboxError(f"sandbox {self.id}: the namespace holder did not start (exit {p.poll()}): "
                                f"{self._log()}")
         return int(json.loads(buf[:buf.index(b"}") + 1])["child-pid"])
+
+    def _upper(self) -> str:
+        """Host path of the writable layer (through the holder's mount namespace for tmpfs)."""
+        if self.state.get("upper_mode") == "tmpfs":
+            return f"/proc/{self.state['pid']}/root{self.dir}/upperfs/upper"
+        return os.path.join(self.dir, "upper")
 
     def _log(self) -> str:
         try:
@@ -189,12 +228,6 @@ class NamespaceSandbox(Sandbox):
         p = _CHILDREN.pop(self.state.get("pid", -1), None)
         if p is not None:
             p.wait(10)
-
-    def _check(self, running: bool = True) -> None:
-        if self._closed:
-            raise SandboxError(f"sandbox {self.id} is closed")
-        if running and self.state.get("paused"):
-            raise SandboxError(f"sandbox {self.id} is paused; resume() it first")
 
     def _fs(self) -> FsView:
         self._check(running=False)
@@ -242,29 +275,24 @@ class NamespaceSandbox(Sandbox):
         if not was_paused:
             self.cg.set_frozen(True)
         try:
-            layer, added = self.manager.store.commit_layer(os.path.join(self.dir, "upper"))
+            layer, added = self.manager.store.commit_layer(self._upper())
         finally:
             if not was_paused:
                 self.cg.set_frozen(False)
-        st = self.state
-        info = self.manager.store.save_snapshot(st["image"], st["layers"] + [layer], st.get("origin"),
-                                                self.backend, added,
-                                                meta={"limits": self.limits.as_dict(), "sandbox": self.id})
-        return info.id
+        return self._record_snapshot(self.state["layers"] + [layer], added)
 
     def restore(self, snapshot_id: str) -> None:
         self._check(running=False)
         snap = self.manager.store.snapshot(snapshot_id)
-        layers, image = NamespaceBackend.layers_of(snap)
+        layers, image = file_layers(snap, self.backend)
         self._stop_holder()
+        if self.state.get("paused"):
+            self.cg.set_frozen(False)  # a frozen cgroup would freeze the new holder too
         for d in ("upper", "work"):
-            shutil.rmtree(os.path.join(self.dir, d))
+            if os.path.isdir(os.path.join(self.dir, d)):
+                shutil.rmtree(os.path.join(self.dir, d))
         self.state.update(image=image, layers=layers, origin=snap.id)
         self._start()
-
-    def fork(self, snapshot_id=None) -> Sandbox:
-        self._check(running=False)
-        return self.manager.fork(snapshot_id or self.snapshot(), limits=self.limits, backend=self.backend)
 
     def close(self) -> None:
         if self._closed:
@@ -277,14 +305,8 @@ class NamespaceSandbox(Sandbox):
         shutil.rmtree(self.dir)
         self._closed = True
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def describe(self) -> dict:
-        return {**super().describe(), "image": self.state["image"], "layers": list(self.state["layers"]),
-                "origin": self.state.get("origin"), "paused": bool(self.state.get("paused")),
-                "landlock": self.state.get("landlock", 0)}
+        return {**super().describe(), "layers": list(self.state["layers"]), "landlock": self.state.get("landlock", 0)}
 
 
 class NamespaceBackend(Backend):
@@ -294,22 +316,13 @@ class NamespaceBackend(Backend):
     def _refuse(limits: Limits) -> None:
         _bwrap()
         refuse_unenforceable(limits, detect_layout(), "namespace backend")
-        if limits.disk_bytes is not None:
-            raise SandboxError("namespace backend: cannot enforce limits.disk_bytes (the writable layer is a "
-                               "directory of the host filesystem, no size cap); set it to None")
-
-    @staticmethod
-    def layers_of(snap: SnapshotInfo) -> tuple[list[str], str]:
-        if snap.backend not in ("namespace", "local") or not snap.meta.get("image"):
-            raise SandboxError(f"snapshot {snap.id} is a {snap.backend!r} snapshot: the namespace backend "
-                               "can only start from file-layer snapshots (namespace, local)")
-        return list(snap.meta["layers"]), snap.meta["image"]
 
     @classmethod
     def _launch(cls, manager, sid, image, layers, limits, origin) -> NamespaceSandbox:
         cls._refuse(limits)
         state = {"id": sid, "backend": cls.name, "image": image, "layers": layers, "origin": origin,
-                 "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid), "cgroup_layout": detect_layout().as_dict(),
+                 "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid), "cgroup_layout": detect_layout().for_limits(limits).as_dict(),
+                 "upper_mode": "tmpfs" if limits.disk_bytes or _on_overlayfs(manager.sandbox_dir(sid)) else "host",
                  "created": time.time()}
         sb = NamespaceSandbox(manager, state)
         sb.cg.create(limits)
@@ -329,7 +342,7 @@ class NamespaceBackend(Backend):
 
     @classmethod
     def fork(cls, manager, snapshot, sandbox_id, limits) -> Sandbox:
-        layers, image = cls.layers_of(snapshot)
+        layers, image = file_layers(snapshot, cls.name)
         return cls._launch(manager, sandbox_id, image, layers, limits, snapshot.id)
 
     @classmethod

@@ -1,0 +1,88 @@
+"""SandboxManager bookkeeping: names, listing, garbage collection of dead sandboxes and of
+layers/objects no snapshot needs."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from k3.env import Limits, SandboxError
+
+
+def test_names_are_unique_and_resolve(manager):
+    with manager.create(name="alpha") as a:
+        assert manager.get("alpha").id == a.id
+        with pytest.raises(SandboxError, match="already in use"):
+            manager.create(name="alpha")
+        with pytest.raises(SandboxError, match="sandbox name"):
+            manager.create(name="bad/name")
+        assert [s["name"] for s in manager.list()] == ["alpha"]
+
+
+def test_gc_closes_a_sandbox_whose_processes_died(manager):
+    live = manager.create()
+    dead = manager.create()
+    dead.cg.kill_all()                       # as if the machine had killed it
+    report = manager.gc()
+    assert report["sandboxes_closed"] == [dead.id]
+    assert [s["id"] for s in manager.list()] == [live.id]   # control: the live one is kept
+    assert live.exec("true").ok
+    live.close()
+
+
+def test_gc_frees_layers_only_when_no_snapshot_needs_them(manager):
+    with manager.create() as sb:
+        sb.write_file("unique.bin", os.urandom(300_000))
+        snap = sb.snapshot()
+    kept = manager.gc()
+    assert kept["bytes_freed"] == 0                          # control: the snapshot still needs it
+    with manager.fork(snap) as f:
+        assert len(f.read_file("unique.bin")) == 300_000
+    manager.remove_snapshot(snap)
+    freed = manager.gc()
+    assert freed["layers_removed"] >= 1 and freed["bytes_freed"] >= 300_000
+    assert manager.resolve_image("default")                  # the default image survives gc
+
+
+def test_landlock_scope_blocks_host_abstract_sockets_even_with_network(manager):
+    name = f"k3-test-{os.getpid()}"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind("\0" + name)
+    srv.listen(4)
+    probe = ("import socket,sys\ns = socket.socket(socket.AF_UNIX)\n"
+             f"try:\n s.connect('\\0{name}'); print('connected')\nexcept OSError as e:\n print('denied', e.errno)\n")
+    try:
+        host = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+        assert host.stdout == "connected\n"                  # control: reachable from the host
+        with manager.create(limits=Limits(network=True)) as sb:
+            abi = sb.describe()["landlock"]
+            out = sb.exec(["python3", "-c", probe]).text()
+            # Landlock ABI >= 6 scopes abstract sockets; an older kernel cannot, and the sandbox says
+            # so in describe()["landlock"] (docs/SANDBOX.md): either way the behaviour is the advertised one
+            assert out.startswith("denied" if abi >= 6 else "connected"), (abi, out)
+    finally:
+        srv.close()
+
+
+def test_a_manager_root_longer_than_a_socket_address_works(manager, tmp_path):
+    from conftest import leftovers
+    from k3.env import SandboxManager
+    from k3.env.images import import_image
+
+    root = tmp_path / ("r" * 60) / ("s" * 40)
+    mgr = SandboxManager(str(root))
+    assert len(os.path.join(mgr.sandbox_dir("sb-000000000000"), "ctl.sock")) > 108  # beyond sun_path
+    image = import_image(mgr.store, manager.store.layer_dir(manager.resolve_image("default")))
+    with mgr.create(image=image) as sb:
+        assert sb.exec("echo long").text() == "long\n"
+        assert mgr.get(sb.id).exec("echo again").text() == "again\n"   # attach: a fresh object
+    assert leftovers(mgr) == {}
+
+
+def test_images_are_content_addressed(manager):
+    from k3.env.images import import_image
+
+    image = manager.resolve_image("default")
+    assert import_image(manager.store, manager.store.layer_dir(image)) == image   # same tree, same id
