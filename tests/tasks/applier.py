@@ -66,11 +66,12 @@ def _open_tree(root, file_mode):
             os.chmod(os.path.join(d, f), file_mode)
 
 
-def verify(task_dir, submitted, timeout=60, user=None):
+def verify(task_dir, submitted, timeout=60, user=None, argv=None):
     """Run the task's verifier on directory ``submitted``; returns (reward, reason).
 
     ``user``: run the verifier itself as that uid (root only) on world-readable copies, i.e. a
     verifier that cannot switch uid for its children (the positive control of its isolation).
+    ``argv``: the verifier's arguments (default ``--workspace SUBMITTED``).
     """
     with tempfile.TemporaryDirectory(prefix="k3-ver-") as tmp:
         vdir = Path(tmp) / "verifier"
@@ -87,7 +88,8 @@ def verify(task_dir, submitted, timeout=60, user=None):
             os.chmod(tmp, 0o755)
             extra = {"user": user, "group": user, "extra_groups": []}
         try:
-            res = subprocess.run([PY, "-I", "-S", str(vdir / "verify.py"), "--workspace", str(submitted)],
+            args = ["--workspace", str(submitted)] if argv is None else argv
+            res = subprocess.run([PY, "-I", "-S", str(vdir / "verify.py")] + args,
                                  cwd=submitted, capture_output=True, text=True, timeout=timeout,
                                  env={"PATH": ENV_PATH, "HOME": str(home), "LANG": "C.UTF-8"}, **extra)
         except subprocess.TimeoutExpired:

@@ -142,3 +142,21 @@ def test_runtime_verifier_read_needs_the_isolation(task_dir, name, transcript, t
     assert ep.score() == 0.0 and "isolation: uid" in reason, reason
     reward, reason = applier.verify(task_dir, sub, user=65534)
     assert reward == 1.0 and "isolation: none" in reason, reason
+
+
+def test_verifier_takes_its_workspace_from_argv_only(tmp_path):
+    """The workspace is the --workspace argument (or /workspace); any other argument is refused with
+    reward 0; no verifier reads the environment. Positive control: the same submission scores 1.0
+    with the plain argument."""
+    for p in TASK_DIRS:
+        for f in (p / "verifier").glob("*.py"):
+            assert not re.search(r"environ|getenv", f.read_text()), f
+    task = applier.TASKS / "fix-median"
+    ep = applier.replay(task, dict(applier.transcripts(task))["solution"], tmp_path / "a")
+    sub, _reason = ep.submissions[-1]
+    assert applier.verify(task, sub)[0] == 1.0
+    reward, reason = applier.verify(task, sub, argv=["--workspace", str(sub), "--reward", "1"])
+    assert reward == 0.0 and "usage" in reason
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert applier.verify(task, empty)[0] == 0.0
