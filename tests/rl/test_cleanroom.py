@@ -135,7 +135,7 @@ def test_a_broken_verifier_scores_zero_with_the_reason(tmp_path, sandboxes):
         assert v.reward == (1.0 if why == "fine" else 0.0)
 
 
-def test_tasks_refuse_the_local_backend(tmp_path, env_root, capsys):
+def test_tasks_refuse_the_local_backend(tmp_path, env_root, capsys, monkeypatch):
     from k3.errors import ConfigError
     from k3.rl.cli import task_main
     from k3.rl.verify import Sandboxes
@@ -143,7 +143,9 @@ def test_tasks_refuse_the_local_backend(tmp_path, env_root, capsys):
     with pytest.raises(ConfigError, match="does not isolate"):
         Sandboxes("local", env_root)
     d = make_task(tmp_path)
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="does not isolate"):
         task_main(["run", str(d), "--backend", "local"])
+    assert not (tmp_path / "trajectories").exists()  # refused before anything was written
     assert task_main(["run", str(d), "--out", str(tmp_path / "t.jsonl")]) == 0  # the default backend runs it
     assert "score 1.000" in capsys.readouterr().out

@@ -129,17 +129,18 @@ def test_pool_and_ray_run_the_same_rollouts_with_the_same_results(tmp_path, sand
     jobs = [{"task": str(d), "provider": {"kind": "scripted", "transcript": str(p)}, "label": p.stem,
              "backend": "namespace", "out": str(tmp_path / f"{p.stem}.jsonl")}
             for p in (d / "solution" / "solve.json", hack)]
-    one = run_jobs(jobs, workers=1)
     two = run_jobs(jobs, workers=2)
     ray = run_jobs(jobs, workers=2, use_ray=True)
-    for res in (one, two, ray):
+    for res in (two, ray):
         assert [(r["label"], r["score"], r["status"]) for r in res] == [("solve", 1.0, "completed"),
                                                                         ("hardcode", 0.0, "completed")]
     assert replay(tmp_path / "solve.jsonl").ok  # the Ray worker's trajectory replays here
-    write_transcript(tmp_path / "x.json", [])  # an empty transcript: no submission, score 0
+    write_transcript(tmp_path / "x.json", [])  # one worker (in process); an empty transcript scores 0
     none = run_jobs([{**jobs[0], "provider": {"kind": "scripted", "transcript": str(tmp_path / "x.json")},
-                      "out": None}], workers=1)
-    assert (none[0]["score"], none[0]["submissions"]) == (0.0, 0)
+                      "out": None}, {**jobs[0], "provider": {"kind": "scripted", "transcript": "/nonexistent.json"}}],
+                    workers=1)
+    assert [(r["score"], r["status"]) for r in none] == [(0.0, "completed"), (0.0, "error")]
+    assert none[0]["submissions"] == 0 and "nonexistent.json" in none[1]["detail"]
 
 
 def test_k3_task_run_ask_answers_on_the_terminal(tmp_path, monkeypatch, capsys, sandboxes):

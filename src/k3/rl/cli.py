@@ -120,13 +120,15 @@ def cmd_run(args) -> int:
     if args.provider != "scripted" and args.transcript:
         raise ConfigError("--transcript is for --provider scripted")
     transcript = args.transcript or str(task.root / "solution" / "solve.json")
+    from k3.rl.verify import Sandboxes
+    sandboxes = Sandboxes(args.backend)  # refuses a backend before anything is written
     provider = make_provider(_provider_spec(args, transcript))
     if args.ask and args.yolo:
         raise ConfigError("--ask and --yolo exclude each other")
     out = Path(args.out or f"trajectories/{task.id}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     writer = TrajectoryWriter(out)
     try:
-        s = run_episode(task.root, provider, writer, backend=args.backend, harness=args.seed, yolo=args.yolo,
+        s = run_episode(task.root, provider, writer, sandboxes=sandboxes, harness=args.seed, yolo=args.yolo,
                         approve=_terminal_approver if args.ask else None, seed=args.seed, **_sampling(args))
     finally:
         writer.close()
