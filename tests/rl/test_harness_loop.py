@@ -62,3 +62,31 @@ def test_the_token_budget_stops_the_episode(tmp_path, sandboxes):
     ok = run_episode(make_task(tmp_path / "b", tokens=20000), ReplayProvider(header, [turn] * 5),
                      TrajectoryWriter(), sandboxes=sandboxes)
     assert (ok["status"], ok["tokens"], ok["steps"]) == ("completed", 5500, 5)
+
+
+def test_a_provider_switch_replans_without_the_old_reasoning(tmp_path, sandboxes):
+    from k3.agent.harness import Budget, Harness
+    from k3.agent.policy import Policy
+    from k3.agent.tools import ToolBox
+    from k3.agent.turns import REPLAN_NOTE
+
+    a = Recording([{"reasoning": "A's private plan", "content": "looking",
+                    "tool_calls": [{"name": "shell", "arguments": {"command": "echo from-a"}}]}])
+    a.id = "provider-a"
+    b = Recording([{"reasoning": "B's plan", "tool_calls": [{"name": "list", "arguments": {}}]},
+                   {"reasoning": "B again", "content": "done"}])
+    b.id = "provider-b"
+    records = []
+    with sandboxes.create() as sb:
+        h = Harness(a, ToolBox(sb), Policy(), HarnessConfig(), Budget(), "goal", lambda: "ok",
+                    lambda k, d: records.append((k, d)))
+        h.run()
+        h.switch_provider(b)
+        res = h.run()
+    assert [t.provider for t in res.turns] == ["provider-a", "provider-b", "provider-b"] and res.steps == 2
+    first_b, last_b = b.requests[0].messages, b.requests[-1].messages
+    assert "A's private plan" not in str(first_b) and "A's private plan" not in str(last_b)
+    note = [m["content"] for m in first_b if m["role"] == "user" and m["content"].startswith(REPLAN_NOTE)]
+    assert len(note) == 1 and "echo from-a" in note[0] and "from-a" in note[0]  # the call and its result
+    assert [m.get("reasoning_content") for m in last_b if m["role"] == "assistant"] == ["B's plan"]
+    assert ("switch", {"from": "provider-a", "to": "provider-b", "model": b.describe()}) in records

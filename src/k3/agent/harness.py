@@ -113,6 +113,7 @@ class Harness:
         self.turns: list[AgentTurn] = []
         self.steps = self.tokens = self.submissions = 0
         self.files_written: list[str] = []
+        self._t0: float | None = None
 
     def conditions(self) -> dict:
         """The evaluation conditions a trajectory records (SPEC §7.5)."""
@@ -136,8 +137,17 @@ class Harness:
         return (f"Notes kept by the harness: files you wrote or edited: {files}; submissions used "
                 f"{self.submissions}/{self.budget.submissions}; tool calls used {self.steps}/{self.budget.steps}.")
 
+    def switch_provider(self, provider) -> None:
+        """Continue the episode with another provider: it gets the earlier turns as a re-plan note,
+        never their reasoning (``history_messages``); budgets and the wall clock carry on."""
+        self.record("switch", {"from": self.provider.id, "to": provider.id, "model": provider.describe()})
+        self.provider = provider
+
     def run(self) -> EpisodeResult:
-        t0 = self.clock()
+        """Run until the provider stops or a budget ends; may be called again after a switch."""
+        if self._t0 is None:
+            self._t0 = self.clock()
+        t0 = self._t0
         left = lambda: self.budget.wall_seconds - (self.clock() - t0)  # noqa: E731
         status, detail = "completed", ""
         while status == "completed":
