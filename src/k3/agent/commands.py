@@ -349,7 +349,7 @@ class _Analyzer:
         for i, a in enumerate(args):
             if a.text in ("-c", "-e", "-E", "--eval", "-r", "-p") and i + 1 < len(args):
                 if args[i + 1].dynamic:
-                    self.effects.append(Effect("execute", None, True, f"inline code of a run-time value"))
+                    self.effects.append(Effect("execute", None, True, "inline code of a run-time value"))
                 elif _CODE_NET.search(args[i + 1].text):
                     self.add("network", None, f"inline code names a network module: {detail}")
 

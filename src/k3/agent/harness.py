@@ -25,7 +25,7 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from k3.agent.policy import Policy, PolicyContext

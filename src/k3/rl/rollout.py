@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from k3.agent.harness import Budget, Harness
+from k3.agent.harness import Harness
 from k3.agent.policy import Policy
 from k3.agent.providers import LocalEngine, OpenAICompatible, Scripted
 from k3.agent.randomize import HarnessConfig
@@ -61,8 +61,7 @@ def run_episode(task_dir, provider, writer: TrajectoryWriter, *, backend: str = 
     own = sandboxes is None
     sandboxes = sandboxes or Sandboxes(backend)
     policy = Policy(approve, yolo=yolo, sandboxed=sandboxes.isolating)
-    b = task.budget
-    budget = Budget(b.steps, b.tokens, b.wall_seconds, b.submissions)
+    budget = task.budget
     timings: dict = {}
     subs: list = []
     try:

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3.agent.harness import Budget
 from k3.agent.tools import check_arguments
 from k3.errors import ConfigError
 
@@ -41,12 +42,7 @@ _TABLES = {
 }
 
 
-@dataclass
-class TaskBudget:
-    steps: int = 40
-    tokens: int = 32000
-    wall_seconds: float = 120
-    submissions: int = 3
+TaskBudget = Budget  # one budget type: the task's [budget] table is what the harness enforces
 
 
 @dataclass
