@@ -131,16 +131,13 @@ def test_local_engine_provider_renders_the_same_prompt_and_parses_reasoning(nano
 VERIFY_ZERO = 'import json\nprint(json.dumps({"reward": 0.0, "reason": "nothing to check"}))\n'
 
 
-@pytest.mark.slow
-def test_k3_task_run_with_the_openai_provider_records_what_the_server_was_sent(nano, proxies, tmp_path,
-                                                                              monkeypatch, capsys):
-    """The whole loop with a model-backed provider, in a real namespace sandbox: the trajectory's
-    conditions are what the server received (renamed tools of seed 5, prompt, sampling)."""
-    from k3.env.manager import SandboxManager
-    from k3.rl.cli import task_main
-    from k3.rl.trajectory import read_trajectory
+@pytest.fixture(scope="module")
+def env_home(tmp_path_factory):
+    """One sandbox manager root for this module's task runs (the base image is built once)."""
+    return tmp_path_factory.mktemp("agent-env")
 
-    monkeypatch.setenv("K3_ENV_HOME", str(tmp_path / "env"))
+
+def _tiny_task(tmp_path):
     d = tmp_path / "tiny-openai"
     (d / "workspace").mkdir(parents=True)
     (d / "verifier").mkdir()
@@ -148,6 +145,38 @@ def test_k3_task_run_with_the_openai_provider_records_what_the_server_was_sent(n
     (d / "verifier" / "verify.py").write_text(VERIFY_ZERO)
     (d / "task.toml").write_text('id = "tiny-openai"\nkind = "shell"\ngoal = "say hi"\nsubmit = ["a.txt"]\n'
                                  "[budget]\nsteps = 3\nwall_seconds = 60\n")
+    return d
+
+
+@pytest.mark.slow
+def test_k3_task_run_with_the_local_engine_provider(nano, tmp_path, env_home, monkeypatch, capsys):
+    from k3.rl.cli import task_main
+    from k3.rl.trajectory import read_trajectory
+
+    monkeypatch.setenv("K3_ENV_HOME", str(env_home))
+    traj = tmp_path / "t.jsonl"
+    code = task_main(["run", str(_tiny_task(tmp_path)), "--provider", "local", "--ckpt", str(nano[0]),
+                      "--max-tokens", "6", "--effort", "low", "--out", str(traj)])
+    assert code == 0 and "tiny-openai: score 0.000" in capsys.readouterr().out
+    recs = read_trajectory(traj)
+    assert recs[0]["conditions"]["model"] == {"kind": "local", "model": "nano", "id": "local:nano"}
+    turn = next(r for r in recs if r["type"] == "turn")
+    assert turn["provider"] == "local:nano" and turn["metadata"]["usage"]["completion_tokens"] >= 1
+    from k3.env.manager import SandboxManager
+    assert SandboxManager(str(env_home)).list() == []  # nothing left behind
+
+
+@pytest.mark.slow
+def test_k3_task_run_with_the_openai_provider_records_what_the_server_was_sent(nano, proxies, tmp_path, env_home,
+                                                                              monkeypatch, capsys):
+    """The whole loop with a model-backed provider, in a real namespace sandbox: the trajectory's
+    conditions are what the server received (renamed tools of seed 5, prompt, sampling)."""
+    from k3.env.manager import SandboxManager
+    from k3.rl.cli import task_main
+    from k3.rl.trajectory import read_trajectory
+
+    monkeypatch.setenv("K3_ENV_HOME", str(env_home))
+    d = _tiny_task(tmp_path)
     pa = proxies[0]
     before = len(pa.bodies)
     url = f"http://127.0.0.1:{pa.server_port}/v1"
@@ -166,4 +195,4 @@ def test_k3_task_run_with_the_openai_provider_records_what_the_server_was_sent(n
     turns = [r for r in recs if r["type"] == "turn"]
     assert turns and turns[0]["provider"] == f"openai:{url}#nano" and turns[0]["reasoning"]
     assert recs[-1]["type"] == "end" and recs[-1]["tokens"] > 0
-    assert SandboxManager(str(tmp_path / "env")).list() == []  # nothing left behind
+    assert SandboxManager(str(env_home)).list() == []  # nothing left behind
