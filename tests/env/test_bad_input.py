@@ -126,3 +126,13 @@ def test_bad_commands_and_paths(sandbox):
         sandbox.write_file("/tmp/fifo", "x")
     assert time.monotonic() - t0 < 5
     assert sandbox.exec(["true"]).ok                                    # control
+
+
+def test_not_root_is_refused_with_a_reason(manager, monkeypatch):
+    # A real unprivileged run needs an interpreter and a tree readable by another user, which a
+    # venv under /root is not; so the euid is faked here, the refusal path itself is real.
+    with manager.create() as sb:                                         # control: as root it starts
+        assert sb.exec("true").ok
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxError, match="needs root.*uid 1000.*backend='local'"):
+        manager.create()

@@ -94,6 +94,17 @@ def test_snapshot_ids_are_content_addressed(sandbox):
     assert sandbox.snapshot() == a                    # back to the same content: the same id again
 
 
+def test_same_size_rewrites_in_quick_succession_are_each_snapshotted(sandbox):
+    ids, contents = [], [b"aaaa", b"bbbb", b"cccc"]
+    for c in contents:                      # within one file-time tick: size and times may repeat
+        sandbox.write_file("f.txt", c)
+        ids.append(sandbox.snapshot())
+    assert len(set(ids)) == 3
+    for sid, c in zip(ids, contents):
+        with sandbox.fork(sid) as f:
+            assert f.read_file("f.txt") == c
+
+
 def test_snapshots_survive_a_new_manager_process(manager):
     with manager.create() as sb:
         sb.write_file("kept.txt", "persisted")

@@ -2,6 +2,7 @@
 in its file methods and still bound by timeouts, output caps and cgroup limits."""
 
 import os
+import time
 import warnings
 
 import pytest
@@ -53,3 +54,22 @@ def test_local_snapshot_fork_restore(manager):
             sb.restore(s1)
             assert sb.read_file("v.txt") == b"1"
             assert [e.path for e in sb.list()] == ["v.txt"]
+
+
+def test_local_timeout_kills_the_group_and_caps_output(manager):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotIsolatedWarning)
+        sb = manager.create(backend="local", limits=Limits.unlimited(output_bytes=100))
+    with sb:
+        r = sb.exec("sleep 60 & echo $! > bg.pid; sleep 60", timeout=0.5)
+        assert r.timed_out and r.exit_code is None
+        pid = int(sb.read_file("bg.pid"))
+        for _ in range(100):                       # the background sleeper went with its group
+            if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z":
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"pid {pid} survived the timeout")
+        r = sb.exec("head -c 5000 /dev/zero")
+        assert r.truncated and len(r.stdout) == 100
+        assert not sb.exec("head -c 100 /dev/zero").truncated   # control: exactly the cap fits

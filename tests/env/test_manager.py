@@ -67,7 +67,7 @@ def test_landlock_scope_blocks_host_abstract_sockets_even_with_network(manager):
 
 
 def test_a_manager_root_longer_than_a_socket_address_works(manager, tmp_path):
-    from conftest import leftovers
+    from env_leaks import leftovers
     from k3.env import SandboxManager
     from k3.env.images import import_image
 

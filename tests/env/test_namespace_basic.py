@@ -71,11 +71,22 @@ def test_attach_from_a_new_manager_and_close_leaves_nothing(env_root):
     sb.write_file("f", "1")
     sb2 = SandboxManager(env_root).get("attach-me")
     assert sb2.id == sb.id and sb2.exec("cat f").text() == "1"
+    sb.pause()                                    # seen by the other handle at once
+    with pytest.raises(SandboxError, match="paused"):
+        sb2.exec("true")
+    sb2.resume()
+    snap = sb2.snapshot()
+    sb2.write_file("f", "2")
+    sb.restore(snap)                              # new holder: the other handle follows it
+    assert sb2.read_file("f") == b"1" and sb2.exec("cat f").text() == "1"
     assert [s["id"] for s in m1.list()] == [sb.id]
     sb2.close()
     assert m1.list() == []
     with pytest.raises(SandboxError, match="closed"):
         sb2.exec("true")
+    with pytest.raises(SandboxError, match="closed"):
+        sb.exec("true")                           # closed by the other handle
+    sb.close()                                    # and closing it again is harmless
     with pytest.raises(SandboxError, match="unknown sandbox"):
         m1.get(sb.id)
 

@@ -154,8 +154,12 @@ def _finish_root(stage: str) -> None:
     open(os.path.join(stage, ".k3", "agent.py"), "a").close()  # mount point of the exec agent
 
 
-def default_image(store: Store, python: str | None = None) -> str:
-    """Build (once) and return the id of the default image: host Python + coreutils + own /etc."""
+def default_image(store: Store | str | None = None, python: str | None = None) -> str:
+    """Build (once) and return the id of the default image: host Python + coreutils + own /etc.
+    ``store``: a ``Store``, a manager root directory, or None for the default manager root."""
+    if not isinstance(store, Store):
+        from k3.env.manager import SandboxManager  # the manager imports this module
+        store = SandboxManager(store).store
     quick = os.path.join(store.root, "images", "quick-" + _quick_key(python))
     image_id = _read_id(store, quick)
     if image_id:

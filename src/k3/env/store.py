@@ -30,7 +30,7 @@ from k3.env.sandbox import SandboxError, SnapshotInfo
 
 __all__ = ["Store", "hash_json"]
 
-_KEEP_XATTRS = ("trusted.overlay.opaque",)
+_SETTLED_NS = 2_000_000_000
 
 
 def hash_json(obj) -> str:
@@ -40,6 +40,10 @@ def hash_json(obj) -> str:
 class Store:
     def __init__(self, root: str):
         self.root = root
+        # (dev, inode, size, mtime, ctime) -> sha256 of files this process already hashed. File
+        # times are coarse (a tick of several ms), so only files unchanged for _SETTLED_NS are
+        # remembered: a later write then surely moves ctime (git's "racy" rule)
+        self._digests: dict[tuple, str] = {}
         for d in ("objects", "layers", "snapshots", "tmp"):
             os.makedirs(os.path.join(root, d), exist_ok=True)
 
@@ -50,8 +54,32 @@ class Store:
             raise SandboxError(f"store {self.root}: unknown layer {layer_id}")
         return d
 
+    def _remember(self, stamp: tuple, digest: str) -> None:
+        if time.time_ns() - max(stamp[3], stamp[4]) > _SETTLED_NS:
+            self._digests[stamp] = digest
+
+    def _key(self, digest: str, st: os.stat_result) -> tuple[str, str]:
+        key = f"{digest}-{stat.S_IMODE(st.st_mode):o}-{st.st_uid}-{st.st_gid}"
+        return key, os.path.join(self.root, "objects", key[:2], key)
+
     def _add_object(self, src: str, st: os.stat_result) -> tuple[str, str, int]:
-        """Copy ``src`` into the object store once; returns (key, object path, bytes added)."""
+        """Store ``src`` once; returns (key, object path, bytes added). The file is hashed first
+        and copied only when the store lacks it (committing the same workspace again writes
+        nothing, and in the same process reads nothing: digests are remembered by inode stamp);
+        the copy is hashed again, so a file that changed meanwhile is keyed by what
+        was actually stored."""
+        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        digest = self._digests.get(stamp)
+        if digest is None:
+            h = hashlib.sha256()
+            with open(src, "rb") as fin:
+                while chunk := fin.read(1 << 20):
+                    h.update(chunk)
+            digest = h.hexdigest()
+        key, obj = self._key(digest, st)
+        if os.path.exists(obj):
+            self._remember(stamp, digest)
+            return key, obj, 0
         h = hashlib.sha256()
         fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "tmp"))
         try:
@@ -59,16 +87,17 @@ class Store:
                 while chunk := fin.read(1 << 20):
                     h.update(chunk)
                     fout.write(chunk)
-            key = f"{h.hexdigest()}-{stat.S_IMODE(st.st_mode):o}-{st.st_uid}-{st.st_gid}"
-            obj = os.path.join(self.root, "objects", key[:2], key)
+            key, obj = self._key(h.hexdigest(), st)
+            self._remember(stamp, h.hexdigest())
             if os.path.exists(obj):
                 return key, obj, 0
             os.makedirs(os.path.dirname(obj), exist_ok=True)
             os.chown(tmp, st.st_uid, st.st_gid)
             os.chmod(tmp, stat.S_IMODE(st.st_mode))
+            size = os.path.getsize(tmp)
             os.replace(tmp, obj)
             tmp = ""
-            return key, obj, st.st_size
+            return key, obj, size
         finally:
             if tmp:
                 os.unlink(tmp)

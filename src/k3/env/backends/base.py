@@ -31,8 +31,15 @@ class StateSandbox(Sandbox):
         self.manager.write_state(self.id, self.state)
 
     def _check(self, running: bool = True) -> None:
+        """Refuse a closed (or, with ``running``, a paused) sandbox. The state is read again
+        first: another process may have paused, restored or closed it since we attached."""
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
+        try:
+            self.state = self.manager.read_state(self.id)
+        except SandboxError:
+            self._closed = True
+            raise SandboxError(f"sandbox {self.id} is closed (removed by another process)") from None
         if running and self.state.get("paused"):
             raise SandboxError(f"sandbox {self.id} is paused; resume() it first")
 

@@ -154,7 +154,8 @@ class LocalSandbox(StateSandbox):
         self._kill_all()
         if self.cg:
             self.cg.remove()
-        shutil.rmtree(self.dir)
+        if os.path.isdir(self.dir):  # absent when another handle closed it first
+            shutil.rmtree(self.dir)
         self._closed = True
 
     def describe(self) -> dict:

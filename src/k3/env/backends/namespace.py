@@ -302,7 +302,8 @@ class NamespaceSandbox(StateSandbox):
         if self._dfd is not None:
             os.close(self._dfd)
             self._dfd = None
-        shutil.rmtree(self.dir)
+        if os.path.isdir(self.dir):  # absent when another handle closed it first
+            shutil.rmtree(self.dir)
         self._closed = True
 
     def describe(self) -> dict:
@@ -314,6 +315,10 @@ class NamespaceBackend(Backend):
 
     @staticmethod
     def _refuse(limits: Limits) -> None:
+        if os.geteuid() != 0:
+            raise SandboxError("namespace backend: needs root (it mounts the overlay and creates cgroups on the "
+                               f"host); running as uid {os.geteuid()}: run as root, or name backend='local' "
+                               "(no isolation)")
         _bwrap()
         refuse_unenforceable(limits, detect_layout(), "namespace backend")
 
