@@ -27,6 +27,7 @@ import torch
 
 from k3.model.cache import K3Cache, KDAState, MLAState
 from k3.model.moe import LatentMoE, RoutedExperts
+from k3.ops.attn_res import attn_res_mix, attn_res_mix_rows
 
 __all__ = ["DecodeStep", "decode_forward"]
 
@@ -60,7 +61,11 @@ def decode_forward(model, tokens, lengths, convs, states, c_bufs, pe_bufs):
             x = x + attn(layer, layer.input_layernorm(x))
             x = x + _ffn(layer, layer.post_attention_layernorm(x))
     else:
-        from k3.model.decoder import AttnResPair
+        def mix(owner, prefix, srcs):
+            norm = getattr(owner, f"{prefix}_norm")
+            if x.dtype != torch.float32:
+                return attn_res_mix(srcs, getattr(owner, f"{prefix}_proj").weight, norm.weight, norm.eps)
+            return attn_res_mix_rows(srcs, getattr(owner, f"{prefix}_proj").weight, norm.weight, norm.eps)
 
         bs, blocks, partial = cfg.attn_res_block_size, [], x
         for l, layer in enumerate(m.layers):
@@ -68,11 +73,11 @@ def decode_forward(model, tokens, lengths, convs, states, c_bufs, pe_bufs):
                 blocks.append(partial)
                 partial = None
             srcs = blocks if partial is None else blocks + [partial]
-            a = attn(layer, layer.input_layernorm(AttnResPair.mix(layer, "self_attention_res", srcs)))
+            a = attn(layer, layer.input_layernorm(mix(layer, "self_attention_res", srcs)))
             partial = a if partial is None else partial + a
-            h = AttnResPair.mix(layer, "mlp_res", blocks + [partial])
+            h = mix(layer, "mlp_res", blocks + [partial])
             partial = partial + _ffn(layer, layer.post_attention_layernorm(h))
-        x = AttnResPair.mix(m, "output_attn_res", blocks + [partial])
+        x = mix(m, "output_attn_res", blocks + [partial])
     logits = model.lm_head(m.norm(x))
     return logits, new_conv, new_S, new_c, new_pe
 
