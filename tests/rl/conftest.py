@@ -2,14 +2,16 @@
 worker processes (pool, Ray) and the CLI use it too; after every test nothing may be left of it:
 no sandbox directory, cgroup, mount or process that names the root."""
 
-import glob
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from k3.env.cgroups import detect_layout
-from k3.env.manager import SandboxManager
 from k3.rl.verify import Sandboxes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "env"))
+from env_leaks import leftovers  # noqa: E402 - the one leak check, shared with tests/env
 
 
 @pytest.fixture(scope="session")
@@ -25,37 +27,12 @@ def env_root(tmp_path_factory):
         os.environ["K3_ENV_HOME"] = old
 
 
-def _leftovers(mgr: SandboxManager) -> dict:
-    out = {}
-    sbs = os.listdir(os.path.join(mgr.root, "sandboxes"))
-    if sbs:
-        out["sandbox dirs"] = sbs
-    cgs = [n for d in detect_layout().all_dirs for n in os.listdir(d) if n.startswith(f"k3-{mgr.tag}-")]
-    if cgs:
-        out["cgroups"] = cgs
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split()[4] for line in f if mgr.root in line]
-    if mounts:
-        out["mounts"] = mounts
-    procs = []
-    for d in glob.glob("/proc/[0-9]*"):
-        try:
-            with open(d + "/cmdline", "rb") as f:
-                if mgr.root.encode() in f.read():
-                    procs.append(int(d[6:]))
-        except OSError:
-            continue
-    if procs:
-        out["processes"] = procs
-    return out
-
-
 @pytest.fixture
 def sandboxes(env_root):
     s = Sandboxes("namespace", env_root)
     yield s
     mgr = s.manager
-    leaked = _leftovers(mgr)
+    leaked = leftovers(mgr)
     for st in mgr.list():
         try:
             mgr.get(st["id"]).close()
