@@ -10,13 +10,16 @@ Measured in one process on random weights (greedy, EOS ignored, so every request
 * ``roofline_b1``: batch-1 decode against this machine's limit, active weight bytes per token
   (every parameter but the embedding, routed experts k of E) ÷ measured memory read bandwidth
   (the median time of summing a 256 MiB fp32 tensor).
-* ``decode_tps_b1_kimi_linear`` (``--transformers``): the same geometry in Kimi-Linear mode, k3's
+* ``decode_tps_b1_vs_model_step``: the engine's decode path (``DecodeStep``) against the same
+  engine decoding through ``model(...)`` (``fast_decode=False``).
+* ``decode_tps_b1_kimi_linear`` (off with ``--skip-transformers``): the same geometry in Kimi-Linear mode, k3's
   engine against transformers' ``KimiLinearForCausalLM.generate`` on the same saved weights.
 * ``ttft_prefix``: time to first token for a prompt sharing 90% of its tokens with a cached one,
   against the same engine on an unrelated prompt of the same length (cold).
 
 ``python benchmarks/infer.py [--preset small] [--gen 256] [--threads 2] [--device cpu]``;
-prints a table and appends JSON lines to ``benchmarks/results/infer.jsonl``.
+prints a table (every target row with its ratio and PASS/MISS against issue 10's target) and
+appends JSON lines to ``benchmarks/results/infer.jsonl``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _timing import median_time  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "infer.jsonl"
+# issue 10's targets on the ratio column: >= for speed-ups and the roofline fraction, <= for TTFT
+TARGETS = {"decode_tps_b1_vs_recompute": 10.0, "decode_tps_b16_vs_b1": 6.0, "roofline_b1": 0.5,
+           "decode_tps_b1_kimi_linear": 3.0, "ttft_90pct_prefix_vs_cold": 0.2}
+LOWER_IS_BETTER = {"ttft_90pct_prefix_vs_cold"}
 
 
 def _sync(device) -> None:
@@ -148,9 +155,12 @@ def vs_transformers(cfg, prompt_len: int, n: int) -> tuple[float, float, bool]:
         hf = KimiLinearForCausalLM.from_pretrained(d).eval()
     ids = torch.tensor(_prompts(1, prompt_len, cfg.vocab_size))
 
+    # a fair baseline: same weights, same dtype, same process (so the same torch threads), cache on
+    assert next(hf.parameters()).dtype == next(model.parameters()).dtype == torch.float32
+
     def hf_time(steps: int) -> float:
         t0 = time.perf_counter()
-        out = hf.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        out = hf.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, use_cache=True)
         assert out.shape[1] == prompt_len + steps
         return time.perf_counter() - t0
 
@@ -161,7 +171,8 @@ def vs_transformers(cfg, prompt_len: int, n: int) -> tuple[float, float, bool]:
         k3_tps = (n - 1) / (engine_time(eng, [ids[0].tolist()], n) - engine_time(eng, [ids[0].tolist()], 1))
         from k3.infer.sampling import SamplingParams
         mine = eng.submit(ids[0].tolist(), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)).result()
-    theirs = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, prompt_len:].tolist()
+    theirs = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         use_cache=True)[0, prompt_len:].tolist()
     return k3_tps, hf_tps, mine.token_ids == theirs
 
 
@@ -175,8 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--skip-recompute", action="store_true")
-    p.add_argument("--transformers", action="store_true",
-                   help="also time transformers' KimiLinearForCausalLM.generate on the same weights")
+    p.add_argument("--skip-transformers", action="store_true",
+                   help="do not time transformers' KimiLinearForCausalLM.generate on the same weights")
     args = p.parse_args(argv)
 
     from k3.config import get_preset
@@ -194,22 +205,32 @@ def main(argv=None) -> int:
 
     def emit(metric, value, baseline, unit):
         ratio = value / baseline if baseline else None
+        verdict = ""
+        if metric in TARGETS and ratio is not None:
+            want = TARGETS[metric]
+            lower = metric in LOWER_IS_BETTER
+            ok = ratio <= want if lower else ratio >= want
+            verdict = f"{'PASS' if ok else 'MISS'} ({'<=' if lower else '>='} {want})"
         rows.append(dict(bench="infer", config=where, metric=metric, value=value, baseline=baseline, ratio=ratio,
-                         unit=unit, gen=args.gen))
-        print(f"{metric:28s} {value:12.3f} {baseline if baseline is not None else float('nan'):12.3f} "
-              f"{ratio if ratio is not None else float('nan'):8.2f}  {unit}", flush=True)
+                         unit=unit, gen=args.gen, verdict=verdict or None))
+        print(f"{metric:30s} {value:12.3f} {baseline if baseline is not None else float('nan'):12.3f} "
+              f"{ratio if ratio is not None else float('nan'):8.2f}  {verdict:18s} {unit}", flush=True)
 
-    print(f"{'metric':28s} {'value':>12s} {'baseline':>12s} {'ratio':>8s}  ({where})")
+    print(f"{'metric':30s} {'value':>12s} {'baseline':>12s} {'ratio':>8s}  {'verdict':18s} ({where})")
     with Engine(model, max_batch=16) as eng:
         b1 = decode_tps(eng, 1, args.prompt_len, args.gen, args.repeats)
         b16 = decode_tps(eng, 16, args.prompt_len, args.gen, args.repeats)
+    with Engine(model, max_batch=1, fast_decode=False) as eng:
+        b1_ref = decode_tps(eng, 1, args.prompt_len, args.gen, args.repeats)
     rec = None if args.skip_recompute else recompute_tps(model, args.prompt_len, args.gen, args.device)
     emit("decode_tps_b1_vs_recompute", b1, rec, "tokens/s (baseline: full forward each step)")
     emit("decode_tps_b16_vs_b1", b16, b1, "aggregate tokens/s (baseline: batch 1)")
+    emit("decode_tps_b1_vs_model_step", b1, b1_ref,
+         "tokens/s (baseline: the engine decoding through model(...), fast_decode=False)")
     active = parameter_breakdown(model).activated * next(model.parameters()).element_size()
     bw = read_bandwidth(args.device)
     emit("roofline_b1", b1, bw / active, f"tokens/s (baseline: {active / 1e6:.1f} MB active / {bw / 1e9:.1f} GB/s)")
-    if args.transformers:
+    if not args.skip_transformers:
         k3_tps, hf_tps, same = vs_transformers(cfg, args.prompt_len, args.gen)
         emit("decode_tps_b1_kimi_linear", k3_tps, hf_tps,
              f"tokens/s (baseline: transformers generate; same tokens: {same})")

@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+from k3.serve.launch import ServerProcess
 
 RESULTS = Path(__file__).parent / "results" / "serve_load.jsonl"
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
@@ -61,61 +60,17 @@ def build_checkpoint(preset: str, d: Path) -> str:
     return d.name
 
 
-class Server:
-    """``k3 serve`` as a subprocess; the URL is read from its first stdout line."""
+class Server(ServerProcess):
+    """``k3 serve`` as a subprocess (``k3.serve.launch``) plus the 5xx total of its counters."""
 
     def __init__(self, ckpt: Path, threads: int, *flags: str):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "k3.cli", "serve", str(ckpt), "--port", "0", *flags],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True).start()
-        self._err: list[str] = []
-        threading.Thread(target=lambda: [self._err.append(x) for x in self.proc.stderr], daemon=True).start()
-        try:
-            first = lines.get(timeout=300)
-        except queue.Empty:
-            first = ""
-        if "listening on http://" not in first:
-            self.stop()
-            raise RuntimeError(f"k3 serve did not start: {first!r} {''.join(self._err)[-2000:]}")
-        self.url = first.split("listening on ")[1].split()[0]
+        super().__init__(ckpt, *flags, threads=threads, start_timeout=300)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def metrics(self) -> dict[str, float]:
-        """Unlabelled samples of ``/metrics`` plus ``5xx``: the sum of 5xx request counters."""
-        out = {"5xx": 0.0}
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
-            if line.startswith("#") or " " not in line:
-                continue
-            name, v = line.rsplit(" ", 1)
-            if name.startswith("k3_http_requests_total") and 'status="5' in name:
-                out["5xx"] += float(v)
-            out[name] = float(v)
+    def metrics(self, timeout: float = 30.0) -> dict[str, float]:
+        """Samples of ``/metrics`` plus ``5xx``: the sum of 5xx request counters."""
+        out = super().metrics(timeout)
+        out["5xx"] = sum(v for k, v in out.items() if k.startswith("k3_http_requests_total") and 'status="5' in k)
         return out
-
-    def healthy(self) -> bool:
-        r = httpx.get(self.url + "/health", timeout=30)
-        return r.status_code == 200 and r.json() == {"status": "ok"}
-
-    def idle(self, timeout: float) -> bool:
-        """Poll until 0 active sequences and 0 queued, at most ``timeout`` seconds."""
-        end = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if m["k3_active_sequences"] == 0 and m["k3_queue_depth"] == 0:
-                return True
-            if time.monotonic() > end:
-                return False
-            time.sleep(0.1)
 
 
 # --------------------------------------------------------------------------------- part 1: streams
@@ -324,11 +279,8 @@ def main(argv=None) -> int:
         base = ["--device", args.device]
         print(f"{'metric':34s} {'value':>12s} {'baseline':>12s} {'ratio':>8s}  ({where})", flush=True)
         if "streams" in parts:
-            srv = Server(ckpt, args.threads, *base)
-            try:
+            with Server(ckpt, args.threads, *base) as srv:
                 s = part_streams(srv, model, args.clients, args.gen, args.seed)
-            finally:
-                srv.stop()
             for e in s["errors"][:10]:
                 print("  stream error:", e)
             emit("stream_errors_among_stayers", len(s["errors"]), must=not s["errors"], stayers=s["stayers"],
@@ -337,11 +289,8 @@ def main(argv=None) -> int:
             emit("queued_after", s["queued"], must=s["idle"] and s["queued"] == 0)
             emit("cancelled_total", s["cancelled"])
         if "hostile" in parts:
-            srv = Server(ckpt, args.threads, *base, "--api-key", KEY)
-            try:
+            with Server(ckpt, args.threads, *base, "--api-key", KEY) as srv:
                 h = part_hostile(srv, model, args.hostile, args.seed)
-            finally:
-                srv.stop()
             for e in h["bad"][:10]:
                 print("  hostile not 4xx/error body:", e)
             c = h["classes"]
@@ -353,11 +302,8 @@ def main(argv=None) -> int:
             emit("health_ok_after", float(h["healthy"] and h["control"] == 200), must=h["healthy"],
                  control_status=h["control"])
         if "throughput" in parts:
-            srv = Server(ckpt, args.threads, *base, "--max-batch", "32")
-            try:
+            with Server(ckpt, args.threads, *base, "--max-batch", "32") as srv:
                 runs = part_throughput(srv, model, args.gen, args.repeats)
-            finally:
-                srv.stop()
             t = {c: max(v) for c, v in runs.items()}
             unit = f"aggregate output tokens/s, best of {args.repeats}"
             emit("tps_c1", t[1], unit=unit, gen=args.gen, runs=runs[1])

@@ -19,6 +19,8 @@ import httpx
 import pytest
 import websocket
 
+from k3.serve.launch import stop_process
+
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--window-size=1000,800", "--remote-debugging-port=0"]
@@ -133,13 +135,7 @@ class Browser:
     def close(self) -> None:
         if self.ws is not None:
             self.ws.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 

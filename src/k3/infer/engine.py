@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from k3.errors import K3Error
+from k3.infer.decode_step import DecodeStep
 from k3.infer.detok import TextStream
 from k3.infer.sampling import Sampler, SamplingParams
 from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
@@ -49,6 +50,8 @@ def _load(path, dtype, device, tokenizer):
 class Engine:
     """``Engine(model_or_checkpoint_dir, max_batch=16, prefill_chunk=512, cache_block=64, ...)``.
 
+    ``fast_decode`` (default on) runs decode steps through ``k3.infer.decode_step.DecodeStep``
+    (the model's math in fewer kernels) when the model and cache allow it, else ``model(...)``.
     ``prefix_cache_bytes`` > 0 turns the prefix cache on with that byte budget;
     ``max_cache_bytes`` bounds the running sequences' caches (each reserves its worst case,
     prompt + max_tokens, at admission; one that alone exceeds the budget fails).
@@ -57,7 +60,8 @@ class Engine:
 
     def __init__(self, model_or_dir, max_batch: int = 16, prefill_chunk: int = 512, cache_block: int = 64,
                  prefix_cache_bytes: int = 0, max_cache_bytes: int | None = None,
-                 dtype: torch.dtype | None = None, device: str | torch.device | None = None, tokenizer=None):
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None, tokenizer=None,
+                 fast_decode: bool = True):
         for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("cache_block", cache_block)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise K3Error(f"Engine: {name} must be an int >= 1, got {v!r}")
@@ -75,6 +79,8 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         self.max_batch, self.prefill_chunk, self.cache_block = max_batch, prefill_chunk, cache_block
         self.max_cache_bytes = max_cache_bytes
+        self.fast_decode = bool(fast_decode)
+        self._decode_step = DecodeStep(self.model)
         self.prefix_cache = None
         if prefix_cache_bytes:
             from k3.infer.prefix_cache import PrefixCache
@@ -341,7 +347,11 @@ class Engine:
         return ran
 
     def _decode(self, g: DecodeGroup) -> None:
-        logits = self.model(g.last_tokens(self.device), cache=g.cache, logits_to_keep=1).logits[:, -1]
+        tokens = g.last_tokens(self.device)                                   # [B, 1]
+        if self.fast_decode and DecodeStep.unsupported(self.model) is None and DecodeStep.accepts(g.cache):
+            logits = self._decode_step.step(tokens[:, 0], g.cache)            # same math, fewer kernels
+        else:
+            logits = self.model(tokens, cache=g.cache, logits_to_keep=1).logits[:, -1]
         c = self._counters
         c["decode_steps"] += 1
         c["max_decode_batch"] = max(c["max_decode_batch"], len(g.reqs))

@@ -229,6 +229,15 @@ class K3ForCausalLM(nn.Module):
             reset()
         return self
 
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16, **kwargs) -> torch.Tensor:
+        """``model.generate(input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+        seed=None, eos=None, on_token=None, **sampling)``: the one-call entry point, exactly
+        :func:`k3.infer.generate.generate` with this model (cached prefill/decode through the
+        engine); returns the prompt followed by the new tokens."""
+        from k3.infer.generate import generate
+
+        return generate(self, input_ids, max_new_tokens, **kwargs)
+
     def new_cache(self, batch_size: int) -> K3Cache:
         """An empty inference cache for ``batch_size`` sequences."""
         return K3Cache(self.config, batch_size)

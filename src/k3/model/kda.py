@@ -25,6 +25,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import KDAState, check_layer_call
+from k3.model.fused import fused_linear, plain_linears
 from k3.model.norm import RMSNorm
 from k3.ops.kda import chunk_kda, kda_gate, recurrent_kda
 from k3.ops.norm import l2_normalize
@@ -122,36 +123,49 @@ class KimiDeltaAttention(nn.Module):
         return F.silu(F.conv1d(xp, w.to(xp.dtype), groups=C)).transpose(1, 2)
 
     def _decode_step(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
-        """One new token per row from a cached state, x [B,1,H] -> [B,1,H]: the math of ``forward``
-        with few kernels (the per-step Python / dispatch overhead is what a decode step costs).
+        """One new token per row from a cached state, x [B,1,H] -> [B,1,H]; ``state`` updated."""
+        B, P = x.shape[0], self.num_heads * self.head_dim
+        conv = state.conv if state.conv is not None else x.new_zeros(B, 3 * P, self.conv_kernel_size - 1)
+        S = state.recurrent if state.recurrent is not None else x.new_zeros(B, self.num_heads, self.head_dim,
+                                                                             self.head_dim, dtype=torch.float32)
+        out, state.conv, state.recurrent = self.decode_math(x[:, 0], conv, S)
+        return out[:, None]
+
+    def decode_math(self, x2: torch.Tensor, conv: torch.Tensor, S: torch.Tensor):
+        """The single-token step as a pure function (also what the compiled decode step traces):
+        x2 [B,H], conv [B,3P,K−1], S [B,nh,d,d] -> (out [B,H], conv' [B,3P,K−1], S' fp32), with
+        the math of ``forward`` in few kernels (per-step dispatch overhead is what decode costs).
 
         conv:  h = SiLU(Σ_k w[:, k] · [prev | x_t][:, k])  over the K−1 cached inputs and this one
         delta: S' = diag(e^g) S;  u = β (v − S'ᵀ k);  S ← S' + k uᵀ;  o = Sᵀ (q / √d)   (fp32)
         """
-        B = x.shape[0]
+        B = x2.shape[0]
         nh, d, P = self.num_heads, self.head_dim, self.num_heads * self.head_dim
-        x2 = x[:, 0]                                                            # [B, H]
-        qkv = torch.cat([self.q_proj(x2), self.k_proj(x2), self.v_proj(x2)], -1)  # [B, 3P]
-        prev = state.conv if state.conv is not None else qkv.new_zeros(B, 3 * P, self.conv_kernel_size - 1)
-        xp = torch.cat([prev.to(qkv.dtype), qkv[:, :, None]], -1)               # [B, 3P, K]
-        state.conv = xp[:, :, 1:].contiguous()
+        ins = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+               self.g_proj if self.use_full_rank_gate else self.g_a_proj)
+        if plain_linears(*ins):  # the six projections of x as one matmul (k3.model.fused)
+            q, k, v, f_a, b, g_in = fused_linear(self, x2, tuple(m.weight for m in ins), "in")
+            qkv = torch.cat([q, k, v], -1)
+        else:
+            qkv = torch.cat([self.q_proj(x2), self.k_proj(x2), self.v_proj(x2)], -1)  # [B, 3P]
+            f_a, b, g_in = self.f_a_proj(x2), self.b_proj(x2), ins[-1](x2)
+        xp = torch.cat([conv.to(qkv.dtype), qkv[:, :, None]], -1)               # [B, 3P, K]
+        conv = xp[:, :, 1:].contiguous()
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)[:, 0]  # [3P, K]
         acc = torch.promote_types(xp.dtype, torch.float32)                      # ≥ fp32 taps
         h = F.silu((xp.to(acc) * w.to(acc)).sum(-1)).view(B, 3, nh, d)
         qk = l2_normalize(h[:, :2])                                             # [B, 2, nh, d] fp32
         q, k, v = (qk[:, 0] * d ** -0.5).float(), qk[:, 1].float(), h[:, 2].float()  # recurrence in fp32
-        f = self.f_b_proj(self.f_a_proj(x)).view(B, 1, nh, d)
+        f = self.f_b_proj(f_a).view(B, 1, nh, d)
         g = kda_gate(f, self.A_log, self.dt_bias, self.gate_lower_bound)[:, 0]  # [B, nh, d]
-        beta = torch.sigmoid(self.b_proj(x2).float())                           # [B, nh]
-        S = state.recurrent if state.recurrent is not None else q.new_zeros(B, nh, d, d)
+        beta = torch.sigmoid(b.float())                                         # [B, nh]
         S = S.float() * g.exp()[..., None]                                       # [B, nh, d(k), d(v)]
         u = beta[..., None] * (v - (k[:, :, None, :] @ S)[:, :, 0])             # [B, nh, d]
         S = torch.baddbmm(S.view(B * nh, d, d), k.reshape(B * nh, d, 1), u.reshape(B * nh, 1, d)).view(B, nh, d, d)
-        state.recurrent = S
         o = (q[:, :, None, :] @ S)[:, :, 0]                                     # [B, nh, d]
-        gate = self.g_proj(x2) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x2))
-        o = self.o_norm(o) * torch.sigmoid(gate.view(B, nh, d).float())
-        return self.o_proj(o.to(x.dtype).reshape(B, 1, P))
+        gate = g_in if self.use_full_rank_gate else self.g_b_proj(g_in)
+        o = self.o_norm(o) * torch.sigmoid(gate.reshape(B, nh, d).float())
+        return self.o_proj(o.to(x2.dtype).reshape(B, P)), conv, S
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         """x [B,T,H] -> [B,T,H]; ``state`` (this layer's cache entry) is updated in place."""

@@ -19,7 +19,7 @@ import torch
 
 from k3.ops.norm import rms_norm
 
-__all__ = ["attn_res_mix"]
+__all__ = ["attn_res_mix", "attn_res_mix_rows"]
 
 
 def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -36,3 +36,19 @@ def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
         logits = key @ query.reshape(-1).float()                  # [n, ...]
         alpha = torch.softmax(logits, dim=0).unsqueeze(-1)        # [n, ..., 1]
         return (alpha * v).sum(0).to(dtype)
+
+
+def attn_res_mix_rows(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float = 1e-5) -> torch.Tensor:
+    """Inference form of ``attn_res_mix`` for fp32 rows: sources n × [B, H] -> [B, H], in fewer
+    kernels (the decode step). The key norm's weight is folded into the query,
+    <w, γ ⊙ v / rms(v)> = <γ ⊙ w, v> / rms(v), and the weighted sum is one batched matmul; equal
+    to ``attn_res_mix`` up to float rounding (not bitwise)."""
+    if len(sources) == 1:
+        return sources[0]
+    v = torch.stack(sources)                                           # [n, B, H]
+    n, B, H = v.shape
+    inv_rms = v.pow(2).mean(-1).add_(eps).rsqrt_()                     # [n, B]
+    logits = torch.mv(v.view(n * B, H), norm_weight * query.reshape(-1)).view(n, B).mul_(inv_rms)
+    alpha = logits.softmax(0)                                          # [n, B]
+    return torch.bmm(alpha.t()[:, None, :], v.transpose(0, 1))[:, 0]   # [B, H]

@@ -17,6 +17,9 @@ __all__ = ["rms_norm", "l2_normalize"]
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> weight · x / sqrt(mean(x²) + eps) in x's dtype (fp32 compute)."""
+    if x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
+        # inference, fp32: the same operations in place (bit-identical, fewer allocations)
+        return torch.mul(x, x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * y).to(x.dtype)

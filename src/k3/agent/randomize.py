@@ -1,0 +1,117 @@
+"""Harness randomization for training (SPEC §7.3): seeded, recorded, reversible.
+
+``HarnessConfig.from_seed(seed)`` draws, with ``random.Random(seed)`` (the same on every machine and
+Python process), one choice per axis:
+
+- tool names: each canonical tool gets one of ``TOOL_ALIASES[tool]``;
+- argument schemas: each canonical argument gets one of ``ARG_ALIASES[arg]``;
+- prompt template: one of ``PROMPT_TEMPLATES``;
+- context strategy: one of ``CONTEXT_STRATEGIES`` (see ``k3.agent.harness.compact``);
+- memory: on or off (a harness-kept notes message of files changed and submissions used).
+
+``seed=None`` is the canonical harness (no renaming, template 0, ``drop_old_tool_outputs``,
+memory off). The config is recorded in the trajectory (``as_dict``) and rebuilt from it
+(``from_dict``); ``to_model`` / ``from_model`` translate a call between canonical and model-side
+names, so renaming never reaches task files, the policy or the trajectory's canonical record.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from k3.errors import ConfigError
+
+__all__ = ["HarnessConfig", "TOOL_ALIASES", "ARG_ALIASES", "PROMPT_TEMPLATES", "CONTEXT_STRATEGIES"]
+
+TOOL_ALIASES = {
+    "shell": ["shell", "bash", "run_command", "terminal", "exec_shell"],
+    "read": ["read", "read_file", "view_file", "cat_file"],
+    "write": ["write", "write_file", "create_file", "save_file"],
+    "edit": ["edit", "str_replace", "edit_file", "replace_in_file"],
+    "list": ["list", "ls", "list_dir", "list_files"],
+    "submit": ["submit", "finish", "submit_work", "hand_in"],
+}
+ARG_ALIASES = {
+    "command": ["command", "cmd", "script"],
+    "timeout": ["timeout", "timeout_s", "seconds"],
+    "path": ["path", "file", "file_path", "filename"],
+    "content": ["content", "text", "data"],
+    "old": ["old", "old_str", "search", "find"],
+    "new": ["new", "new_str", "replace", "replacement"],
+}
+PROMPT_TEMPLATES = [
+    "You are an autonomous software agent working in a sandbox. Your working directory is {workdir}.\n"
+    "Use the tools to complete the task, then call {submit} to hand in your work. You may submit at "
+    "most {submissions} times; the work is judged by a hidden verifier.",
+    "You operate inside an isolated Linux sandbox (cwd {workdir}). Solve the task below with the tools "
+    "provided. When done, call {submit} (at most {submissions} submissions). Hidden tests decide the score.",
+    "Task environment: a sandboxed shell and file tools, working directory {workdir}.\n"
+    "Work step by step, check your work with the visible checks, and finish with {submit}. "
+    "Submissions allowed: {submissions}. A separate, hidden verifier grades the result.",
+    "You are a careful engineer. Files live in {workdir}. Make the change the task asks for, verify it, "
+    "and call {submit}; you have {submissions} submission(s). Grading is done by tests you cannot see.",
+]
+CONTEXT_STRATEGIES = ["drop_old_tool_outputs", "truncate_tool_outputs", "sliding_window"]
+
+
+@dataclass
+class HarnessConfig:
+    seed: int | None = None
+    tool_names: dict[str, str] = field(default_factory=lambda: {k: k for k in TOOL_ALIASES})
+    arg_names: dict[str, str] = field(default_factory=lambda: {k: k for k in ARG_ALIASES})
+    template: int = 0
+    context_strategy: str = "drop_old_tool_outputs"
+    memory: bool = False
+
+    @classmethod
+    def from_seed(cls, seed: int | None) -> "HarnessConfig":
+        if seed is None:
+            return cls()
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"harness seed must be an int, got {seed!r}")
+        rng = random.Random(seed)
+        tools = {k: rng.choice(v) for k, v in TOOL_ALIASES.items()}
+        args = {k: rng.choice(v) for k, v in ARG_ALIASES.items()}
+        return cls(seed, tools, args, rng.randrange(len(PROMPT_TEMPLATES)), rng.choice(CONTEXT_STRATEGIES),
+                   rng.random() < 0.5)
+
+    def as_dict(self) -> dict:
+        return {"seed": self.seed, "tool_names": dict(self.tool_names), "arg_names": dict(self.arg_names),
+                "template": self.template, "context_strategy": self.context_strategy, "memory": self.memory}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HarnessConfig":
+        extra = set(d) - {"seed", "tool_names", "arg_names", "template", "context_strategy", "memory"}
+        if extra:
+            raise ConfigError(f"harness config: unknown key(s) {sorted(extra)}")
+        cfg = cls(d["seed"], dict(d["tool_names"]), dict(d["arg_names"]), d["template"], d["context_strategy"],
+                  d["memory"])
+        cfg.check()
+        return cfg
+
+    def check(self) -> None:
+        if set(self.tool_names) != set(TOOL_ALIASES) or len(set(self.tool_names.values())) != len(TOOL_ALIASES):
+            raise ConfigError(f"harness tool_names must rename each of {sorted(TOOL_ALIASES)} to a distinct name")
+        if set(self.arg_names) != set(ARG_ALIASES):
+            raise ConfigError(f"harness arg_names must rename each of {sorted(ARG_ALIASES)}")
+        if self.context_strategy not in CONTEXT_STRATEGIES:
+            raise ConfigError(f"harness context_strategy must be one of {CONTEXT_STRATEGIES}, "
+                              f"got {self.context_strategy!r}")
+        if not 0 <= self.template < len(PROMPT_TEMPLATES):
+            raise ConfigError(f"harness template must be in [0, {len(PROMPT_TEMPLATES)})")
+
+    # ------------------------------------------------------------------ translation
+    def to_model(self, name: str, args: dict) -> tuple[str, dict]:
+        return self.tool_names.get(name, name), {self.arg_names.get(k, k): v for k, v in args.items()}
+
+    def from_model(self, name: str, args: dict) -> tuple[str | None, dict]:
+        """Canonical (name, args) of a model-side call; name None when no tool has that name.
+        Argument keys the schema does not know are kept as given (the tool then refuses them)."""
+        back = {v: k for k, v in self.tool_names.items()}
+        arg_back = {v: k for k, v in self.arg_names.items()}
+        return back.get(name), {arg_back.get(k, k): v for k, v in args.items()}
+
+    def system_prompt(self, workdir: str, submissions: int) -> str:
+        return PROMPT_TEMPLATES[self.template].format(workdir=workdir, submit=self.tool_names["submit"],
+                                                      submissions=submissions)

@@ -1,0 +1,199 @@
+"""Rollouts (SPEC §7.5): (task, provider, harness seed) -> trajectory JSONL + a summary.
+
+``run_episode`` is the one episode: agent sandbox from the task (namespace backend unless told),
+the harness loop with the task's budgets and policy, submissions collected as data at each
+``submit``, then the clean-room verification of the submissions the scoring needs ("last": the
+last accepted one; "best": the accepted ones in order until one scores 1.0, the maximum). An episode past its wall-time budget
+is scored 0 without verification. ``rollout(job)`` is the same from a plain, picklable job dict
+(what workers receive); ``run_jobs(jobs, workers, use_ray)`` runs many: in this process for one
+worker, a process pool for several, or Ray tasks (``ray.init(num_cpus=workers)`` when Ray is not
+already connected; ``RAY_ADDRESS`` reaches a cluster), each running ``rollout`` unchanged.
+
+Job dict: ``{"task": DIR, "provider": {"kind": "scripted", "transcript": FILE} | {"kind": "openai",
+"base_url", "model", "api_key_env"?} | {"kind": "local", "ckpt"}, "seed": int|None, "backend":
+str, "out": FILE|None, "label": str, "expect": float|None, "yolo": bool, "sampling": {"max_tokens",
+"temperature", "effort"}}`` (all but task and provider optional).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from k3.agent.harness import Harness
+from k3.agent.policy import Policy
+from k3.agent.providers import LocalEngine, OpenAICompatible, Scripted
+from k3.agent.randomize import HarnessConfig
+from k3.agent.tools import ToolBox
+from k3.errors import ConfigError, K3Error
+from k3.rl.tasks import load_task, load_transcript
+from k3.rl.trajectory import VERSION, TrajectoryWriter
+from k3.rl.verify import Sandboxes, agent_sandbox, collect_submission, verify
+
+__all__ = ["run_episode", "rollout", "run_jobs", "make_provider"]
+
+
+def make_provider(spec: dict):
+    kind = spec.get("kind")
+    if kind == "scripted":
+        return Scripted(load_transcript(spec["transcript"]).turns)
+    if kind == "openai":
+        key = os.environ.get(spec["api_key_env"]) if spec.get("api_key_env") else None
+        return OpenAICompatible(spec["base_url"], spec["model"], api_key=key)
+    if kind == "local":
+        return LocalEngine.from_checkpoint(spec["ckpt"])
+    raise ConfigError(f"provider kind must be scripted, openai or local, got {kind!r}")
+
+
+def run_episode(task_dir, provider, writer: TrajectoryWriter, *, backend: str = "namespace",
+                harness: dict | int | None = None, yolo: bool = False, approve=None,
+                expect_digest: str | None = None, effort: str | None = None, temperature: float = 0.0,
+                max_tokens: int | None = 1024, context_tokens: int = 16384, seed: int | None = None,
+                sandboxes: Sandboxes | None = None) -> dict:
+    """One episode; writes every record to ``writer`` and returns the summary (see module doc)."""
+    t_start = time.monotonic()
+    task = load_task(task_dir, transcripts=False)
+    digest = task.digest()
+    if expect_digest is not None and digest != expect_digest:
+        raise K3Error(f"{task.root}: the task changed since the trajectory was recorded (sha256 differs)")
+    cfg = HarnessConfig.from_dict(harness) if isinstance(harness, dict) else HarnessConfig.from_seed(harness)
+    own = sandboxes is None
+    sandboxes = sandboxes or Sandboxes(backend)
+    policy = Policy(approve, yolo=yolo, sandboxed=sandboxes.isolating)
+    budget = task.budget
+    timings: dict = {}
+    subs: list = []
+    try:
+        t0 = time.monotonic()
+        sb = agent_sandbox(task, sandboxes)
+        timings["agent_sandbox"] = time.monotonic() - t0
+        try:
+            box = ToolBox(sb)
+
+            def submit() -> str:
+                t1 = time.monotonic()
+                s = collect_submission(sb, task.submit)
+                timings["collect"] = timings.get("collect", 0.0) + time.monotonic() - t1
+                subs.append(s)
+                writer.write("submission", {"accepted": True, "index": len(subs) - 1, "manifest": s.manifest(),
+                                            "reason": None})
+                left = budget.submissions - len(subs)
+                return (f"submission {len(subs)} accepted ({len(s.files)} files; {left} left). "
+                        "It is graded by the hidden verifier after the episode.")
+
+            h = Harness(provider, box, policy, cfg, budget, task.goal, submit, writer.write,
+                        allowed_tools=tuple(task.allowed_tools), context_tokens=context_tokens,
+                        temperature=temperature, effort=effort, max_tokens=max_tokens, seed=seed)
+            writer.write("header", {"version": VERSION, "task": {"id": task.id, "path": str(task.root.resolve()),
+                                                                  "sha256": digest},
+                                    "backend": sandboxes.backend, "conditions": h.conditions(),
+                                    "policy": {"yolo": yolo, "network": False}})
+            t0 = time.monotonic()
+            res = h.run()
+            timings["agent"] = time.monotonic() - t0
+        finally:
+            t0 = time.monotonic()
+            sb.close()
+            timings["agent_close"] = time.monotonic() - t0
+        score, verdicts = _score(task, res.status, subs, sandboxes, writer)
+    finally:
+        if own:
+            sandboxes.close()
+    timings["verify"] = sum(v.elapsed for v in verdicts)
+    timings["verify_parts"] = _sum_parts([v.timings for v in verdicts])
+    timings["total"] = time.monotonic() - t_start
+    timings = _rounded(timings)
+    refused = sum(1 for d in policy.log if d.tool == "submit" and not d.allowed)
+    writer.write("end", {"status": res.status, "detail": res.detail, "score": score, "steps": res.steps,
+                         "tokens": res.tokens, "submissions": len(subs), "refused_submissions": refused,
+                         "timings": timings})
+    return {"task": task.id, "score": score, "status": res.status, "steps": res.steps, "tokens": res.tokens,
+            "submissions": len(subs), "refused_submissions": refused, "timings": timings,
+            "verdicts": [v.as_dict() for v in verdicts]}
+
+
+def _score(task, status, subs, sandboxes, writer):
+    if status == "wall_time_exceeded":
+        writer.write("verdict", {"submission": None, "reward": 0.0, "elapsed": 0.0, "timings": {},
+                                 "reason": f"over the wall-time budget of {task.budget.wall_seconds} s: scored 0"})
+        return 0.0, []
+    if not subs:
+        writer.write("verdict", {"submission": None, "reward": 0.0, "reason": "no submission", "elapsed": 0.0,
+                                 "timings": {}})
+        return 0.0, []
+    chosen = list(range(len(subs))) if task.scoring == "best" else [len(subs) - 1]
+    verdicts = []
+    for i in chosen:
+        v = verify(task, subs[i], sandboxes)
+        verdicts.append(v)
+        writer.write("verdict", {"submission": i, **v.as_dict()})
+        if v.reward >= 1.0:
+            break  # "best" cannot improve on 1.0: later submissions are not verified
+    return max(v.reward for v in verdicts), verdicts
+
+
+def _sum_parts(parts: list[dict]) -> dict:
+    out: dict = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _rounded(d):
+    return {k: _rounded(v) if isinstance(v, dict) else round(v, 6) for k, v in d.items()}
+
+
+def rollout(job: dict) -> dict:
+    """The picklable entry a worker runs: one job dict -> its summary (with label/expect/out)."""
+    writer, provider = TrajectoryWriter(job.get("out")), None
+    try:
+        provider = make_provider(job["provider"])
+        s = run_episode(job["task"], provider, writer, backend=job.get("backend", "namespace"),
+                        harness=job.get("seed"), yolo=job.get("yolo", False), seed=job.get("seed"),
+                        **job.get("sampling", {}))
+    except Exception as e:  # noqa: BLE001 - one broken rollout is reported (status error), not fatal to a suite
+        s = {"task": Path(job["task"]).name, "score": 0.0, "status": "error",
+             "detail": f"{type(e).__name__}: {e}", "timings": {}}
+    finally:
+        writer.close()
+        if provider is not None:
+            provider.close()
+    return {**s, "label": job.get("label", ""), "expect": job.get("expect"), "out": job.get("out")}
+
+
+def run_jobs(jobs: list[dict], workers: int = 1, use_ray: bool = False) -> list[dict]:
+    """Every job's summary, in the order given."""
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if use_ray:
+        return _run_ray(jobs, workers)
+    if workers == 1:
+        return [rollout(j) for j in jobs]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(rollout, jobs))
+
+
+def _run_ray(jobs: list[dict], workers: int) -> list[dict]:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs the 'ray' package (pip install ray)") from None
+    started = False
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"])
+        else:
+            # a local instance; its workers inherit this process's environment (PYTHONPATH, K3_ENV_HOME)
+            ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+        started = True
+    try:
+        remote = ray.remote(num_cpus=1)(rollout)
+        return ray.get([remote.remote(j) for j in jobs])
+    finally:
+        if started:
+            ray.shutdown()

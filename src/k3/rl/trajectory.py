@@ -1,0 +1,179 @@
+"""Trajectories as JSONL (SPEC §7.5) and their replay.
+
+One JSON object per line, each with ``"type"`` and ``"t"`` (seconds since the rollout began):
+
+- ``header``: version, task (id, path, sha256 of its files), backend, the full evaluation conditions
+  (model, harness config incl. randomization, tool schemas as sent, prompt, budget, effort,
+  temperature, max_tokens, context_tokens, seed), policy options (yolo, network);
+- ``turn``: index, provider id, visible text, reasoning, the tool calls as the model sent them
+  (model-side names), metadata (usage, finish_reason, elapsed);
+- ``policy``: one decision of the chain per tool call (action, allowed, rule, reason, effects);
+- ``tool``: call id, canonical name and arguments, the result (output, error, meta), elapsed;
+- ``submission``: accepted or refused (with the reason), the manifest (sha256 + size per file);
+- ``verdict``: per verified submission: reward, reason, timings;
+- ``end``: status, score, steps, tokens, timings.
+
+``replay(path)`` runs the task again with a provider that repeats the recorded turns under the
+recorded conditions (harness config, budget, policy options and recorded approvals), then
+compares tool results, policy decisions, submissions, verdicts and the final score with the
+recording (timing fields excluded). ``ReplayReport.ok`` is True when all of them match.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3.agent.providers import ProviderReply, ProviderRequest
+from k3.errors import K3Error
+
+__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "replay", "VERSION"]
+
+VERSION = 1
+
+
+class TrajectoryWriter:
+    """Appends records; to ``path`` (one line each, flushed) when given, and always to ``records``."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else None
+        self.records: list[dict] = []
+        self.t0 = time.monotonic()
+        self._f = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "w", encoding="utf-8")
+
+    def write(self, kind: str, data: dict) -> None:
+        rec = {"type": kind, "t": round(time.monotonic() - self.t0, 6), **data}
+        self.records.append(rec)
+        if self._f is not None:
+            self._f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_trajectory(path: str | Path) -> list[dict]:
+    path = Path(path)
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            raise K3Error(f"{path}:{n}: not a JSON line") from None
+        if not isinstance(rec, dict) or "type" not in rec:
+            raise K3Error(f"{path}:{n}: a trajectory record needs a 'type'")
+        out.append(rec)
+    if not out or out[0]["type"] != "header":
+        raise K3Error(f"{path}: a trajectory starts with a header record")
+    if out[0].get("version") != VERSION:
+        raise K3Error(f"{path}: trajectory version {out[0].get('version')!r}, this k3 reads {VERSION}")
+    return out
+
+
+class ReplayProvider:
+    """Repeats recorded ``turn`` records (model-side tool calls, reasoning, usage) in order."""
+
+    def __init__(self, header: dict, turns: list[dict]):
+        model = header["conditions"]["model"]
+        self.id = model.get("id", "replay")
+        self.model = model.get("model", "replay")
+        self._desc = dict(model)
+        self.turns, self.next = turns, 0
+
+    def describe(self) -> dict:
+        return self._desc
+
+    def complete(self, req: ProviderRequest) -> ProviderReply | None:
+        if self.next >= len(self.turns):
+            return None
+        t = self.turns[self.next]
+        self.next += 1
+        md = t.get("metadata", {})
+        return ProviderReply(t["visible"], t.get("reasoning"), [dict(c) for c in t["tool_calls"]],
+                             dict(md.get("usage") or {"prompt_tokens": 0, "completion_tokens": 0}),
+                             md.get("finish_reason"))
+
+    def close(self) -> None:
+        pass
+
+
+def _key(rec: dict):
+    """What must reproduce in a record (timings and clamped timeouts left out)."""
+    kind = rec["type"]
+    if kind == "tool":
+        r = rec["result"]
+        meta = {k: r["meta"][k] for k in ("exit_code", "timed_out") if k in r["meta"]}
+        return ("tool", rec["call_id"], rec["name"], json.dumps(rec["arguments"], sort_keys=True),
+                r["output"], r["error"], json.dumps(meta, sort_keys=True))
+    if kind == "policy":
+        return ("policy", rec["call_id"], rec["action"], rec["allowed"], rec["rule"], rec["reason"])
+    if kind == "submission":
+        return ("submission", rec.get("accepted"), json.dumps(rec.get("manifest"), sort_keys=True),
+                rec.get("reason"))
+    if kind == "verdict":
+        return ("verdict", rec["submission"], rec["reward"], rec["reason"])
+    if kind == "end":
+        return ("end", rec["status"], rec["score"])
+    return None
+
+
+@dataclass
+class ReplayReport:
+    compared: dict = field(default_factory=dict)      # kind -> records compared
+    mismatches: list[str] = field(default_factory=list)
+    score: float | None = None
+    recorded_score: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def compare(recorded: list[dict], replayed: list[dict]) -> ReplayReport:
+    rep = ReplayReport()
+    for kind in ("tool", "policy", "submission", "verdict", "end"):
+        a = [_key(r) for r in recorded if r["type"] == kind]
+        b = [_key(r) for r in replayed if r["type"] == kind]
+        rep.compared[kind] = len(a)
+        if len(a) != len(b):
+            rep.mismatches.append(f"{kind}: {len(a)} recorded, {len(b)} replayed")
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                rep.mismatches.append(f"{kind}[{i}]: recorded {str(x)[:300]} != replayed {str(y)[:300]}")
+    ends = [r for r in recorded if r["type"] == "end"], [r for r in replayed if r["type"] == "end"]
+    rep.recorded_score = ends[0][0]["score"] if ends[0] else None
+    rep.score = ends[1][0]["score"] if ends[1] else None
+    return rep
+
+
+def replay(path: str | Path, backend: str | None = None, task_dir: str | Path | None = None,
+           out: str | Path | None = None) -> ReplayReport:
+    """Run the recorded episode again (see module doc) and compare; ``out`` keeps the new trajectory."""
+    from k3.rl.rollout import run_episode
+
+    recs = read_trajectory(path)
+    header = recs[0]
+    approvals = {r["call_id"]: r.get("approval") == "approved" for r in recs
+                 if r["type"] == "policy" and r.get("action") == "ask"}
+    provider = ReplayProvider(header, [r for r in recs if r["type"] == "turn"])
+    cond = header["conditions"]
+    writer = TrajectoryWriter(out)
+    try:
+        run_episode(task_dir or header["task"]["path"], provider, writer,
+                    backend=backend or header["backend"], harness=cond["harness"],
+                    yolo=header["policy"]["yolo"], approve=lambda req: approvals.get(req.call_id, False),
+                    expect_digest=header["task"]["sha256"], effort=cond["effort"],
+                    temperature=cond["temperature"], max_tokens=cond["max_tokens"],
+                    context_tokens=cond["context_tokens"], seed=cond["seed"])
+    finally:
+        writer.close()
+    return compare(recs, writer.records)

@@ -1,0 +1,73 @@
+"""Tiny tasks written by the tests (a real task directory each, per docs/AGENTS.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The hidden verifier of the tiny task: add(a, b) on inputs the visible check does not use.
+VERIFY = '''
+import json, subprocess
+code = "import sys; sys.path.insert(0, '/workspace'); import calc; print(calc.add(1234, -34), calc.add(0.5, 0.25))"
+r = subprocess.run(["python3", "-I", "-S", "-c", code], capture_output=True, text=True, timeout=20)
+ok = r.returncode == 0 and r.stdout.split() == ["1200", "0.75"]
+print(json.dumps({"reward": 1.0 if ok else 0.0, "reason": "add correct" if ok else "wrong: " + r.stdout[-200:] + r.stderr[-200:]}))
+'''
+CHECK = "import calc\nassert calc.add(2, 2) == 4\nprint('visible check passed')\n"
+BROKEN = "def add(a, b):\n    return a - b\n"
+FIXED = "def add(a, b):\n    return a + b\n"
+
+
+def toml(task_id: str, *, wall: float = 60, submissions: int = 2, use: str = "best", extra: str = "",
+         steps: int = 20, tokens: int = 32000) -> str:
+    return f'''id = "{task_id}"
+kind = "python"
+goal = """calc.add(a, b) subtracts; make it add. Visible check: python3 checks/check.py"""
+submit = ["*.py"]
+{extra}
+[budget]
+steps = {steps}
+tokens = {tokens}
+wall_seconds = {wall}
+submissions = {submissions}
+
+[scoring]
+use = "{use}"
+
+[tools]
+allowed = ["shell", "read", "write", "edit", "list", "submit"]
+
+[verifier]
+timeout = 30
+network = false
+'''
+
+
+def make_task(root: Path, task_id: str = "tiny-add", verify: str = VERIFY, **kw) -> Path:
+    d = root / task_id
+    (d / "workspace").mkdir(parents=True)
+    (d / "checks").mkdir()
+    (d / "verifier").mkdir()
+    (d / "solution").mkdir()
+    (d / "hacks").mkdir()
+    (d / "task.toml").write_text(toml(task_id, **kw))
+    (d / "workspace" / "calc.py").write_text(BROKEN)
+    (d / "checks" / "check.py").write_text(CHECK)
+    (d / "verifier" / "verify.py").write_text(verify)
+    write_transcript(d / "solution" / "solve.json", [
+        {"reasoning": "read, fix, check, submit", "content": "Fixing add.",
+         "tool_calls": [{"name": "read", "arguments": {"path": "calc.py"}},
+                        {"name": "edit", "arguments": {"path": "calc.py", "old": "a - b", "new": "a + b"}},
+                        {"name": "shell", "arguments": {"command": "python3 checks/check.py"}},
+                        {"name": "submit", "arguments": {}}]}])
+    write_transcript(d / "hacks" / "hardcode.json", [
+        {"content": "Hard-code the visible case.",
+         "tool_calls": [{"name": "write", "arguments": {"path": "calc.py", "content": "def add(a, b):\n    return 4\n"}},
+                        {"name": "submit", "arguments": {}}]}], expect=0.0)
+    return d
+
+
+def write_transcript(path: Path, turns: list, expect: float = 1.0, description: str = "test transcript") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"description": description, "expect_reward": expect, "turns": turns}))
+    return path
