@@ -91,6 +91,14 @@ def test_a_missing_verifier_or_solution_is_refused(tmp_path):
         load_task(d)
 
 
+def test_a_task_carrying_its_own_vharness_copy_is_refused(tmp_path):
+    d = make_task(tmp_path)
+    assert load_task(d).id == "tiny-add"  # control: the same task without a copy loads
+    (d / "verifier" / "vharness.py").write_text("# a stale copy\n")
+    with pytest.raises(ConfigError, match="vharness.py"):
+        load_task(d)
+
+
 def test_k3_task_validate_reports_each_task(tmp_path, capsys):
     make_task(tmp_path, "good-one")
     bad = make_task(tmp_path, "bad-one")

@@ -18,6 +18,8 @@ import tempfile
 import tomllib
 from pathlib import Path
 
+from k3.rl.verify import VHARNESS
+
 TASKS = Path(__file__).resolve().parents[2] / "tasks"
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 ENV_PATH = "/usr/bin:/bin"
@@ -76,6 +78,7 @@ def verify(task_dir, submitted, timeout=60, user=None, argv=None):
     with tempfile.TemporaryDirectory(prefix="k3-ver-") as tmp:
         vdir = Path(tmp) / "verifier"
         shutil.copytree(Path(task_dir) / "verifier", vdir)
+        shutil.copy(VHARNESS, vdir / VHARNESS.name)  # what k3.rl.verify writes beside every verifier
         home = Path(tmp) / "home"
         home.mkdir()
         extra = {}

@@ -157,6 +157,9 @@ def load_task(root: str | Path, transcripts: bool = True) -> Task:
             raise ConfigError(f"{root / d}: missing (a task needs {d}/)")
     if not (root / "verifier" / "verify.py").is_file():
         raise ConfigError(f"{root / 'verifier' / 'verify.py'}: missing (the verifier entry)")
+    if (root / "verifier" / "vharness.py").exists():
+        raise ConfigError(f"{root / 'verifier' / 'vharness.py'}: provided by k3 at verification time; "
+                          "remove the task's own copy")
     task = Task(root, raw["id"], raw["kind"], raw["goal"], list(submit), budget, t["scoring"]["use"],
                 list(allowed), _num("verifier", "timeout", v["timeout"], 1, integer=False), False)
     if transcripts:

@@ -31,6 +31,7 @@ __all__ = ["Verdict", "Submission", "Sandboxes", "agent_sandbox", "collect_submi
            "glob_regex", "VERIFIER_ENV", "MAX_SUBMIT_FILE", "MAX_SUBMIT_FILES"]
 
 VERIFIER_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp/home", "LANG": "C.UTF-8"}
+VHARNESS = Path(__file__).with_name("vharness.py")  # the verifier helper every task's verify.py imports
 VERIFIER_CMD = ["python3", "-I", "-S", "/verifier/verify.py"]
 MAX_SUBMIT_FILE = 1 << 20
 MAX_SUBMIT_FILES = 512
@@ -183,6 +184,7 @@ def verify(task, submission: Submission, sandboxes: Sandboxes) -> Verdict:
         for rel, data in submission.files.items():
             sb.write_file("/workspace/" + rel, data)
         _copy_tree(sb, task.verifier, "/verifier", read_only=True)  # best effort: the sandbox runs as root
+        sb.write_file("/verifier/" + VHARNESS.name, VHARNESS.read_bytes(), mode=0o444)
         timings["copy"] = time.monotonic() - t1
         t1 = time.monotonic()
         r = sb.exec(VERIFIER_CMD, timeout=task.verifier_timeout, env=dict(VERIFIER_ENV), cwd="/workspace")

@@ -1,8 +1,7 @@
-"""Verifier helper shared by every task (one identical copy in each ``tasks/<id>/verifier/``).
-
-This file is the canonical copy; ``tests/tasks/test_task_content.py`` checks that every task's
-``verifier/vharness.py`` is byte-identical to it. Stdlib only (the verifier runs as
-``python3 -I -S /verifier/verify.py`` in a clean sandbox).
+"""Verifier helper shared by every task: ``k3.rl.verify`` writes this file to ``/verifier/vharness.py``
+beside each task's own verifier files (a task never carries a copy; ``k3 task validate`` refuses one).
+Stdlib only: the verifier runs as ``python3 -I -S /verifier/verify.py`` in a clean sandbox, where
+this file is imported from its directory, not from the k3 package.
 
 Contract of a ``verify.py``::
 
