@@ -36,6 +36,7 @@ from k3.data.corpus import Corpus, load_corpus
 from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
 from k3.data.tokenizer import Tokenizer, get_tokenizer
 from k3.errors import CheckpointError, ConfigError
+from k3.threads import thread_control
 from k3.model.decoder import K3ForCausalLM
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
@@ -135,8 +136,7 @@ class Trainer:
         self.on_step_end: list[Callable[["Trainer", dict], None]] = []
         self.stop_signal: int | None = None
         self.device = torch.device(tc.device)
-        if tc.threads:
-            torch.set_num_threads(tc.threads)
+        self.threads = thread_control(tc.threads, self.device.type)  # None: a fixed count
         torch.set_flush_denormal(True)
 
         ckpt, saved = self._checkpoint_to_resume(resume, overwrite)
@@ -263,6 +263,7 @@ class Trainer:
             self.qk_clip.recording(True)
             self.qk_clip.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
+        threads = self.threads.before_step() if self.threads else torch.get_num_threads()
         t0 = time.perf_counter()
         loss_sum, reason = 0.0, None
         start = self.data.state_dict(), rng_state()
@@ -306,10 +307,13 @@ class Trainer:
         stats = self.balancer.update()
         self.skips = 0
         dt = time.perf_counter() - t0
+        decision = self.threads.after_step(dt, tokens) if self.threads else None
+        if decision is not None:  # --threads auto tried another count (k3.threads)
+            self.metrics.log("threads", step=self.step, **decision)
         cv = stats["load_cv"]
         return self.metrics.log(
             "train", step=self.step, loss=loss_sum / tc.grad_accum, lr=lr, seq_len=seq_len,
-            tokens=self.tokens_seen, tokens_per_s=tokens / dt, grad_norm=grad_norm,
+            tokens=self.tokens_seen, tokens_per_s=tokens / dt, threads=threads, grad_norm=grad_norm,
             load_cv=sum(cv) / len(cv) if cv else None, load_cv_layers=cv,
             load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None, **clip)
 
