@@ -166,8 +166,8 @@ class TrainConfig:
         check_int("val_percent", self.val_percent, lo=0, hi=99)
         check_int("seed", self.seed, lo=0, hi=SEED_MAX)
         from k3.threads import parse_threads
-        if parse_threads(self.threads) != "auto":
-            check_int("threads", self.threads, lo=0, hi=max_threads())
+        if (threads := parse_threads(self.threads)) != "auto":
+            check_int("threads", threads, lo=0, hi=max_threads())
         for name in ("qat", "plot"):
             check_bool(name, getattr(self, name))
         check_bool("attn_res", self.attn_res, allow_none=True)
