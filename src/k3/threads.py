@@ -14,7 +14,7 @@ Two mechanisms, both measured on the 2-core machine this project grew on (docs/T
   usable cores other processes keep busy over a window: the busy time of those CPUs in
   ``/proc/stat`` minus this process's own CPU time. :class:`ThreadController` starts at the
   free-core count and, every ``interval`` steps (or at once when a step runs at less than half
-  the rate of the last decision), runs ``probe_steps`` steps at another count — the free-core
+  the rate of the last decision, or when the free-core count over a step changes), runs ``probe_steps`` steps at another count — the free-core
   count when it differs, else one thread fewer or more — and keeps whichever ran more tokens/s
   (the other only when faster by ``margin``). Its decisions are logged in the run's metrics.
 
@@ -190,6 +190,7 @@ class ThreadController:
                 self.free = meter.measure()["free"]
                 start = threads_for_free(self.free, max_threads)
         self.count = start
+        self.free_count = threads_for_free(self.free, max_threads) if self.free is not None else None
         self.recent: deque[tuple[int, float]] = deque(maxlen=probe_steps)  # (tokens, rate) at count
         self.ref_rate: float | None = None      # rate at the last decision (collapse detector)
         self.since = 0                           # steps since the last decision
@@ -214,24 +215,27 @@ class ThreadController:
         self.since += 1
         if self.ref_rate is None and len(self.recent) == self.recent.maxlen:
             self.ref_rate = statistics.median(r for _, r in self.recent)
+        if self.meter is not None and self.meter.available:
+            self.free = self.meter.window()["free"]
         collapsed = self.ref_rate is not None and rate < 0.5 * self.ref_rate
-        if (self.since >= self.interval or collapsed) and self.max_threads > 1:
-            self._start_probe("collapse" if collapsed else "interval")
+        load = (self.free is not None and self.since >= 3 and self.max_threads > 1
+                and threads_for_free(self.free, self.max_threads) != self.free_count)
+        if self.max_threads > 1 and (self.since >= self.interval or collapsed or load):
+            self._start_probe("collapse" if collapsed else "load" if load else "interval")
         return None
 
     # ------------------------------------------------------------------------------- logic
     def _candidate(self) -> tuple[int | None, float | None]:
-        """(count to try or None, free cores measured since the last decision or None).
+        """(count to try or None, free cores over the last step or None).
 
         The free-core count when it differs from the kept count, else one fewer (one more at 1).
         Without a passive wait policy a count above the free cores is never tried: spinning
         workers on a taken core are what collapses a step (10x slower), so one such probe costs
         more than it can find.
         """
-        free = None
-        if self.meter is not None and self.meter.available:
-            free = self.meter.window()["free"]
+        free = self.free
         want = threads_for_free(free, self.max_threads) if free is not None else self.count
+        self.free_count = want
         cand = want if want != self.count else (self.count - 1 if self.count > 1 else self.count + 1)
         if free is not None and not self.probe_above_free and cand > want:
             return None, free
@@ -241,7 +245,7 @@ class ThreadController:
         """Compare against the kept count's recent median (after a collapse: its last step)."""
         tokens, last = self.recent[-1]
         base = last if reason == "collapse" else statistics.median(r for t, r in self.recent if t == tokens)
-        cand, self.free = self._candidate()
+        cand, free = self._candidate()
         if cand is None:
             self.since, self.ref_rate = 0, base
             return
