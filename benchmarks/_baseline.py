@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _dense import DenseGPT, adamw_for, matching_shape
+from _dense import DenseGPT, adamw_for, matching_width
 from k3.data.batches import StridedBatches
 from k3.data.packing import IGNORE_INDEX, eval_batches
 from k3.model.summary import parameter_breakdown
@@ -42,9 +42,11 @@ def train_dense(tr: Trainer, steps: int, lr: float) -> tuple[DenseGPT, list[floa
     """(model, per-step seconds, losses) of the dense baseline on the K3 run's data and schedule."""
     tc = tr.tc
     seq = tc.curriculum[0][1]
-    d, L = matching_shape(parameter_breakdown(tr.model).activated, tr.model_config.vocab_size)
+    cfg = tr.model_config  # the same depth and head count as the K3 model, the width to match
+    d = matching_width(parameter_breakdown(tr.model).activated, cfg.vocab_size, cfg.num_hidden_layers,
+                       cfg.num_attention_heads)
     torch.manual_seed(tc.seed)
-    model = DenseGPT(tr.model_config.vocab_size, d, L, seq)
+    model = DenseGPT(cfg.vocab_size, d, cfg.num_hidden_layers, cfg.num_attention_heads, seq)
     opt = adamw_for(model, lr)
     sched = tc.replace(lr=lr).lr_schedule()
     data = StridedBatches(tr.train_tokens, tc.batch_size, seq)
@@ -85,8 +87,8 @@ def baseline(args, results: Path) -> None:
         dense_tps = tc.batch_size * seq / statistics.median(times[1:])
         dense_bpb = bits_per_byte(dense, tr.val_tokens, tr.token_bytes, tc.batch_size, seq, args.eval_batches)
         assert res.status == "done"
-    d, L = matching_shape(n_act, tr.model_config.vocab_size)
-    cfg = (f"tiny vs dense d{d} L{L} (active {n_act:,} vs {dense.active_params():,}), B{tc.batch_size} "
+    d, L, H = dense.ln_f.weight.numel(), len(dense.blocks), dense.blocks[0].n_head
+    cfg = (f"tiny vs dense d{d} L{L} H{H} (active {n_act:,} vs {dense.active_params():,}), B{tc.batch_size} "
            f"T{seq}, {args.baseline_steps} steps, threads={threads}, eval {args.eval_batches or 'all'} val batches")
     print(f"\n{cfg}")
     print(f"{'model':<8} {'tokens/s':>10} {'val bits/byte':>14} {'last loss':>10}")

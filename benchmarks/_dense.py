@@ -1,7 +1,6 @@
 """A dense nanoGPT-style transformer: the baseline K3 is compared with in benchmarks/train.py.
 
-Pre-LayerNorm blocks of causal multi-head self-attention (heads of 64, fused qkv, no biases) and a
-4x GELU MLP, learned absolute positions, an untied lm_head; nanoGPT's init (normal 0.02, residual
+Pre-LayerNorm blocks of causal multi-head self-attention (fused qkv, no biases) and a 4x GELU MLP, learned absolute positions, an untied lm_head; nanoGPT's init (normal 0.02, residual
 projections 0.02 / sqrt(2 L)). ``active_params`` counts what K3's ``parameter_breakdown`` counts as
 activated for K3: every parameter but the input embeddings (token and position), lm_head included.
 """
@@ -36,10 +35,12 @@ class Block(nn.Module):
 
 
 class DenseGPT(nn.Module):
-    def __init__(self, vocab: int, d: int, n_layer: int, max_len: int):
+    def __init__(self, vocab: int, d: int, n_layer: int, n_head: int, max_len: int):
         super().__init__()
+        if d % n_head:
+            raise ValueError(f"width {d} is not a multiple of {n_head} heads")
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
-        self.blocks = nn.ModuleList(Block(d, d // 64, n_layer) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d, n_head, n_layer) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         for m in self.modules():
@@ -63,12 +64,11 @@ def dense_active_params(vocab: int, d: int, n_layer: int) -> int:
     return n_layer * (12 * d * d + 4 * d) + 2 * d + vocab * d
 
 
-def matching_shape(target: int, vocab: int) -> tuple[int, int]:
-    """(width, layers) of the DenseGPT whose active parameters are closest to ``target``
-    (width a multiple of 64 in [128, 768], 1-32 layers; ties: the deeper)."""
-    best = min(((abs(dense_active_params(vocab, d, L) - target), -L, d) for d in range(128, 769, 64)
-                for L in range(1, 33)))
-    return best[2], -best[1]
+def matching_width(target: int, vocab: int, n_layer: int, n_head: int) -> int:
+    """The width (a multiple of 4 * n_head, so heads have a multiple-of-4 size) whose DenseGPT of
+    ``n_layer`` layers has active parameters closest to ``target``."""
+    step = 4 * n_head
+    return min(range(step, 4097, step), key=lambda d: abs(dense_active_params(vocab, d, n_layer) - target))
 
 
 def adamw_for(model: DenseGPT, lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:
