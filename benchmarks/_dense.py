@@ -1,6 +1,7 @@
 """A dense nanoGPT-style transformer: the baseline K3 is compared with in benchmarks/train.py.
 
-Pre-LayerNorm blocks of causal multi-head self-attention (fused qkv, no biases) and a 4x GELU MLP, learned absolute positions, an untied lm_head; nanoGPT's init (normal 0.02, residual
+Pre-LayerNorm blocks of causal multi-head self-attention (fused qkv, no biases) and a 4x GELU MLP,
+learned absolute positions, an untied lm_head; nanoGPT's init (normal 0.02, residual
 projections 0.02 / sqrt(2 L)). ``active_params`` counts what K3's ``parameter_breakdown`` counts as
 activated for K3: every parameter but the input embeddings (token and position), lm_head included.
 """

@@ -40,7 +40,7 @@ BUSY_LOOP = "while True:\n    pass\n"
 def worker(mode: str, data: str, out: str, log: str) -> None:
     """Train until SIGTERM; one JSON line per step: start, end (monotonic s), tokens, threads."""
     if mode == "old":
-        import torch  # noqa: F401  (loaded before k3.train: libgomp keeps its default wait policy)
+        import torch  # noqa: F401  # loaded before k3.train: libgomp keeps its default wait policy
     import signal
 
     from k3.train.config import TrainConfig
@@ -177,7 +177,8 @@ def main() -> None:
             f.write(json.dumps({"bench": "busy", "config": f"{m}: {cond}", "metric": "min_window_tokens_per_s_busy",
                                 "value": r["busy_min"], "baseline": r["idle"], "ratio": r["busy_min"] / r["idle"],
                                 "busy_median_ratio": r["busy_median"] / r["idle"], "windows": r["busy_windows"],
-                                "threads_busy": r["threads_busy"], "decisions": r["decisions"], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+                                "threads_busy": r["threads_busy"], "decisions": r["decisions"],
+                                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
         for m, r in res.items():
             for d in r["decisions"]:
                 print(f"  {m} step {d['step']}: tried {d['tried']} ({d['reason']}; free cores {d['free_cores']}): "

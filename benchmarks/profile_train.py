@@ -71,7 +71,8 @@ def instrument(model, opt) -> None:
         label = kinds.get(type(m).__name__)
         if label is None:
             continue
-        m.register_forward_pre_hook(lambda mod, args, _l=label: setattr(mod, "_rf", record_function(P + _l).__enter__()))
+        m.register_forward_pre_hook(
+            lambda mod, args, _l=label: setattr(mod, "_rf", record_function(P + _l).__enter__()))
         m.register_forward_hook(lambda mod, args, out: mod._rf.__exit__(None, None, None))
     lm = model.lm_head
     lm.register_forward_pre_hook(lambda mod, args: setattr(mod, "_rf", record_function(P + "lm_head").__enter__()))
@@ -97,6 +98,7 @@ def families(events) -> tuple[dict, collections.Counter]:
                 seq_scope.setdefault(ev.sequence_nr, s)
     fam: dict[str, dict] = collections.defaultdict(lambda: {"fwd": 0.0, "bwd": 0.0, "calls": 0})
     per_op: collections.Counter = collections.Counter()
+    fam_ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for ev in events:
         if ev.name.startswith(P) or ev.name == "ProfilerStep*":
             continue
@@ -114,6 +116,9 @@ def families(events) -> tuple[dict, collections.Counter]:
         f["bwd" if bwd else "fwd"] += ev.self_cpu_time_total
         f["calls"] += 1
         per_op[ev.name] += ev.self_cpu_time_total
+        fam_ops[s][ev.name] += ev.self_cpu_time_total
+    for name, f in fam.items():
+        f["top"] = fam_ops[name].most_common(3)
     return fam, per_op
 
 
@@ -160,17 +165,19 @@ def main() -> None:
     total = sum(f["fwd"] + f["bwd"] for f in fam.values())
     cfg = f"{a.preset} B{B} T{T} threads={a.threads}"
     print(f"### {cfg}: {wall:.2f} s per step under the profiler ({total / a.steps / 1e6:.2f} s of op self time)\n")
-    print("| family | % of step | forward ms | backward ms | ops called |\n|---|---:|---:|---:|---:|")
+    print("| family | % of step | forward ms | backward ms | ops called | top ops (% of the family) |\n"
+          "|---|---:|---:|---:|---:|---|")
     for name, f in sorted(fam.items(), key=lambda kv: -(kv[1]["fwd"] + kv[1]["bwd"])):
         t = f["fwd"] + f["bwd"]
         if t / total < 0.002:
             continue
+        top = ", ".join(f"`{o.removeprefix('aten::')}` {100 * v / t:.0f}" for o, v in f["top"])
         print(f"| {name} | {100 * t / total:.1f} | {f['fwd'] / a.steps / 1e3:.0f} | {f['bwd'] / a.steps / 1e3:.0f} "
-              f"| {f['calls'] // a.steps} |")
+              f"| {f['calls'] // a.steps} | {top} |")
     calls = collections.Counter()
     for ev in prof.events():
         calls[ev.name] += 1
-    print(f"\n| top ops by self CPU time | % of step | ms per step | calls per step |\n|---|---:|---:|---:|")
+    print("\n| top ops by self CPU time | % of step | ms per step | calls per step |\n|---|---:|---:|---:|")
     for name, t in per_op.most_common(a.top):
         print(f"| `{name}` | {100 * t / total:.1f} | {t / a.steps / 1e3:.0f} | {calls[name] // a.steps} |")
     print(f"\nops per step: {sum(calls[n] for n in per_op) // a.steps:,}")
@@ -180,7 +187,8 @@ def main() -> None:
             t = f["fwd"] + f["bwd"]
             fh.write(json.dumps({"bench": "profile_train", "config": cfg, "metric": f"self_cpu_share:{name}",
                                  "value": t / a.steps / 1e6, "baseline": total / a.steps / 1e6, "ratio": t / total,
-                                 "calls_per_step": f["calls"] // a.steps, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+                                 "calls_per_step": f["calls"] // a.steps,
+                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ Two mechanisms, both measured on the 2-core machine this project grew on (docs/T
   usable cores other processes keep busy over a window: the busy time of those CPUs in
   ``/proc/stat`` minus this process's own CPU time. :class:`ThreadController` starts at the
   free-core count and, every ``interval`` steps (or at once when a step runs at less than half
-  the rate of the last decision, or when the free-core count over a step changes), runs ``probe_steps`` steps at another count — the free-core
-  count when it differs, else one thread fewer or more — and keeps whichever ran more tokens/s
-  (the other only when faster by ``margin``). Its decisions are logged in the run's metrics.
+  the rate of the last decision, or when the free-core count over a step changes), runs
+  ``probe_steps`` steps at another count — the free-core count when it differs, else one thread
+  fewer or more — and keeps whichever ran more tokens/s (the other only when faster by
+  ``margin``). Its decisions are logged in the run's metrics.
 
 Numerics: the thread count can change a result's last bits (reductions split differently). The
 golden ``nano`` losses are equal at 1 and 2 threads, but 3 ``tiny`` steps at B4 T256 differ in the
