@@ -93,7 +93,7 @@ def run_mode(mode: str, data: str, tmp: Path, a) -> dict:
                           "--out", str(tmp / f"run-{mode}"), "--log", str(log)], env=env)
     try:
         deadline = time.monotonic() + 300
-        while not (log.exists() and len(log.read_text().splitlines()) >= 2):  # set up and warm
+        while not (log.exists() and log.read_text().strip()):  # set up, one step done
             if w.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{mode} worker did not start training (exit {w.poll()})")
             time.sleep(0.2)
