@@ -226,3 +226,42 @@ def test_thread_control_per_setting(torch_threads):
     ctl = thread_control("auto", "cpu")
     assert isinstance(ctl, ThreadController) and ctl.max_threads == usable_cpus()
     assert 1 <= ctl.before_step() <= usable_cpus() and torch.get_num_threads() == ctl.current
+
+
+@pytest.mark.slow
+def test_trainer_with_threads_auto_logs_the_count_of_every_step(tmp_path, monkeypatch, torch_threads):
+    """End to end: a nano run with threads=auto (the default) probes within its 6 steps
+    (interval 2 here) and logs each step's count and each decision."""
+    import shutil
+    import sysconfig
+
+    import k3.threads
+    from k3.train.config import TrainConfig
+    from k3.train.loop import Trainer
+    from k3.train.metrics import read_metrics
+
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
+    # the controller probes above the free cores only under a passive policy (this process's
+    # libgomp keeps the policy it loaded with; only the probe rule reads the variable)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("textwrap.py", "csv.py", "bisect.py", "heapq.py", "fnmatch.py"):
+        shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / name, data / name)
+    real = k3.threads.thread_control
+    monkeypatch.setattr("k3.train.loop.thread_control", lambda s, d: real(s, d, interval=2))
+    tc = TrainConfig.build(overrides=dict(preset="nano", data=str(data), out=str(tmp_path / "run"), steps=6,
+                                          batch_size=2, curriculum=[[0, 32]], eval_interval=0,
+                                          final_eval_batches=1, ckpt_interval=0, plot=False))
+    assert tc.threads == "auto"
+    tr = Trainer(tc, tty=False, print_fn=lambda s: None)
+    assert tr.train().status == "done"
+    recs = read_metrics(tmp_path / "run")
+    steps = [r for r in recs if r["kind"] == "train"]
+    assert len(steps) == 6 and all(1 <= r["threads"] <= k3.threads.usable_cpus() for r in steps)
+    decisions = [r for r in recs if r["kind"] == "threads"]
+    if k3.threads.usable_cpus() > 1:
+        assert decisions, "no probe in 6 steps with interval 2"
+        for d in decisions:   # the step after a probe runs at the count the decision kept
+            after = [r["threads"] for r in steps if r["step"] == d["step"] + 1]
+            assert after in ([], [d["threads"]])
