@@ -156,8 +156,8 @@ class TrainConfig:
 
         Booleans must be ``true``/``false`` (``qat = "no"`` is refused, not read as true), floats
         finite, ints bounded: ``seed`` in [0, 2^64) (``torch.manual_seed``'s range), ``threads``
-        ``"auto"`` or at most ``os.cpu_count()`` (more OpenMP threads than cores only slows a run down, and very
-        large counts crash the OpenMP runtime), ``device`` one this torch build can use.
+        ``"auto"`` or at most ``os.cpu_count()`` (more OpenMP threads than cores only slows a run
+        down, and very large counts crash the OpenMP runtime), ``device`` one this torch build can use.
         """
         for name in ("steps", "batch_size", "grad_accum", "max_skips", "log_interval"):
             check_int(name, getattr(self, name), lo=1)

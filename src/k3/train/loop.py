@@ -13,9 +13,10 @@ Per optimizer step s (0-based; records and checkpoints count completed steps, s 
 optimizer state stay fp32 (master weights), and the fp32 islands stay fp32 (router, KDA
 recurrence and state, AttnRes mixing, norms, the loss).
 
-Resuming from a checkpoint reproduces the uninterrupted run bit-exactly on CPU: the model (with
-its router biases), optimizer, data cursor, RNG states, step and skip counter are restored, and
-everything else (lr, seq_len) is a function of the step.
+Resuming from a checkpoint reproduces the uninterrupted run bit-exactly on CPU at a fixed
+``threads`` (``auto`` may change the count between steps, and with it the last bits: k3.threads):
+the model (with its router biases), optimizer, data cursor, RNG states, step and skip counter are
+restored, and everything else (lr, seq_len) is a function of the step.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from k3.data.corpus import Corpus, load_corpus
 from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
 from k3.data.tokenizer import Tokenizer, get_tokenizer
 from k3.errors import CheckpointError, ConfigError
-from k3.threads import thread_control
 from k3.model.decoder import K3ForCausalLM
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
@@ -44,6 +44,7 @@ from k3.train.metrics import MetricsLog, Progress, plot_run
 from k3.train.optim import QKClip, build_optimizer
 from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir, mark_resumed_run
 from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference, write_run_info
+from k3.threads import thread_control
 from k3.train.state import (
     check_free_space,
     find_checkpoint,
