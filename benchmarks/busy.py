@@ -13,6 +13,8 @@ baseline too), and its busy figure is the *minimum* window of the busy phase ove
     old:  threads = all usable cores, libgomp's default wait policy (spin, then sleep)
     auto: the new default: k3.threads (passive wait policy, thread count from the free cores,
           re-measured while training)
+    passive (not in the default --modes): all usable cores, fixed, with the passive wait policy
+          (separates the wait policy's effect from the controller's)
 
 Target (issue 15): the busy minimum of ``auto`` >= 40% of idle (PASS/MISS is printed). The machine's
 load average before and after is printed: on a machine other users load, "idle" is not idle.
@@ -148,7 +150,7 @@ def main() -> None:
     ap.add_argument("--busy", type=float, default=50.0, help="seconds the competitor runs")
     ap.add_argument("--after", type=float, default=15.0, help="idle seconds after it")
     ap.add_argument("--window", type=float, default=10.0, help="throughput window, seconds")
-    ap.add_argument("--modes", default="old,auto")
+    ap.add_argument("--modes", default="old,auto", help="comma-separated: old, auto, passive")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -156,6 +158,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker, a.data, a.out, a.log)
+    if set(a.modes.split(",")) - {"old", "auto", "passive"}:
+        ap.error(f"--modes: use old, auto, passive (got {a.modes!r})")
     load0 = os.getloadavg()
     res = {}
     with tempfile.TemporaryDirectory(prefix="k3-busy-") as tmp:
