@@ -1,4 +1,6 @@
-"""Training throughput and MFU of the `small` preset (one training step = what Trainer.train_step runs).
+"""Training throughput: MFU of a preset, and K3-tiny against a dense baseline of the same active size.
+
+``--what mfu`` (the `small` preset by default; one training step = what Trainer.train_step runs):
 
 Measured in one process: tokens/s of full optimizer steps (forward, cross-entropy, backward,
 grad-norm clip, Per-Head Muon + AdamW step, Quantile-Balancing bias update) on random tokens, and
@@ -15,7 +17,16 @@ Model FLOPs per trained token (the usual 6·N rule plus attention, no recomputat
                                                 S^T k, rank-1 update, S^T q (2·d_k·d_v each) + decay
 
 (the chunked KDA form does extra intra-chunk work that is not counted: MFU counts useful math).
-Medians over the timed steps. Appends JSON lines to benchmarks/results/train.jsonl.
+Medians over the timed steps.
+
+``--what baseline``: the architecture's overhead. K3-tiny trains with the real Trainer (the demo's
+recipe: B8 T256, Per-Head Muon + AdamW, WSD, QB) and a dense nanoGPT-style transformer
+(benchmarks/_dense.py) with the same activated parameters per token trains with AdamW on exactly
+the same batches of the same tokenizer, for the same steps, in the same process and thread count.
+Printed: each model's median tokens/s and validation bits per byte (the first --eval-batches
+validation batches), and K3 / dense as ratios. ``--steps`` longer for a converged comparison.
+
+Appends JSON lines to benchmarks/results/train.jsonl.
 """
 
 from __future__ import annotations
@@ -26,8 +37,11 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+from k3.threads import configure_openmp
+
+configure_openmp()  # as k3 train does, before torch loads libgomp (k3.threads)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
@@ -92,18 +106,34 @@ def step_times(model, opt, bal, batch: int, seq_len: int, steps: int, warmup: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--what", default="mfu,baseline", help="mfu, baseline or both (comma-separated)")
+    ap.add_argument("--preset", default="small", help="--what mfu: the preset")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="--what mfu: timed steps")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--matmul-n", type=int, default=2048)
+    ap.add_argument("--baseline-steps", type=int, default=24, help="--what baseline: steps of each model")
+    ap.add_argument("--eval-batches", type=int, default=8, help="--what baseline: validation batches (0: all)")
+    ap.add_argument("--dense-lr", type=float, default=3e-3, help="--what baseline: the dense model's AdamW lr")
+    ap.add_argument("--data", help="--what baseline: corpus (default: the Python stdlib)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
+    what = set(args.what.split(","))
+    if what - {"mfu", "baseline"}:
+        ap.error(f"--what: unknown {sorted(what - {'mfu', 'baseline'})}; use mfu, baseline")
+    if "mfu" in what:
+        mfu(args)
+    if "baseline" in what:
+        from _baseline import baseline
+        baseline(args, RESULTS)
+
+
+def mfu(args) -> None:
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset(args.preset)).to(device)

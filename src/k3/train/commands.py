@@ -15,6 +15,16 @@ from typing import Any, Callable
 
 __all__ = ["train_main", "plot_main", "demo_main"]
 
+
+def _threads_flag(value: str):
+    """``--threads auto|N`` for argparse (a bad value: "argument --threads: ...", exit 2)."""
+    from k3.threads import parse_threads
+    try:
+        return parse_threads(value, "--threads")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # flag -> (TrainConfig field, type, help); booleans become --x / --no-x
 _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--preset", "preset", str, "model preset (nano, tiny, small, ...)"),
@@ -50,7 +60,8 @@ _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--final-eval-batches", "final_eval_batches", int, "validation batches at the end (0: whole split)"),
     ("--ckpt-interval", "ckpt_interval", int, "steps between checkpoints (0: only at the end)"),
     ("--seed", "seed", int, "random seed"),
-    ("--threads", "threads", int, "torch CPU threads (0: default)"),
+    ("--threads", "threads", _threads_flag, "torch CPU threads: auto (default: from the "
+     "cores free, re-measured while training) | N | 0 (torch's default)"),
     ("--device", "device", str, "cpu | cuda"),
     ("--plot", "plot", bool, "write loss.png at the end"),
 ]
@@ -257,7 +268,7 @@ def demo_main(argv: list[str] | None = None) -> int:
                                 "stdlib, then print validation bits per byte and samples.")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--steps", type=int, default=DEMO_STEPS)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=_threads_flag, default="auto", help="auto | N (see k3 train)")
     p.add_argument("--samples-tokens", type=int, default=120)
     args = p.parse_args(argv)
 

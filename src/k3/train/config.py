@@ -93,7 +93,7 @@ class TrainConfig:
     ckpt_interval: int = 200                 # 0: only at the end / on a signal
     # runtime
     seed: int = 0
-    threads: int = 0                         # 0: torch's default
+    threads: int | str = "auto"              # auto (k3.threads) | N | 0: torch's default
     device: str = "cpu"
     plot: bool = True
 
@@ -160,9 +160,9 @@ class TrainConfig:
         """Check every option's type and range; :class:`ConfigError` names the option.
 
         Booleans must be ``true``/``false`` (``qat = "no"`` is refused, not read as true), floats
-        finite, ints bounded: ``seed`` in [0, 2^64) (``torch.manual_seed``'s range), ``threads`` at
-        most ``os.cpu_count()`` (more OpenMP threads than cores only slows a run down, and very
-        large counts crash the OpenMP runtime), ``device`` one this torch build can use.
+        finite, ints bounded: ``seed`` in [0, 2^64) (``torch.manual_seed``'s range), ``threads``
+        ``"auto"`` or at most ``os.cpu_count()`` (more OpenMP threads than cores only slows a run
+        down, and very large counts crash the OpenMP runtime), ``device`` one this torch build can use.
         """
         for name in ("steps", "batch_size", "grad_accum", "max_skips", "log_interval"):
             check_int(name, getattr(self, name), lo=1)
@@ -179,7 +179,9 @@ class TrainConfig:
                 raise ConfigError(f"qb_bins applies to balance='quantile', not balance={self.balance!r}")
         if self.capacity_factor is not None:
             check_float("capacity_factor", self.capacity_factor, lo=0.0, lo_open=True)
-        check_int("threads", self.threads, lo=0, hi=max_threads())
+        from k3.threads import parse_threads
+        if (threads := parse_threads(self.threads)) != "auto":
+            check_int("threads", threads, lo=0, hi=max_threads())
         for name in ("qat", "plot"):
             check_bool(name, getattr(self, name))
         check_bool("attn_res", self.attn_res, allow_none=True)

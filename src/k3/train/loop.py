@@ -13,9 +13,10 @@ Per optimizer step s (0-based; records and checkpoints count completed steps, s 
 optimizer state stay fp32 (master weights), and the fp32 islands stay fp32 (router, KDA
 recurrence and state, AttnRes mixing, norms, the loss).
 
-Resuming from a checkpoint reproduces the uninterrupted run bit-exactly on CPU: the model (with
-its router biases), optimizer, data cursor, RNG states, step and skip counter are restored, and
-everything else (lr, seq_len) is a function of the step.
+Resuming from a checkpoint reproduces the uninterrupted run bit-exactly on CPU at a fixed
+``threads`` (``auto`` may change the count between steps, and with it the last bits: k3.threads):
+the model (with its router biases), optimizer, data cursor, RNG states, step and skip counter are
+restored, and everything else (lr, seq_len) is a function of the step.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from k3.train.metrics import MetricsLog, Progress, plot_run
 from k3.train.optim import QKClip, build_optimizer
 from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir, mark_resumed_run
 from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference, write_run_info
+from k3.threads import thread_control
 from k3.train.state import (
     check_free_space,
     find_checkpoint,
@@ -139,8 +141,7 @@ class Trainer:
         self.on_step_end: list[Callable[["Trainer", dict], None]] = []
         self.stop_signal: int | None = None
         self.device = torch.device(tc.device)
-        if tc.threads:
-            torch.set_num_threads(tc.threads)
+        self.threads = thread_control(tc.threads, self.device.type)  # None: a fixed count
         torch.set_flush_denormal(True)
 
         ckpt, saved = self._checkpoint_to_resume(resume, overwrite)
@@ -308,6 +309,7 @@ class Trainer:
             self.qk_clip.recording(True)
             self.qk_clip.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
+        threads = self.threads.before_step() if self.threads else torch.get_num_threads()
         t0 = time.perf_counter()
         loss_sum, reason = 0.0, None
         start = self.data.state_dict(), rng_state()
@@ -352,10 +354,13 @@ class Trainer:
         stats = self.balancer.update()
         self.skips = 0
         dt = time.perf_counter() - t0
+        decision = self.threads.after_step(dt, tokens) if self.threads else None
+        if decision is not None:  # --threads auto tried another count (k3.threads)
+            self.metrics.log("threads", step=self.step, **decision)
         cv = stats["load_cv"]
         return self.metrics.log(
             "train", step=self.step, loss=loss_sum / tc.grad_accum, lr=lr, seq_len=seq_len,
-            tokens=self.tokens_seen, tokens_per_s=tokens / dt, grad_norm=grad_norm,
+            tokens=self.tokens_seen, tokens_per_s=tokens / dt, threads=threads, grad_norm=grad_norm,
             load_cv=sum(cv) / len(cv) if cv else None, load_cv_layers=cv,
             load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None, **clip,
             **({"dropped_slots": stats["dropped_slots"]} if "dropped_slots" in stats else {}))
