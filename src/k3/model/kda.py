@@ -161,7 +161,11 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(b.float())                                         # [B, nh]
         S = S.float() * g.exp()[..., None]                                       # [B, nh, d(k), d(v)]
         u = beta[..., None] * (v - (k[:, :, None, :] @ S)[:, :, 0])             # [B, nh, d]
-        S = torch.baddbmm(S.view(B * nh, d, d), k.reshape(B * nh, d, 1), u.reshape(B * nh, 1, d)).view(B, nh, d, d)
+        Sv, kv, uv = S.view(B * nh, d, d), k.reshape(B * nh, d, 1), u.reshape(B * nh, 1, d)
+        if torch.is_grad_enabled():
+            S = torch.baddbmm(Sv, kv, uv).view(B, nh, d, d)
+        else:  # S is the fresh decayed copy (never the cached, maybe shared, tensor): update it in place
+            Sv.baddbmm_(kv, uv)
         o = (q[:, :, None, :] @ S)[:, :, 0]                                     # [B, nh, d]
         gate = g_in if self.use_full_rank_gate else self.g_b_proj(g_in)
         o = self.o_norm(o) * torch.sigmoid(gate.reshape(B, nh, d).float())

@@ -315,8 +315,8 @@ class LatentMoE(nn.Module):
             y_shared = shared(x2) if shared is not None else None
         if N * self.top_k < self.num_experts and type(self.experts) is RoutedExperts:
             u = self._slots_decode(z, weights, indices)
-        else:
-            u = self._dispatch_sorted(z, weights, indices)
+        else:  # (a column slice of the fused output is strided: per-expert copies otherwise)
+            u = self._dispatch_sorted(z.contiguous(), weights, indices)
         if self.latent:
             if hasattr(self, "routed_expert_norm"):
                 u = self.routed_expert_norm(u)

@@ -42,7 +42,7 @@ def attn_res_mix_rows(sources: Sequence[torch.Tensor], query: torch.Tensor, norm
                       eps: float = 1e-5) -> torch.Tensor:
     """Inference form of ``attn_res_mix`` for fp32 rows: sources n × [B, H] -> [B, H], in fewer
     kernels (the decode step). The key norm's weight is folded into the query,
-    <w, γ ⊙ v / rms(v)> = <γ ⊙ w, v> / rms(v), and the weighted sum is one batched matmul; equal
+    <w, γ ⊙ v / rms(v)> = <γ ⊙ w, v> / rms(v), and the logits are one matrix-vector product; equal
     to ``attn_res_mix`` up to float rounding (not bitwise)."""
     if len(sources) == 1:
         return sources[0]
@@ -51,4 +51,4 @@ def attn_res_mix_rows(sources: Sequence[torch.Tensor], query: torch.Tensor, norm
     inv_rms = v.pow(2).mean(-1).add_(eps).rsqrt_()                     # [n, B]
     logits = torch.mv(v.view(n * B, H), norm_weight * query.reshape(-1)).view(n, B).mul_(inv_rms)
     alpha = logits.softmax(0)                                          # [n, B]
-    return torch.bmm(alpha.t()[:, None, :], v.transpose(0, 1))[:, 0]   # [B, H]
+    return (v * alpha[..., None]).sum(0)                               # [B, H]
