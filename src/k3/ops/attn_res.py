@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from k3.ops.norm import rms_norm
+from k3.ops.norm import inv_rms, rms_norm
 
 __all__ = ["attn_res_mix", "attn_res_mix_rows"]
 
@@ -48,7 +48,6 @@ def attn_res_mix_rows(sources: Sequence[torch.Tensor], query: torch.Tensor, norm
         return sources[0]
     v = torch.stack(sources)                                           # [n, B, H]
     n, B, H = v.shape
-    inv_rms = v.pow(2).mean(-1).add_(eps).rsqrt_()                     # [n, B]
-    logits = torch.mv(v.view(n * B, H), norm_weight * query.reshape(-1)).view(n, B).mul_(inv_rms)
+    logits = torch.mv(v.view(n * B, H), norm_weight * query.reshape(-1)).view(n, B).mul_(inv_rms(v, eps))
     alpha = logits.softmax(0)                                          # [n, B]
     return (v * alpha[..., None]).sum(0)                               # [B, H]

@@ -12,14 +12,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm", "l2_normalize"]
+__all__ = ["rms_norm", "l2_normalize", "inv_rms"]
+
+
+def inv_rms(x: torch.Tensor, eps: float, keepdim: bool = False) -> torch.Tensor:
+    """x [..., D] fp32 -> 1 / sqrt(mean_D(x²) + eps), [...] (or [..., 1] with keepdim); written in
+    place on its own fresh intermediate (the inference paths' form)."""
+    return x.pow(2).mean(-1, keepdim=keepdim).add_(eps).rsqrt_()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> weight · x / sqrt(mean(x²) + eps) in x's dtype (fp32 compute)."""
     if x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
         # inference, fp32: the same operations in place (bit-identical, fewer allocations)
-        return torch.mul(x, x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()).mul_(weight)
+        return torch.mul(x, inv_rms(x, eps, keepdim=True)).mul_(weight)
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * y).to(x.dtype)
