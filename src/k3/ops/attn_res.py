@@ -24,15 +24,7 @@ __all__ = ["attn_res_mix", "attn_res_mix_rows"]
 
 def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float = 1e-5) -> torch.Tensor:
-    """sources: n tensors [..., H]; query, norm_weight: [H] (query may be [1, H]) -> [..., H].
-
-    Fewer full-size passes than the formula as written: the key norm's weight is folded into the
-    query, <w, γ ⊙ v / rms(v)> = <γ ⊙ w, v> / rms(v), and rms(v) = sqrt(‖v‖² / H + eps) comes from
-    one fused vector norm, so no normalised [n, ..., H] key tensor is built (forward or backward).
-    The weighted sum stays an elementwise multiply and sum over the source dim (a batched
-    [1, n] @ [n, H] matmul per token runs as one tiny matmul per token on CPU). Equal to the
-    formula up to float rounding.
-    """
+    """sources: n tensors [..., H]; query, norm_weight: [H] (query may be [1, H]) -> [..., H]."""
     if len(sources) == 0:
         raise ValueError("attn_res_mix needs at least one source")
     if len(sources) == 1:
@@ -40,9 +32,8 @@ def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
     dtype = sources[0].dtype
     with torch.autocast(sources[0].device.type, enabled=False):   # fp32 even under bf16 autocast
         v = torch.stack(sources, dim=0).float()                   # [n, ..., H]
-        H = v.shape[-1]
-        inv_rms = (torch.linalg.vector_norm(v, dim=-1).square() / H + eps).rsqrt()       # [n, ...]
-        logits = (v @ (norm_weight.float() * query.reshape(-1).float())) * inv_rms      # [n, ...]
+        key = rms_norm(v, norm_weight, eps)                       # fp32 (v is fp32)
+        logits = key @ query.reshape(-1).float()                  # [n, ...]
         alpha = torch.softmax(logits, dim=0).unsqueeze(-1)        # [n, ..., 1]
         return (alpha * v).sum(0).to(dtype)
 
