@@ -3,27 +3,39 @@
 B=1, H=4, D=64, fp32, 2 threads, T ∈ {1024, 4096, 16384}. Reports medians of repeated runs and
 ratios against baselines measured in this process:
   - chunk fwd and chunk fwd+bwd against recurrent_kda (fwd, fwd+bwd) and the naive loop (fwd);
-  - chunk fwd at T against chunk fwd at 4096 (scaling; the target is ≤ 4.5× for 4× the tokens).
+  - chunk fwd at T against chunk fwd at 4096 (scaling; the target is ≤ 4.5× for 4× the tokens);
+  - chunk fwd and fwd+bwd at T=4096 against transformers' kimi_linear torch fallback
+    (``chunk_kimi_delta_attention`` without flash-linear-attention), timed in the same run,
+    interleaved with ours, with PASS/MISS against the ≥ 30× target (issue 15);
+  - AttnRes mixing (``k3.ops.attn_res.attn_res_mix``) fwd+bwd per call at the `tiny` training
+    shape (B8 T256 H256, n = 2..5 sources): ms per call and aten op calls (profiler, all levels).
 The recurrent and naive baselines are linear in T with a constant per-token cost (one step per
 token, state size independent of T), so they are timed once on the first --slice tokens and
 extrapolated (×T/slice); the `config` of such rows says `extrapolated_from`.
 
 Appends JSON lines {"bench","config","metric","value","baseline","ratio"} to
-benchmarks/results/kda.jsonl. `--quick`: fewer repeats, T ∈ {1024, 4096}.
+benchmarks/results/kda.jsonl. `--quick`: fewer repeats, T ∈ {1024, 4096}. `--only-transformers`:
+just the transformers comparison and the AttnRes rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import time
 from pathlib import Path
 
 import torch
 from _timing import median_time  # benchmarks/ is on sys.path when run as a script
 
+from k3.ops.attn_res import attn_res_mix
 from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
+from k3.ops.norm import rms_norm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kda.jsonl"
+TARGET_VS_TRANSFORMERS = 30.0   # issue 15: chunk_kda fwd ≥ 30× transformers' torch fallback at T=4096
 
 
 def naive_kda(q, k, v, g, beta, scale=None, initial_state=None):
@@ -66,12 +78,89 @@ def fwd_bwd(f, inputs):
     o.sum().backward()
 
 
+def transformers_chunk():
+    """transformers' kimi_linear chunked KDA (its pure-torch path when fla is absent), same layout."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    def f(q, k, v, g, beta):
+        return chunk_kimi_delta_attention(q, k, v, g, beta)
+    return f
+
+
+def interleaved_medians(fns: dict, reps: int) -> dict:
+    """Median seconds of each callable, the calls interleaved (a load change hits all alike)."""
+    for f in fns.values():
+        f()                                                          # warm-up
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def formula_attn_res_mix(sources, query, norm_weight, eps=1e-5):
+    """AttnRes mixing exactly as SPEC §3.3 writes it (normalised keys, logits, softmax, weighted sum)."""
+    v = torch.stack(sources, dim=0)
+    logits = rms_norm(v, norm_weight, eps) @ query.reshape(-1)
+    return (torch.softmax(logits, dim=0).unsqueeze(-1) * v).sum(0)
+
+
+def aten_calls(fn) -> int:
+    from torch.profiler import profile
+    with profile() as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+def bench_transformers(rows, threads, reps) -> None:
+    T = 4096
+    inputs = make_inputs(T)
+    hf = transformers_chunk()
+    cfg = {"B": 1, "H": 4, "D": 64, "T": T, "dtype": "float32", "threads": threads,
+           "load_1min": os.getloadavg()[0]}
+    for metric, run in (("chunk_fwd_vs_transformers", fwd), ("chunk_fwd_bwd_vs_transformers", fwd_bwd)):
+        med = interleaved_medians({"k3": lambda: run(k3_chunk, inputs), "hf": lambda: run(hf, inputs)}, reps)
+        ratio = med["hf"] / med["k3"]
+        verdict = (("PASS" if ratio >= TARGET_VS_TRANSFORMERS else "MISS")
+                   + f" (target ≥ {TARGET_VS_TRANSFORMERS:.0f}x)") if metric == "chunk_fwd_vs_transformers" else ""
+        rows.append({"bench": "kda", "config": cfg, "metric": metric, "value": med["k3"],
+                     "baseline": med["hf"], "ratio": ratio})
+        print(f"{T:>6} {metric:<30} {med['k3'] * 1e3:>9.1f} ms   transformers {med['hf'] * 1e3:>9.1f} ms   "
+              f"{ratio:>6.1f}x  {verdict}")
+
+
+def bench_attn_res(rows, threads, reps) -> None:
+    gen = torch.Generator().manual_seed(0)
+    B, T, H = 8, 256, 256                                            # `tiny`'s training micro-batch
+    query, gamma = torch.randn(H, generator=gen) * 0.1, 1 + 0.1 * torch.randn(H, generator=gen)
+    for n in (2, 3, 4, 5):
+        srcs = [torch.randn(B, T, H, generator=gen).requires_grad_(True) for _ in range(n)]
+
+        def call(f):
+            f(srcs, query, gamma, 1e-5).sum().backward()
+        med = interleaved_medians({"k3": lambda: call(attn_res_mix), "formula": lambda: call(formula_attn_res_mix)},
+                                  reps)
+        ops = {"k3": aten_calls(lambda: call(attn_res_mix)), "formula": aten_calls(lambda: call(formula_attn_res_mix))}
+        cfg = {"B": B, "T": T, "H": H, "n_sources": n, "dtype": "float32", "threads": threads,
+               "load_1min": os.getloadavg()[0]}
+        rows.append({"bench": "attn_res", "config": cfg, "metric": "mix_fwd_bwd_s", "value": med["k3"],
+                     "baseline": med["formula"], "ratio": med["formula"] / med["k3"]})
+        rows.append({"bench": "attn_res", "config": cfg, "metric": "mix_fwd_bwd_aten_calls", "value": ops["k3"],
+                     "baseline": ops["formula"], "ratio": ops["formula"] / ops["k3"]})
+        print(f"attn_res n={n} fwd+bwd {med['k3'] * 1e3:7.2f} ms ({ops['k3']} aten calls)   formula as written "
+              f"{med['formula'] * 1e3:7.2f} ms ({ops['formula']} calls)   {med['formula'] / med['k3']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats, T up to 4096")
     ap.add_argument("--slice", type=int, default=256, help="tokens timed for the linear baselines")
     ap.add_argument("--threads", type=int, default=2,
                     help="intra-op threads (2 per SPEC; 1 is steadier on an oversubscribed machine)")
+    ap.add_argument("--only-transformers", action="store_true",
+                    help="only the transformers comparison at T=4096 and the AttnRes rows")
     args = ap.parse_args()
     torch.set_flush_denormal(True)  # an entry point: k3 no longer sets it on import
     torch.set_num_threads(args.threads)
@@ -79,6 +168,11 @@ def main() -> None:
     lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
 
     rows = []
+    print(f"threads {args.threads}, 1-min load average {os.getloadavg()[0]:.2f} (medians; other jobs may share the machine)")
+    bench_transformers(rows, args.threads, reps)
+    bench_attn_res(rows, args.threads, 2 * reps + 1)
+    if args.only_transformers:
+        lengths = []
 
     def record(config, metric, value, baseline, base_name):
         ratio = baseline / value
