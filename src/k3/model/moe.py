@@ -234,15 +234,18 @@ class LatentMoE(nn.Module):
             u = self._dispatch_sorted(z, weights, indices)
         else:
             u = self._dispatch_capacity(z, weights, indices, self.capacity_factor)
-        if self.latent:
-            if hasattr(self, "routed_expert_norm"):
-                u = self.routed_expert_norm(u)
-            y = self.routed_expert_up_proj(u.to(z.dtype))
-        else:
-            y = u.to(x2.dtype)
+        y = self._routed_output(u, z, x2)
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x2)
         return y.reshape(shape)
+
+    def _routed_output(self, u: torch.Tensor, z: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        """Combined expert outputs u -> the routed part in model width (latent: norm + up-projection)."""
+        if not self.latent:
+            return u.to(x2.dtype)
+        if hasattr(self, "routed_expert_norm"):
+            u = self.routed_expert_norm(u)
+        return self.routed_expert_up_proj(u.to(z.dtype))
 
     @staticmethod
     def _sort_slots(indices: torch.Tensor, num_experts: int):
@@ -317,12 +320,7 @@ class LatentMoE(nn.Module):
             u = self._slots_decode(z, weights, indices)
         else:  # (a column slice of the fused output is strided: per-expert copies otherwise)
             u = self._dispatch_sorted(z.contiguous(), weights, indices)
-        if self.latent:
-            if hasattr(self, "routed_expert_norm"):
-                u = self.routed_expert_norm(u)
-            y = self.routed_expert_up_proj(u.to(z.dtype))
-        else:
-            y = u.to(x2.dtype)
+        y = self._routed_output(u, z, x2)
         return y if y_shared is None else y + y_shared
 
     def _slots_decode(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
