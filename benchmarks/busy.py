@@ -15,6 +15,8 @@ baseline too), and its busy figure is the *minimum* window of the busy phase ove
           re-measured while training)
     passive (not in the default --modes): all usable cores, fixed, with the passive wait policy
           (separates the wait policy's effect from the controller's)
+    spin10k (not in the default --modes): all usable cores, fixed, GOMP_SPINCOUNT=10000 (a short
+          spin before sleeping: the middle ground between libgomp's default and passive)
 
 Target (issue 15): the busy minimum of ``auto`` >= 40% of idle (PASS/MISS is printed). The machine's
 load average before and after is printed: on a machine other users load, "idle" is not idle.
@@ -43,6 +45,8 @@ def worker(mode: str, data: str, out: str, log: str) -> None:
     """Train until SIGTERM; one JSON line per step: start, end (monotonic s), tokens, threads."""
     if mode == "old":
         import torch  # noqa: F401  # loaded before k3.train: libgomp keeps its default wait policy
+    if mode == "spin10k":
+        os.environ["GOMP_SPINCOUNT"] = "10000"  # a user's setting: k3.threads keeps it
     import signal
 
     from k3.train.config import TrainConfig
@@ -150,7 +154,7 @@ def main() -> None:
     ap.add_argument("--busy", type=float, default=50.0, help="seconds the competitor runs")
     ap.add_argument("--after", type=float, default=15.0, help="idle seconds after it")
     ap.add_argument("--window", type=float, default=10.0, help="throughput window, seconds")
-    ap.add_argument("--modes", default="old,auto", help="comma-separated: old, auto, passive")
+    ap.add_argument("--modes", default="old,auto", help="comma-separated: old, auto, passive, spin10k")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -158,8 +162,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker, a.data, a.out, a.log)
-    if set(a.modes.split(",")) - {"old", "auto", "passive"}:
-        ap.error(f"--modes: use old, auto, passive (got {a.modes!r})")
+    if set(a.modes.split(",")) - {"old", "auto", "passive", "spin10k"}:
+        ap.error(f"--modes: use old, auto, passive, spin10k (got {a.modes!r})")
     load0 = os.getloadavg()
     res = {}
     with tempfile.TemporaryDirectory(prefix="k3-busy-") as tmp:
