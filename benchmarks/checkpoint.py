@@ -11,14 +11,13 @@ mean k3 is faster. Appends JSON lines to benchmarks/results/checkpoint.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from _timing import median_time  # benchmarks/ is on sys.path when run as a script
+from _timing import append_results, median_time  # benchmarks/ is on sys.path when run as a script
 
 from k3.checkpoint import from_pretrained, load_checkpoint, save_pretrained
 from k3.config import get_preset
@@ -73,10 +72,7 @@ def main() -> None:
     print(f"{'metric':<22}{'k3 MB/s':>10}{'torch MB/s':>12}{'ratio':>8}")
     for r in rows:
         print(f"{r['metric']:<22}{r['value']:>10}{r['baseline']:>12}{r['ratio']:>8}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
+    append_results(RESULTS, rows)
 
 
 if __name__ == "__main__":

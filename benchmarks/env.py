@@ -23,7 +23,6 @@ benchmarks/results/env.jsonl. ``--root`` keeps the manager root (default: a fres
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,11 +31,24 @@ import tempfile
 import time
 from pathlib import Path
 
-from _timing import median_time  # benchmarks/ is on sys.path when run as a script
+from _timing import append_results, median_time  # benchmarks/ is on sys.path when run as a script
 
 from k3.env import Limits, SandboxManager
 
 RESULTS = Path(__file__).parent / "results" / "env.jsonl"
+
+
+def _row(config: dict, metric: str, value: float, base: float, name: str) -> dict:
+    return {"bench": "env", "config": config, "metric": metric, "value": round(value, 5),
+            "baseline": round(base, 5), "baseline_name": name, "ratio": round(value / base, 3)}
+
+
+def _report(rows: list[dict], width: int) -> None:
+    """Print the rows as a table (value columns ``width`` wide) and append them to RESULTS."""
+    print(f"{'metric':<34}{'value':>{width}}{'baseline':>{width}}{'ratio':>8}  baseline is")
+    for r in rows:
+        print(f"{r['metric']:<34}{r['value']:>{width}}{r['baseline']:>{width}}{r['ratio']:>8}  {r['baseline_name']}")
+    append_results(RESULTS, rows)
 
 
 def _timed(fn):
@@ -113,17 +125,10 @@ def main() -> None:
             ("snapshot_s", t_snap_m, 0.200, "200 ms (fork target, for scale)"),
             ("fork_s", t_fork_m, 0.200, "target 200 ms"),
             ("snapshot_growth_per_changed_byte", g, 1.0, "changed bytes only")):
-        rows.append({"bench": "env", "config": config, "metric": metric, "value": round(value, 5),
-                     "baseline": round(base, 5), "baseline_name": name, "ratio": round(value / base, 3)})
+        rows.append(_row(config, metric, value, base, name))
     print(f"k3.env namespace backend, {args.workspace_mb} MB workspace, {args.changed_kb} KB changed per snapshot, "
           f"median of {args.repeats} ({args.exec_repeats} for exec); load {config['load1']} on {config['cpus']} CPUs")
-    print(f"{'metric':<34}{'value':>12}{'baseline':>12}{'ratio':>8}  baseline is")
-    for r in rows:
-        print(f"{r['metric']:<34}{r['value']:>12}{r['baseline']:>12}{r['ratio']:>8}  {r['baseline_name']}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
+    _report(rows, 12)
     if args.vm_repeats > 0:
         bench_vm(args.vm_repeats)
 
@@ -165,17 +170,10 @@ def bench_vm(repeats: int) -> None:
             ("fork_s", t_fork and statistics.median(t_fork), 0.200, "target 200 ms"),
             ("restore_s", t_restore, 0.200, "200 ms (fork target, for scale)"),
             ("state_bytes", size, ram, "guest RAM size")):
-        rows.append({"bench": "env", "config": config, "metric": metric, "value": round(value, 5),
-                     "baseline": round(base, 5), "baseline_name": name, "ratio": round(value / base, 3)})
+        rows.append(_row(config, metric, value, base, name))
     print(f"\nk3.env vm backend ({accel}, {ram >> 20} MiB guest), median of {repeats} "
           f"({5 * repeats} for exec); load {config['load1']} on {config['cpus']} CPUs")
-    print(f"{'metric':<34}{'value':>14}{'baseline':>14}{'ratio':>8}  baseline is")
-    for r in rows:
-        print(f"{r['metric']:<34}{r['value']:>14}{r['baseline']:>14}{r['ratio']:>8}  {r['baseline_name']}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
+    _report(rows, 14)
 
 
 if __name__ == "__main__":
