@@ -27,3 +27,25 @@ def _seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def make_nano_checkpoint():
+    """A factory: ``make(dir, text) -> (dir, model, tokenizer)`` saves a seeded ``nano`` model whose
+    lm_head is sharpened ×20 (greedy choices then are not float ties) and a 400-token BPE tokenizer
+    trained on ``text`` × 30 — the served / generated model of the server, CLI and agent tests."""
+    def make(d, text: str):
+        from k3.checkpoint import save_pretrained
+        from k3.config import get_preset
+        from k3.data.tokenizer import train_tokenizer
+        from k3.model.decoder import K3ForCausalLM
+
+        torch.manual_seed(0)
+        model = K3ForCausalLM(get_preset("nano"))
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20)
+        save_pretrained(model, d)
+        tok = train_tokenizer([text * 30], vocab_size=400)
+        tok.save(d)
+        return d, model.eval(), tok
+    return make

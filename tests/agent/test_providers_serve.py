@@ -16,32 +16,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-import torch
 
 from k3.agent.providers import LocalEngine, OpenAICompatible, ProviderRequest
 from k3.agent.randomize import HarnessConfig
 from k3.agent.tools import TOOL_SPECS, tool_schemas
 from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
-from k3.config import get_preset
 from k3.data.chat import ChatFormat
-from k3.model.decoder import K3ForCausalLM
 from k3.serve.launch import launch
 
 
 @pytest.fixture(scope="module")
-def nano(tmp_path_factory):
-    from k3.checkpoint import save_pretrained
-    from k3.data.tokenizer import train_tokenizer
-
-    d = tmp_path_factory.mktemp("agent-serve") / "nano"
-    torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("nano"))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    save_pretrained(model, d)
-    tok = train_tokenizer(["run the shell command, read the file, then submit the work. " * 30], vocab_size=400)
-    tok.save(d)
-    return d, model.eval(), tok
+def nano(tmp_path_factory, make_nano_checkpoint):
+    return make_nano_checkpoint(tmp_path_factory.mktemp("agent-serve") / "nano",
+                                "run the shell command, read the file, then submit the work. ")
 
 
 class _Recorder(BaseHTTPRequestHandler):

@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-from k3.config import get_preset
 from k3.data.chat import ChatFormat
 from k3.model.decoder import K3ForCausalLM
 
@@ -19,19 +18,9 @@ DIM = "\x1b[2m"
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from k3.checkpoint import save_pretrained
-    from k3.data.tokenizer import train_tokenizer
-
-    d = tmp_path_factory.mktemp("nano_model")
-    torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("nano"))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    save_pretrained(model, d)
-    tok = train_tokenizer(["hello world, the quick brown fox jumps over the lazy dog. " * 30], vocab_size=400)
-    tok.save(d)
-    return d, model.eval(), tok
+def ckpt(tmp_path_factory, make_nano_checkpoint):
+    return make_nano_checkpoint(tmp_path_factory.mktemp("nano_model"),
+                                "hello world, the quick brown fox jumps over the lazy dog. ")
 
 
 def k3(*args, stdin: str = ""):

@@ -4,29 +4,16 @@ subprocess on a free loopback port (``k3.serve.launch``: ``--port 0``, ready onc
 from __future__ import annotations
 
 import pytest
-import torch
 
-from k3.config import get_preset
-from k3.model.decoder import K3ForCausalLM
 from k3.serve.launch import ServerProcess, launch
 
 THINK_CAP_LOW = 3  # the servers run with --thinking-cap-low 3 so a test can reach the cap quickly
 
 
 @pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    from k3.checkpoint import save_pretrained
-    from k3.data.tokenizer import train_tokenizer
-
-    d = tmp_path_factory.mktemp("serve") / "nano"
-    torch.manual_seed(0)
-    model = K3ForCausalLM(get_preset("nano"))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    save_pretrained(model, d)
-    tok = train_tokenizer(["hello world, the quick brown fox jumps over the lazy dog. " * 30], vocab_size=400)
-    tok.save(d)
-    return d, model.eval(), tok
+def ckpt(tmp_path_factory, make_nano_checkpoint):
+    return make_nano_checkpoint(tmp_path_factory.mktemp("serve") / "nano",
+                                "hello world, the quick brown fox jumps over the lazy dog. ")
 
 
 def _server(ckpt_dir, *flags) -> ServerProcess:
