@@ -273,6 +273,15 @@ class LatentMoE(nn.Module):
         n, d = z.shape
         e = self.num_experts
         cap = self.capacity(n, capacity_factor)
+        buf, slot, token_k, p = self._capacity_pack(z, weights, indices, cap)
+        rows = self.experts.forward_capacity(buf.view(e, cap, d)).reshape(e * cap, d)
+        return self._capacity_combine(rows, slot, token_k, p, n)
+
+    def _capacity_pack(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, cap: int):
+        """Slots -> a zero-padded [E·C, ℓ] buffer (expert e's slots in rows e·C …, in token order; slots
+        past capacity C dropped and, with router stats on, counted). Returns (buffer, slot rows [S'],
+        their tokens [S'], their routing weights [S']) — also the expert-parallel send buffer."""
+        e = self.num_experts
         order, token, counts = self._sort_slots(indices, e)
         expert = indices.reshape(-1).index_select(0, order)                  # [S] sorted expert ids
         starts = counts.cumsum(0) - counts
@@ -282,12 +291,16 @@ class LatentMoE(nn.Module):
             self.last_dropped = (~keep).sum()
         slot = (expert * cap + pos)[keep]                                    # row in the [E·C] buffer
         token_k = token[keep]
-        buf = torch.zeros(e * cap, d, dtype=z.dtype, device=z.device)
+        buf = torch.zeros(e * cap, z.shape[1], dtype=z.dtype, device=z.device)
         buf = buf.index_copy(0, slot, z.index_select(0, token_k))
-        ys = self.experts.forward_capacity(buf.view(e, cap, d)).reshape(e * cap, d).index_select(0, slot)
-        p = weights.reshape(-1).index_select(0, order)[keep]
-        ys = ys.float() * p.unsqueeze(-1)
-        return torch.zeros(n, d, dtype=ys.dtype, device=z.device).index_add_(0, token_k, ys)
+        return buf, slot, token_k, weights.reshape(-1).index_select(0, order)[keep]
+
+    @staticmethod
+    def _capacity_combine(rows: torch.Tensor, slot: torch.Tensor, token_k: torch.Tensor, p: torch.Tensor,
+                          n: int) -> torch.Tensor:
+        """Expert outputs at the [E·C, ℓ] buffer's rows -> [n, ℓ] fp32: u_t = Σ p_slot · rows[slot]."""
+        ys = rows.index_select(0, slot).float() * p.unsqueeze(-1)
+        return torch.zeros(n, rows.shape[1], dtype=ys.dtype, device=rows.device).index_add_(0, token_k, ys)
 
     # ------------------------------------------------------------ inference: a decode step
     def forward_decode(self, x2: torch.Tensor) -> torch.Tensor:

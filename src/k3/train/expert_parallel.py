@@ -105,25 +105,13 @@ class ExpertParallel:
         e, k, p = moe.num_experts, indices.shape[1], self.size
         el = e // p
         cap = ep_capacity(n, e, k, self.capacity_factor)
-        order, token, counts = moe._sort_slots(indices, e)
-        expert = indices.reshape(-1).index_select(0, order)                 # [S] sorted expert ids
-        starts = counts.cumsum(0) - counts
-        pos = torch.arange(order.numel(), device=z.device) - starts.index_select(0, expert)
-        keep = pos < cap
-        if moe.record_router_stats:
-            moe.last_dropped = (~keep).sum()
-        slot = (expert * cap + pos)[keep]                                   # row in [E·C]
-        token_k = token[keep]
-        send = torch.zeros(e * cap, d, dtype=z.dtype, device=z.device).index_copy(
-            0, slot, z.index_select(0, token_k))
+        send, slot, token_k, w = moe._capacity_pack(z, weights, indices, cap)   # [E·C, ℓ]
         recv = all_to_all(send, self.group, self.stats)                     # [P·E_l·C, ℓ]
         x = recv.view(p, el, cap, d).transpose(0, 1).reshape(el, p * cap, d)
         y = moe.experts.forward_capacity(x)                                 # [E_l, P·C, ℓ]
         y = y.view(el, p, cap, d).transpose(0, 1).reshape(e * cap, d)
-        back = all_to_all(y, self.group, self.stats).index_select(0, slot)
-        w = weights.reshape(-1).index_select(0, order)[keep]
-        ys = back.float() * w.unsqueeze(-1)
-        return torch.zeros(n, d, dtype=ys.dtype, device=z.device).index_add_(0, token_k, ys)
+        back = all_to_all(y, self.group, self.stats)
+        return moe._capacity_combine(back, slot, token_k, w, n)
 
 
 @torch.no_grad()
