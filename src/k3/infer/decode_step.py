@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from k3.infer.decode_fast import DecodePlan, fast_forward, length_mask
+from k3.infer.decode_prep import prepare_unsupported, weights_key
 from k3.model.cache import K3Cache, KDAState, MLAState
 from k3.model.moe import LatentMoE, RoutedExperts
 from k3.ops.attn_res import attn_res_mix, attn_res_mix_rows
@@ -88,8 +90,20 @@ class DecodeStep:
     Only for a model with ``unsupported(model) is None`` and a cache that ``accepts(cache)``:
     the engine checks both before every step (a model's flags may change between steps)."""
 
-    def __init__(self, model):
+    def __init__(self, model, prepared: bool = True):
         self.model = model
+        self.prepared = prepared   # the prepared-weights step (k3.infer.decode_fast) when it applies
+        self._plan: DecodePlan | None = None
+
+    def plan(self) -> DecodePlan | None:
+        """The prepared weights for the model's current values (rebuilt when any weight or buffer
+        changed), or None when the prepared step does not apply (``prepare_unsupported``)."""
+        if not self.prepared or prepare_unsupported(self.model) is not None:
+            self._plan = None
+            return None
+        if self._plan is None or self._plan.key != weights_key(self.model):
+            self._plan = DecodePlan(self.model)
+        return self._plan
 
     @staticmethod
     def unsupported(model) -> str | None:
@@ -123,9 +137,16 @@ class DecodeStep:
         kda = [s for s in cache.layers if isinstance(s, KDAState)]
         mla = [s for s in cache.layers if isinstance(s, MLAState)]
         lengths = mla[0].lengths if mla else cache.seq_lens
-        logits, convs, Ss, cs, pes = decode_forward(self.model, tokens, lengths, [s.conv for s in kda],
-                                                    [s.recurrent for s in kda], [s._c for s in mla],
-                                                    [s._k_pe for s in mla])
+        plan = self.plan()
+        if plan is not None:
+            mask = None if all(s.uniform for s in mla) else length_mask(lengths, mla[0].max_length)
+            logits, convs, Ss, cs, pes = fast_forward(plan, tokens, lengths, [s.conv for s in kda],
+                                                      [s.recurrent for s in kda], [s.c for s in mla],
+                                                      [s.k_pe for s in mla], mask)
+        else:
+            logits, convs, Ss, cs, pes = decode_forward(self.model, tokens, lengths, [s.conv for s in kda],
+                                                        [s.recurrent for s in kda], [s._c for s in mla],
+                                                        [s._k_pe for s in mla])
         for s, conv, S in zip(kda, convs, Ss):
             s.conv, s.recurrent = conv, S
         for s, c, pe in zip(mla, cs, pes):

@@ -1,0 +1,249 @@
+"""The decode step over prepared weights (``k3.infer.decode_prep``): the math of
+``k3.infer.decode_step.decode_forward`` (same inputs, same outputs) in few, mostly in-place ops.
+
+On CPU a decode step is bound by per-op dispatch, not by the weight reads, so each sublayer is
+written as its shortest op list (B rows, H hidden; n(x) = x / rms(x), the norm weight being in W):
+
+    KDA   y = n(x) W_in;  h = SiLU(Σ_k w_k [conv | qkv]_k);  q, k = l2(h_q)/√d, l2(h_k)
+          e = exp(lb·σ(addmm(a·dt, f_a, a·W_fb)));  S' = e ⊙ S;  u = β (v − kᵀS');  S = S' + k uᵀ
+          out = res + (o·rms⁻¹(o) ⊙ σ(gate)) W_o                        (o = qᵀS, one addmm)
+    MLA   y = n(x) W_in;  [q_lat | q_pe] = n(q_a) W_q  (W_UK and the scale absorbed)
+          s = [q_lat cᵀ + q_pe k_peᵀ (+ mask) | self];  o = (softmax(s) [c; c_new]) W_UV ⊙ σ(g)
+    MoE   [logits | z | g_s | u_s] = n(x) W_in;  top-k of σ(logits) + bias, p renormalized
+          few slots (N·k < E): per slot one gemv into w1|w3 and one (add)mv of w2, no sort;
+          otherwise sort + two ``grouped_mm`` over the stacked experts + one ``index_add_``
+          out = res + [n(u) | act(g_s, u_s)] [W_up; W_sd]                   (one addmm)
+    AttnRes mix of n sources: α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v
+
+Nothing here writes the cache (the caller appends the MLA latents and stores the KDA tensors).
+Equal to the module path within float rounding: ``tests/infer/test_decode_fast.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3.infer.decode_prep import (PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE,
+                                  weights_key)
+from k3.model.moe import LatentMoE
+
+__all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step", "mix_rows",
+           "length_mask"]
+
+
+def _inv_norm(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """rsqrt(Σ_D x² + c) [..., 1]; with c = D·eps this is rms⁻¹(x) / √D (√D lives in the weights)."""
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return torch.addcmul(c, n, n).rsqrt_()
+
+
+def _normed(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """x · rsqrt(Σx² + D·eps): the RMSNorm without its weight and its √D (both folded into W)."""
+    return x * _inv_norm(x, c)
+
+
+def _out(res: torch.Tensor | None, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """res + a @ w (a @ w when there is no residual yet)."""
+    return torch.mm(a, w) if res is None else torch.addmm(res, a, w)
+
+
+def kda_step(p: PreparedKDA, x, res, conv, S):
+    """x [B,H] (pre-norm), res [B,H] | None, conv [B,3P,K−1], S [B,nh,d,d] fp32 ->
+    (res + out [B,H], conv', S')."""
+    B, nh, d = x.shape[0], p.nh, p.d
+    qkv, fa, b, g = torch.mm(_normed(x, p.c_in), p.w_in).split(p.sizes, 1)
+    xp = torch.cat([conv, qkv.unsqueeze(2)], 2)                                  # [B, 3P, K]
+    conv = xp[:, :, 1:].contiguous()
+    h = F.silu((xp * p.conv_w).sum(2), inplace=True).view(B, 3, nh, d)
+    qk = h[:, :2]
+    qk = qk * _inv_norm(qk, p.c_qk).mul_(p.qk_scale)                           # l2, q/√d
+    q, k = qk[:, 0].reshape(B * nh, 1, d), qk[:, 1].reshape(B * nh, 1, d)
+    v = h[:, 2].reshape(B * nh, 1, d)
+    dec = torch.addmm(p.f_bias, fa, p.w_f)
+    dec = dec.sigmoid_().mul_(p.lb_t).exp_() if p.lb is not None else F.softplus(dec).mul_(p.neg_a).exp_()
+    S = S.reshape(B * nh, d, d) * dec.view(B * nh, d, 1)                         # decayed copy
+    u = torch.baddbmm(v, k, S, alpha=-1).mul_(torch.sigmoid(b).view(B * nh, 1, 1))
+    S.baddbmm_(k.transpose(1, 2), u)
+    o = torch.bmm(q, S).view(B, nh, d)
+    gate = g if p.full_gate else torch.mm(g, p.w_gb)
+    o.mul_(_inv_norm(o, p.c_o)).mul_(torch.sigmoid(gate).view(B, nh, d))
+    return _out(res, o.view(B, nh * d), p.w_o), conv, S.view(B, nh, d, d)
+
+
+def length_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
+    """Additive mask [B, 1, S]: 0 where slot j < lengths[b], −inf past the row's tokens."""
+    keep = torch.arange(S)[None, :] < lengths[:, None]
+    return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))[:, None]
+
+
+def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
+    """x [B,H], c_buf [B,S,r], pe_buf [B,S,p] (filled part), mask [B,1,S] | None ->
+    (res + out [B,H], c_new [B,r], pe_new [B,p])."""
+    B, nh, r = x.shape[0], p.nh, p.r
+    q, ckv, *gate = torch.mm(_normed(x, p.c_in), p.w_in).split(p.sizes, 1)
+    if p.lora:
+        q = torch.mm(_normed(q, p.c_q), p.w_q)
+    q_lat, q_pe = q.split([nh * r, nh * p.p], 1)
+    q_lat, q_pe = q_lat.view(B, nh, r), q_pe.view(B, nh, p.p)
+    c_new, pe_new = ckv.split([r, p.p], 1)
+    c_new = c_new * _inv_norm(c_new, p.c_kv)
+    c_new.mul_(p.kv_w)
+    s = torch.baddbmm(torch.bmm(q_pe, pe_buf.transpose(1, 2)), q_lat, c_buf.transpose(1, 2))  # [B, nh, S]
+    if mask is not None:
+        s.add_(mask)
+    s_self = torch.baddbmm(torch.bmm(q_pe, pe_new.unsqueeze(2)), q_lat, c_new.unsqueeze(2))   # [B, nh, 1]
+    probs = torch.cat([s, s_self], 2).softmax(2)
+    n = c_buf.shape[1]
+    o_lat = torch.bmm(probs[:, :, n:], c_new.unsqueeze(1)).baddbmm_(probs[:, :, :n], c_buf)   # [B, nh, r]
+    o = torch.bmm(o_lat.transpose(0, 1), p.w_uv_t).transpose(0, 1)                # [B, nh, v]
+    if p.gated:
+        o = o * torch.sigmoid(gate[0]).view(B, nh, p.vd)
+    return _out(res, o.reshape(B, nh * p.vd), p.w_o), c_new, pe_new
+
+
+def mlp_step(p: PreparedMLP, x, res):
+    """The dense gated MLP: res + act(n(x) W_g, n(x) W_u) W_d."""
+    h = p.act(*torch.mm(_normed(x, p.c_in), p.w_in).split(p.F, 1))
+    return _out(res, h, p.w_down)
+
+
+def _slots(p: PreparedMoE, z, w, idx):
+    """Σ_j p_j expert_j(z) one slot at a time: z [N, ℓ] -> [N, ℓ] (N·k gemv pairs, no sort)."""
+    N, k = idx.shape
+    ids = idx.view(-1).tolist()
+    zr = z.split(1)
+    h13 = torch.cat([torch.mm(zr[s // k], p.w13_e[e]) for s, e in enumerate(ids)])   # [S, 2F]
+    h = p.act(*h13.split(p.F, 1)).mul_(w.view(-1, 1))
+    hr = h.split(1)
+    rows = []
+    for n in range(N):
+        acc = torch.mm(hr[n * k], p.w2_e[ids[n * k]])
+        for j in range(n * k + 1, n * k + k):
+            acc.addmm_(hr[j], p.w2_e[ids[j]])
+        rows.append(acc)
+    return rows[0] if N == 1 else torch.cat(rows)
+
+
+def _grouped(p: PreparedMoE, z, w, idx):
+    """The same sum for many slots: slots sorted by expert, two grouped_mm, one index_add_."""
+    flat = idx.view(-1)
+    order = torch.argsort(flat)
+    offs = torch.bincount(flat, minlength=p.E).cumsum(0).to(torch.int32)
+    token = order.div(p.k_t, rounding_mode="floor")
+    h13 = F.grouped_mm(z.index_select(0, token), p.w13_t, offs=offs)
+    h = p.act(*h13.split(p.F, 1)).mul_(w.view(-1).index_select(0, order).unsqueeze(1))
+    ys = F.grouped_mm(h, p.w2_t, offs=offs)
+    return torch.zeros(z.shape[0], ys.shape[1], dtype=ys.dtype).index_add_(0, token, ys)
+
+
+def moe_step(p: PreparedMoE, x, res):
+    """x [N,H] (pre-norm), res [N,H] -> res + LatentMoE(norm(x))."""
+    xn = _normed(x, p.c_in)
+    parts = list(torch.mm(xn, p.w_in).split(p.sizes, 1))
+    logits = parts.pop(0)
+    scores = torch.sigmoid(logits) if p.activation == "sigmoid" else logits.softmax(-1)
+    idx = torch.topk(scores + p.bias, p.k).indices
+    w = scores.gather(1, idx)
+    if p.renormalize:
+        w.div_(w.sum(-1, keepdim=True).add_(p.tiny))
+    z = parts.pop(0) if p.latent else xn * p.gamma
+    u = (_slots if idx.numel() < p.E or not p.grouped_ok else _grouped)(p, z, w, idx)
+    if not p.latent:
+        out = u if res is None else res + u
+        return torch.addmm(out, p.act(*parts), p.w_out) if p.shared else out
+    if p.c_u is not None:
+        u.mul_(_inv_norm(u, p.c_u))
+    a = torch.cat([u, p.act(*parts)], 1) if p.shared else u
+    return _out(res, a, p.w_out)
+
+
+def mix_rows(q: torch.Tensor, c: torch.Tensor, srcs: list[torch.Tensor]) -> torch.Tensor:
+    """AttnRes mix of n [B, H] rows with the folded query q = √H γ ⊙ w [H], c = H·eps -> [B, H]:
+    logit_i = <q, v_i> · rsqrt(Σv_i² + c) = <γ ⊙ w, v_i> / rms(v_i)."""
+    if len(srcs) == 1:
+        return srcs[0]
+    v = torch.stack(srcs)                                                        # [n, B, H]
+    n, B, H = v.shape
+    nrm = torch.linalg.vector_norm(v, dim=-1)
+    a = torch.mv(v.view(n * B, H), q).view(n, B).mul_(torch.addcmul(c, nrm, nrm).rsqrt_()).softmax(0)
+    return (v * a.unsqueeze(2)).sum(0)
+
+
+class _Layer:
+    def __init__(self, layer, act):
+        self.is_kda = layer.is_kda
+        prep = PreparedKDA if layer.is_kda else PreparedMLA
+        self.attn = prep(layer.self_attn, layer.input_layernorm)
+        moe = getattr(layer, "block_sparse_moe", None)
+        post = layer.post_attention_layernorm
+        if isinstance(moe, LatentMoE):
+            self.ffn, self.ffn_step = PreparedMoE(moe, post, act), moe_step
+        else:
+            self.ffn, self.ffn_step = PreparedMLP(layer.mlp, post, act), mlp_step
+        if layer.attn_res:
+            self.mix_attn = _fold(layer, "self_attention_res")
+            self.mix_mlp = _fold(layer, "mlp_res")
+
+
+def _fold(owner, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(√H γ ⊙ w, H·eps) of one AttnRes pseudo-query / key-norm pair."""
+    norm = getattr(owner, f"{prefix}_norm")
+    H = norm.weight.shape[0]
+    q = norm.weight.detach() * getattr(owner, f"{prefix}_proj").weight.detach().reshape(-1) * H ** 0.5
+    return q, torch.tensor(H * norm.eps)
+
+
+class DecodePlan:
+    """Every decode weight of ``model`` prepared once (``k3.infer.decode_prep``); ``key`` is the
+    ``weights_key`` it was built from (rebuild when ``weights_key(model)`` differs)."""
+
+    def __init__(self, model):
+        with torch.no_grad():
+            cfg, m = model.config, model.model
+            self.key = weights_key(model)
+            act = PreparedAct(cfg)
+            self.block = cfg.attn_res_block_size
+            self.embed = m.embed_tokens.weight
+            self.layers = [_Layer(layer, act) for layer in m.layers]
+            if self.block is not None:
+                self.mix_out = _fold(m, "output_attn_res")
+            H = cfg.hidden_size
+            self.c_norm = torch.tensor(H * m.norm.eps)
+            self.w_lm = (model.lm_head.weight.detach() * (m.norm.weight.detach() * H ** 0.5)).contiguous().t()
+
+
+def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bufs, mask=None):
+    """``decode_forward``'s contract over a ``DecodePlan``; ``mask``: ``length_mask`` when the MLA
+    rows differ in length (None: every row fills its buffer). Returns (logits [B, V], convs',
+    states', c_new, pe_new)."""
+    new_conv, new_S, new_c, new_pe = [], [], [], []
+    it_kda, it_mla = iter(zip(convs, states)), iter(zip(c_bufs, pe_bufs))
+
+    def attn(L, h, res):
+        if L.is_kda:
+            out, conv, S = kda_step(L.attn, h, res, *next(it_kda))
+            new_conv.append(conv), new_S.append(S)
+        else:
+            out, c, pe = mla_step(L.attn, h, res, *next(it_mla), mask)
+            new_c.append(c), new_pe.append(pe)
+        return out
+
+    x = F.embedding(tokens, plan.embed)                                          # [B, H]
+    if plan.block is None:
+        for L in plan.layers:
+            x = attn(L, x, x)
+            x = L.ffn_step(L.ffn, x, x)
+    else:
+        blocks, partial = [], x
+        for l, L in enumerate(plan.layers):
+            if l % plan.block == 0:
+                blocks.append(partial)
+                partial = None
+            h = mix_rows(*L.mix_attn, blocks if partial is None else blocks + [partial])
+            partial = attn(L, h, partial)
+            h = mix_rows(*L.mix_mlp, blocks + [partial])
+            partial = L.ffn_step(L.ffn, h, partial)
+        x = mix_rows(*plan.mix_out, blocks + [partial])
+    logits = torch.mm(_normed(x, plan.c_norm), plan.w_lm)
+    return logits, new_conv, new_S, new_c, new_pe

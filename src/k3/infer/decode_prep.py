@@ -1,0 +1,201 @@
+"""Decode weights prepared once (``k3.infer.decode_fast``): every matrix a decode step multiplies,
+already in the form the step needs, so a step is a short list of matmuls and in-place pointwise ops.
+
+What is folded, per layer (x: the sublayer's input row, n(x) = x / rms(x) without its weight):
+
+* a pre-norm's weight γ into the columns of every projection reading it: W(γ ⊙ n(x)) = (W diag γ) n(x);
+  the projections reading one input are stacked by rows into one matrix (one matmul);
+* KDA: the decay's exp(A_log) into f_b's rows (a·(f + dt) = (diag a W_fb) f_a + a·dt, one addmm),
+  the output norm's weight into o_proj's columns;
+* MLA: W_UK and the softmax scale into the query (q_lat_h = (W_UKᵀ_h W_qb,nope_h) q_a, one matrix
+  for all heads, the rope part beside it);
+* gated activations: SiTU's 1/β_lin into the up rows and β·β_lin into the down columns (routed
+  experts: also the routed scaling factor), w1|w3 of each expert stacked into one [2F, ℓ] matrix;
+  the latent norm's weight into routed_expert_up_proj; the routed up-projection and the shared
+  experts' down-projection side by side (one addmm over [u | h_shared]).
+
+All copies are inference-only tensors (never parameters); ``weights_key(model)`` tells when any
+source changed (``data_ptr`` / ``_version`` / dtype of every parameter and buffer) and the
+preparation must be redone. Equal to the module path up to float rounding (tested to 1e-5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.model.mlp import GatedMLP
+from k3.model.moe import LatentMoE, RoutedExperts
+
+__all__ = ["weights_key", "prepare_unsupported", "PreparedAct", "PreparedKDA", "PreparedMLA",
+           "PreparedMLP", "PreparedMoE"]
+
+
+def weights_key(model) -> tuple:
+    """Identity of every parameter and buffer value (changes on any in-place update or swap)."""
+    return tuple((t.data_ptr(), t._version, t.dtype) for t in (*model.parameters(), *model.buffers()))
+
+
+def _plain(*mods) -> bool:
+    return all(type(m) is nn.Linear and m.bias is None for m in mods)
+
+
+def prepare_unsupported(model) -> str | None:
+    """Why the prepared step cannot serve ``model`` (None when it can): fp32 weights, plain
+    bias-free ``nn.Linear`` projections, plain routed experts, no group-limited routing."""
+    cfg = model.config
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return "weights are not all fp32"
+    if cfg.hidden_act not in ("situ", "silu"):
+        return f"hidden_act {cfg.hidden_act!r}"
+    for i, layer in enumerate(model.model.layers):
+        mods = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+        if not _plain(*mods):
+            return f"layer {i}: a projection is not a plain bias-free nn.Linear"
+        moe = getattr(layer, "block_sparse_moe", None)
+        if isinstance(moe, LatentMoE):
+            if type(moe.experts) is not RoutedExperts:
+                return f"layer {i}: routed experts are {type(moe.experts).__name__}"
+            if moe.gate.num_groups > 1 or moe.dispatcher is not None:
+                return f"layer {i}: group-limited routing or a custom dispatcher"
+        elif not isinstance(getattr(layer, "mlp", None), GatedMLP):
+            return f"layer {i}: the dense MLP is {type(getattr(layer, 'mlp', None)).__name__}"
+    if not _plain(model.lm_head):
+        return "lm_head is not a plain bias-free nn.Linear"
+    return None
+
+
+class PreparedAct:
+    """The gated activation with its constants moved into the weights: ``up_scale`` multiplies
+    the up rows, ``down_scale`` the down columns; ``__call__(g, u')`` gives act(g, u) / down_scale."""
+
+    def __init__(self, config):
+        self.silu = config.hidden_act == "silu"
+        beta, lin = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.inv_beta = _t(1.0 if self.silu else 1.0 / beta)
+        self.tanh_up = not self.silu and lin is not None
+        self.up_scale = 1.0 / lin if self.tanh_up else 1.0
+        self.down_scale = 1.0 if self.silu else beta * (lin if self.tanh_up else 1.0)
+
+    def __call__(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if self.silu:
+            return torch.nn.functional.silu(g).mul_(u)
+        h = torch.mul(g, self.inv_beta).tanh_().mul_(torch.sigmoid(g))     # tanh(g/β)·σ(g)
+        return h.mul_(u.tanh() if self.tanh_up else u)                      # · tanh(u/β_lin)
+
+
+def _t(v: float) -> torch.Tensor:
+    """A 0-dim fp32 constant (a Python scalar operand costs a tensor conversion per op)."""
+    return torch.tensor(float(v), dtype=torch.float32)
+
+
+def _norm_const(norm, dim: int) -> torch.Tensor:
+    """The RMSNorm in the form rsqrt(Σx² + D·eps) (√D goes into the weights): D·eps as a constant."""
+    return _t(dim * norm.eps)
+
+
+def _stack_t(*ws: torch.Tensor) -> torch.Tensor:
+    """[ΣO, I] stacked rows, returned as its transpose view [I, ΣO] (x @ it = [x W_1ᵀ | …])."""
+    return torch.cat([w.detach() for w in ws], 0).contiguous().t()
+
+
+class PreparedKDA:
+    def __init__(self, attn, norm):
+        a = attn
+        nh, d, K = a.num_heads, a.head_dim, a.conv_kernel_size
+        P = nh * d
+        H = a.hidden_size
+        self.nh, self.d, self.P = nh, d, P
+        self.c_in, self.c_o, self.c_qk = _norm_const(norm, H), _norm_const(a.o_norm, d), _t(1e-6)
+        self.full_gate, self.lb = a.use_full_rank_gate, a.gate_lower_bound
+        self.lb_t = None if self.lb is None else _t(self.lb)
+        g_in = a.g_proj if a.use_full_rank_gate else a.g_a_proj
+        ins = (a.q_proj, a.k_proj, a.v_proj, a.f_a_proj, a.b_proj, g_in)
+        gamma = norm.weight.detach() * H ** 0.5
+        self.w_in = _stack_t(*(m.weight * gamma for m in ins))                  # [H, 3P+d+nh+G]
+        self.sizes = [3 * P, d, nh, g_in.weight.shape[0]]
+        self.conv_w = torch.cat([a.q_conv1d.weight, a.k_conv1d.weight, a.v_conv1d.weight], 0)[:, 0].detach().clone()
+        dec = a.A_log.detach().float().exp().repeat_interleave(d)              # a per channel [P]
+        dt = a.dt_bias.detach().float()
+        if self.lb is not None:   # lb·σ(a·(f + dt)):  a·f + a·dt in one addmm
+            self.w_f, self.f_bias = (a.f_b_proj.weight.detach() * dec[:, None]).contiguous().t(), dec * dt
+        else:                     # −a·softplus(f + dt)
+            self.w_f, self.f_bias, self.neg_a = a.f_b_proj.weight.detach().contiguous().t(), dt, -dec
+        self.w_gb = None if self.full_gate else a.g_b_proj.weight.detach().contiguous().t()
+        self.qk_scale = torch.tensor([d ** -0.5, 1.0]).view(1, 2, 1, 1)       # q also gets 1/√d
+        self.w_o = (a.o_proj.weight.detach() * (a.o_norm.weight.detach().repeat(nh) * d ** 0.5)).contiguous().t()
+
+
+class PreparedMLA:
+    def __init__(self, attn, norm):
+        a = attn
+        nh, n, p, r, vd = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
+        H = a.hidden_size
+        self.nh, self.r, self.p, self.vd, self.c_in = nh, r, p, vd, _norm_const(norm, H)
+        self.c_kv, self.kv_w = _norm_const(a.kv_a_layernorm, r), a.kv_a_layernorm.weight.detach() * r ** 0.5
+        self.gated, self.lora = a.use_output_gate, a.q_lora_rank is not None
+        w = a.kv_b_proj.weight.detach().view(nh, n + vd, r)
+        w_uk = w[:, :n]                                                        # [nh, n, r]
+        self.w_uv_t = w[:, n:].transpose(1, 2).contiguous()                    # [nh, r, v]
+        q_src = (a.q_b_proj if self.lora else a.q_proj).weight.detach().view(nh, n + p, -1)
+        absorbed = torch.bmm(w_uk.transpose(1, 2), q_src[:, :n]).reshape(nh * r, -1)  # [nh·r, in]
+        w_q = torch.cat([absorbed, q_src[:, n:].reshape(nh * p, -1)], 0) * a.softmax_scale
+        gamma = norm.weight.detach() * H ** 0.5
+        gate = (a.g_proj.weight * gamma,) if self.gated else ()
+        if self.lora:
+            ql = a.q_lora_rank
+            self.c_q = _norm_const(a.q_a_layernorm, ql)
+            self.w_q = (w_q * (a.q_a_layernorm.weight.detach() * ql ** 0.5)).contiguous().t()   # [q_lora, nh(r+p)]
+            self.w_in = _stack_t(a.q_a_proj.weight * gamma, a.kv_a_proj_with_mqa.weight * gamma, *gate)
+            self.sizes = [a.q_lora_rank, r + p] + ([nh * vd] if self.gated else [])
+        else:
+            self.w_in = _stack_t(w_q * gamma, a.kv_a_proj_with_mqa.weight * gamma, *gate)
+            self.sizes = [nh * (r + p), r + p] + ([nh * vd] if self.gated else [])
+        self.w_o = a.o_proj.weight.detach().contiguous().t()
+
+
+class PreparedMLP:
+    def __init__(self, mlp, norm, act: PreparedAct):
+        gamma = norm.weight.detach() * mlp.hidden_size ** 0.5
+        self.c_in, self.act, self.F = _norm_const(norm, mlp.hidden_size), act, mlp.gate_proj.weight.shape[0]
+        self.w_in = _stack_t(mlp.gate_proj.weight * gamma, mlp.up_proj.weight * (gamma * act.up_scale))
+        self.w_down = (mlp.down_proj.weight.detach() * act.down_scale).contiguous().t()
+
+
+class PreparedMoE:
+    def __init__(self, moe: LatentMoE, norm, act: PreparedAct):
+        gamma, g = norm.weight.detach() * moe.hidden_size ** 0.5, moe.gate
+        self.c_in, self.act, self.k, self.E = _norm_const(norm, moe.hidden_size), act, moe.top_k, moe.num_experts
+        self.k_t, self.tiny = torch.tensor(moe.top_k), _t(1e-20)
+        self.activation, self.renormalize = g.activation, g.renormalize
+        self.bias = g.e_score_correction_bias                                  # live buffer (QB updates it)
+        self.latent = moe.latent
+        shared = getattr(moe, "shared_experts", None)
+        ins = [g.weight * gamma]
+        if self.latent:
+            ins.append(moe.routed_expert_down_proj.weight * gamma)
+        if shared is not None:
+            ins += [shared.gate_proj.weight * gamma, shared.up_proj.weight * (gamma * act.up_scale)]
+            self.Fs = shared.gate_proj.weight.shape[0]
+        self.w_in = _stack_t(*ins)
+        self.sizes = [w.shape[0] for w in ins]
+        self.shared = shared is not None
+        ex = moe.experts
+        F_ = ex.w1.shape[1]
+        self.F, self.gamma = F_, gamma
+        self.grouped_ok = ex.w1.shape[2] % 4 == 0 and F_ % 4 == 0   # grouped_mm: 16-byte strides
+        w13 = torch.cat([ex.w1.detach(), ex.w3.detach() * act.up_scale], 1)   # [E, 2F, ℓ]
+        w2 = ex.w2.detach() * (act.down_scale * g.scaling)                     # [E, ℓ, F]
+        # [E, in, out] contiguous: x @ w[e] per slot, and grouped_mm's layout
+        self.w13_t, self.w2_t = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+        self.w13_e, self.w2_e = list(self.w13_t.unbind(0)), list(self.w2_t.unbind(0))
+        norm_u = getattr(moe, "routed_expert_norm", None)
+        ell = ex.w1.shape[2]
+        self.c_u = None if norm_u is None else _norm_const(norm_u, ell)
+        outs = []
+        if self.latent:
+            up = moe.routed_expert_up_proj.weight.detach()
+            outs.append(up if norm_u is None else up * (norm_u.weight.detach() * ell ** 0.5))
+        if shared is not None:
+            outs.append(shared.down_proj.weight.detach() * act.down_scale)
+        self.w_out = torch.cat(outs, 1).contiguous().t() if outs else None       # [ℓ(+Fs), H]
