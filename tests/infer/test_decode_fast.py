@@ -176,9 +176,16 @@ def test_the_plan_follows_weight_and_bias_updates(k3_model):
     assert step.plan() is plan                      # unchanged weights: the same preparation
     moe = model.moe_layers()[0]
     moe.gate.e_score_correction_bias.add_(1.0)      # a router-bias update (QB) in place
-    assert weights_key(model) != plan.key and step.plan() is not plan
+    assert step.plan() is not plan
+    plan = step.plan()
+    key = weights_key(model)
+    moe.gate.e_score_correction_bias.add_(1.0)
+    assert weights_key(model) != key and step.plan() is not plan
     plan = step.plan()
     model.lm_head.weight.mul_(2)
+    assert step.plan() is not plan
+    plan = step.plan()
+    moe.experts = copy.deepcopy(moe.experts)        # a replaced submodule (same values, new tensors)
     assert step.plan() is not plan
     c1, c2 = _prefilled(model, [6], 3), _prefilled(model, [6], 3)
     tok = torch.tensor([5])

@@ -24,8 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3.infer.decode_prep import (PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE,
-                                  weights_key)
+from k3.infer.decode_prep import PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE
 from k3.model.moe import LatentMoE
 
 __all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step", "mix_rows",
@@ -195,13 +194,12 @@ def _fold(owner, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DecodePlan:
-    """Every decode weight of ``model`` prepared once (``k3.infer.decode_prep``); ``key`` is the
-    ``weights_key`` it was built from (rebuild when ``weights_key(model)`` differs)."""
+    """Every decode weight of ``model`` prepared once (``k3.infer.decode_prep``): a snapshot, to be
+    rebuilt when ``WeightWatch(model).key()`` changes (``DecodeStep.plan`` does)."""
 
     def __init__(self, model):
         with torch.no_grad():
             cfg, m = model.config, model.model
-            self.key = weights_key(model)
             act = PreparedAct(cfg)
             self.block = cfg.attn_res_block_size
             self.embed = m.embed_tokens.weight

@@ -27,13 +27,31 @@ from torch import nn
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
 
-__all__ = ["weights_key", "prepare_unsupported", "PreparedAct", "PreparedKDA", "PreparedMLA",
+__all__ = ["WeightWatch", "weights_key", "prepare_unsupported", "PreparedAct", "PreparedKDA", "PreparedMLA",
            "PreparedMLP", "PreparedMoE"]
 
 
+class WeightWatch:
+    """Tells cheaply whether anything a preparation was built from changed: ``key()`` lists every
+    module's parameters and buffers (``data_ptr``, ``_version``: an in-place update, a ``.data``
+    swap, a cast or ``load_state_dict``) and the identity of its submodules (a replaced layer),
+    walking the module dicts captured once (so a step costs one pass over them, not a recursion)."""
+
+    def __init__(self, model):
+        self.mods = list(model.modules())
+
+    def key(self) -> tuple:
+        out = []
+        for m in self.mods:
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                out += (None, None) if t is None else (t.data_ptr(), t._version)
+            out += map(id, m._modules.values())
+        return tuple(out)
+
+
 def weights_key(model) -> tuple:
-    """Identity of every parameter and buffer value (changes on any in-place update or swap)."""
-    return tuple((t.data_ptr(), t._version, t.dtype) for t in (*model.parameters(), *model.buffers()))
+    """``WeightWatch(model).key()``: changes on any in-place update or swap of a weight or buffer."""
+    return WeightWatch(model).key()
 
 
 def _plain(*mods) -> bool:

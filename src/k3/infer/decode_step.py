@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from k3.infer.decode_fast import DecodePlan, fast_forward, length_mask
-from k3.infer.decode_prep import prepare_unsupported, weights_key
+from k3.infer.decode_prep import WeightWatch, prepare_unsupported
 from k3.model.cache import K3Cache, KDAState, MLAState
 from k3.model.moe import LatentMoE, RoutedExperts
 from k3.ops.attn_res import attn_res_mix, attn_res_mix_rows
@@ -94,14 +94,25 @@ class DecodeStep:
         self.model = model
         self.prepared = prepared   # the prepared-weights step (k3.infer.decode_fast) when it applies
         self._plan: DecodePlan | None = None
+        self._watch: WeightWatch | None = None
+        self._key, self._why = None, None     # the weights' key and prepare_unsupported at that key
 
     def plan(self) -> DecodePlan | None:
-        """The prepared weights for the model's current values (rebuilt when any weight or buffer
-        changed), or None when the prepared step does not apply (``prepare_unsupported``)."""
-        if not self.prepared or prepare_unsupported(self.model) is not None:
-            self._plan = None
+        """The prepared weights for the model's current values (rebuilt when any weight, buffer or
+        submodule changed), or None when the prepared step does not apply (``prepare_unsupported``,
+        re-checked whenever that key changes)."""
+        if not self.prepared:
             return None
-        if self._plan is None or self._plan.key != weights_key(self.model):
+        if self._watch is None:
+            self._watch = WeightWatch(self.model)
+        key = self._watch.key()
+        if key != self._key:
+            self._watch = WeightWatch(self.model)    # the module set may have changed
+            key = self._watch.key()
+            self._key, self._why, self._plan = key, prepare_unsupported(self.model), None
+        if self._why is not None:
+            return None
+        if self._plan is None:
             self._plan = DecodePlan(self.model)
         return self._plan
 
