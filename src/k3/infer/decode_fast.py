@@ -51,7 +51,7 @@ def kda_step(p: PreparedKDA, x, res, conv, S):
     """x [B,H] (pre-norm), res [B,H] | None, conv [B,3P,K−1], S [B,nh,d,d] fp32 ->
     (res + out [B,H], conv', S')."""
     B, nh, d = x.shape[0], p.nh, p.d
-    qkv, fa, b, g = torch.mm(_normed(x, p.c_in), p.w_in).split(p.sizes, 1)
+    qkv, fa, b, g = torch.mm(_normed(x, p.c_in), p.w_in).split_with_sizes(p.sizes, 1)
     xp = torch.cat([conv, qkv.unsqueeze(2)], 2)                                  # [B, 3P, K]
     conv = xp[:, :, 1:].contiguous()
     h = F.silu((xp * p.conv_w).sum(2), inplace=True).view(B, 3, nh, d)
@@ -80,12 +80,12 @@ def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
     """x [B,H], c_buf [B,S,r], pe_buf [B,S,p] (filled part), mask [B,1,S] | None ->
     (res + out [B,H], c_new [B,r], pe_new [B,p])."""
     B, nh, r = x.shape[0], p.nh, p.r
-    q, ckv, *gate = torch.mm(_normed(x, p.c_in), p.w_in).split(p.sizes, 1)
+    q, ckv, *gate = torch.mm(_normed(x, p.c_in), p.w_in).split_with_sizes(p.sizes, 1)
     if p.lora:
         q = torch.mm(_normed(q, p.c_q), p.w_q)
-    q_lat, q_pe = q.split([nh * r, nh * p.p], 1)
+    q_lat, q_pe = q.split_with_sizes([nh * r, nh * p.p], 1)
     q_lat, q_pe = q_lat.view(B, nh, r), q_pe.view(B, nh, p.p)
-    c_new, pe_new = ckv.split([r, p.p], 1)
+    c_new, pe_new = ckv.split_with_sizes([r, p.p], 1)
     c_new = c_new * _inv_norm(c_new, p.c_kv)
     c_new.mul_(p.kv_w)
     s = torch.baddbmm(torch.bmm(q_pe, pe_buf.transpose(1, 2)), q_lat, c_buf.transpose(1, 2))  # [B, nh, S]
@@ -103,7 +103,7 @@ def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
 
 def mlp_step(p: PreparedMLP, x, res):
     """The dense gated MLP: res + act(n(x) W_g, n(x) W_u) W_d."""
-    h = p.act(*torch.mm(_normed(x, p.c_in), p.w_in).split(p.F, 1))
+    h = p.act(*torch.mm(_normed(x, p.c_in), p.w_in).chunk(2, 1))
     return _out(res, h, p.w_down)
 
 
@@ -111,10 +111,10 @@ def _slots(p: PreparedMoE, z, w, idx):
     """Σ_j p_j expert_j(z) one slot at a time: z [N, ℓ] -> [N, ℓ] (N·k gemv pairs, no sort)."""
     N, k = idx.shape
     ids = idx.view(-1).tolist()
-    zr = z.split(1)
+    zr = z.chunk(N)
     h13 = torch.cat([torch.mm(zr[s // k], p.w13_e[e]) for s, e in enumerate(ids)])   # [S, 2F]
-    h = p.act(*h13.split(p.F, 1)).mul_(w.view(-1, 1))
-    hr = h.split(1)
+    h = p.act(*h13.chunk(2, 1)).mul_(w.view(-1, 1))
+    hr = h.chunk(N * k)
     rows = []
     for n in range(N):
         acc = torch.mm(hr[n * k], p.w2_e[ids[n * k]])
@@ -131,7 +131,7 @@ def _grouped(p: PreparedMoE, z, w, idx):
     offs = torch.bincount(flat, minlength=p.E).cumsum(0).to(torch.int32)
     token = order.div(p.k_t, rounding_mode="floor")
     h13 = F.grouped_mm(z.index_select(0, token), p.w13_t, offs=offs)
-    h = p.act(*h13.split(p.F, 1)).mul_(w.view(-1).index_select(0, order).unsqueeze(1))
+    h = p.act(*h13.chunk(2, 1)).mul_(w.view(-1).index_select(0, order).unsqueeze(1))
     ys = F.grouped_mm(h, p.w2_t, offs=offs)
     return torch.zeros(z.shape[0], ys.shape[1], dtype=ys.dtype).index_add_(0, token, ys)
 
@@ -139,7 +139,7 @@ def _grouped(p: PreparedMoE, z, w, idx):
 def moe_step(p: PreparedMoE, x, res):
     """x [N,H] (pre-norm), res [N,H] -> res + LatentMoE(norm(x))."""
     xn = _normed(x, p.c_in)
-    parts = list(torch.mm(xn, p.w_in).split(p.sizes, 1))
+    parts = list(torch.mm(xn, p.w_in).split_with_sizes(p.sizes, 1))
     logits = parts.pop(0)
     scores = torch.sigmoid(logits) if p.activation == "sigmoid" else logits.softmax(-1)
     idx = torch.topk(scores + p.bias, p.k).indices
