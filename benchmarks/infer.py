@@ -12,6 +12,10 @@ Measured in one process on random weights (greedy, EOS ignored, so every request
   (the median time of summing a 256 MiB fp32 tensor).
 * ``decode_tps_b1_vs_model_step``: the engine's decode path (``DecodeStep``) against the same
   engine decoding through ``model(...)`` (``fast_decode=False``).
+* ``decode_step_b{1,16}_prepared`` / ``ops_per_step_b{1,16}``: the step alone on a prefilled
+  cache, ``DecodeStep`` over prepared weights (``k3.infer.decode_fast``) against the same class on
+  the modules' decode functions (``prepared=False``), interleaved (median steps/s), and the
+  operations one step dispatches (torch profiler events, deterministic, so comparable under load).
 * ``decode_tps_b1_kimi_linear`` (off with ``--skip-transformers``): the same geometry in Kimi-Linear mode, k3's
   engine against transformers' ``KimiLinearForCausalLM.generate`` on the same saved weights.
 * ``ttft_prefix``: time to first token for a prompt sharing 90% of its tokens with a cached one,
@@ -88,6 +92,37 @@ def recompute_tps(model, prompt_len: int, n: int, device) -> float:
 
     run(2)
     return (n - 1) / (run(n) - run(1))
+
+
+@torch.no_grad()
+def step_ab(model, B: int, prompt_len: int, rounds: int = 9) -> tuple[float, float, int, int]:
+    """(prepared steps/s, module-path steps/s, prepared ops/step, module ops/step) at batch B."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from k3.infer.decode_step import DecodeStep
+    from k3.model.cache import K3Cache
+
+    V = model.config.vocab_size
+    caches = []
+    for p in _prompts(B, prompt_len, V):
+        c = model.new_cache(1)
+        model(torch.tensor([p]), cache=c)
+        caches.append(c)
+    steps = {True: DecodeStep(model), False: DecodeStep(model, prepared=False)}
+    cache = {k: K3Cache.cat([c.clone() for c in caches]) for k in steps}
+    tok = torch.zeros(B, dtype=torch.long)
+    times, ops = {True: [], False: []}, {}
+    for k, s in steps.items():
+        s.step(tok, cache[k])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            s.step(tok, cache[k])
+        ops[k] = sum(e.count for e in prof.key_averages())
+    for _ in range(rounds):
+        for k, s in steps.items():
+            t0 = time.perf_counter()
+            s.step(tok, cache[k])
+            times[k].append(time.perf_counter() - t0)
+    return 1 / statistics.median(times[True]), 1 / statistics.median(times[False]), ops[True], ops[False]
 
 
 def read_bandwidth(device) -> float:
@@ -223,6 +258,10 @@ def main(argv=None) -> int:
     with Engine(model, max_batch=1, fast_decode=False) as eng:
         b1_ref = decode_tps(eng, 1, args.prompt_len, args.gen, args.repeats)
     rec = None if args.skip_recompute else recompute_tps(model, args.prompt_len, args.gen, args.device)
+    for B in (1, 16):
+        new, old, ops_new, ops_old = step_ab(model, B, args.prompt_len)
+        emit(f"decode_step_b{B}_prepared", new, old, "steps/s (baseline: DecodeStep on the modules, prepared=False)")
+        emit(f"ops_per_step_b{B}", ops_new, ops_old, "profiler events per step (baseline: prepared=False)")
     emit("decode_tps_b1_vs_recompute", b1, rec, "tokens/s (baseline: full forward each step)")
     emit("decode_tps_b16_vs_b1", b16, b1, "aggregate tokens/s (baseline: batch 1)")
     emit("decode_tps_b1_vs_model_step", b1, b1_ref,
