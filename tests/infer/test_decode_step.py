@@ -55,20 +55,22 @@ def mixing_model(model):
     return m
 
 
+@pytest.mark.parametrize("prepared", [True, False])   # k3.infer.decode_fast / the modules' decode paths
 @pytest.mark.parametrize("lengths", [[9], [3, 17, 8, 30]])
 @torch.no_grad()
-def test_decode_step_matches_the_model_forward(mixing_model, lengths):
+def test_decode_step_matches_the_model_forward(mixing_model, lengths, prepared):
     model = mixing_model
     moe = model.moe_layers()[0]
     few_slots = len(lengths) * moe.top_k < moe.num_experts
     assert few_slots == (len(lengths) == 1)  # both MoE dispatch paths are covered
     ref, mine = _prefilled(model, lengths, 0), _prefilled(model, lengths, 0)
-    step = DecodeStep(model)
+    step = DecodeStep(model, prepared=prepared)
     assert DecodeStep.unsupported(model) is None and DecodeStep.accepts(mine)
     tok = torch.randint(0, model.config.vocab_size, (len(lengths),), generator=torch.Generator().manual_seed(1))
     for _ in range(6):
         want = model(tok[:, None], cache=ref, logits_to_keep=1).logits[:, -1]
         got = step.step(tok, mine)
+        assert (step._plan is not None) == prepared
         # float rounding only (fused matmuls, the folded AttnRes mix): 1e-5 of the logits' scale
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
         assert torch.equal(got.argmax(-1), want.argmax(-1))
