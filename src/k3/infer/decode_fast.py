@@ -54,7 +54,7 @@ def kda_step(p: PreparedKDA, x, res, conv, S):
     qkv, fa, b, g = torch.mm(_normed(x, p.c_in), p.w_in).split_with_sizes(p.sizes, 1)
     xp = torch.cat([conv, qkv.unsqueeze(2)], 2)                                  # [B, 3P, K]
     conv = xp[:, :, 1:].contiguous()
-    h = F.silu((xp * p.conv_w).sum(2), inplace=True).view(B, 3, nh, d)
+    h = F.silu(torch.linalg.vecdot(xp, p.conv_w), inplace=True).view(B, 3, nh, d)   # Σ_k w_k xp_k
     qk = h[:, :2]
     qk = qk * _inv_norm(qk, p.c_qk).mul_(p.qk_scale)                           # l2, q/√d
     q, k = qk[:, 0].reshape(B * nh, 1, d), qk[:, 1].reshape(B * nh, 1, d)
