@@ -38,15 +38,14 @@ class WeightWatch:
     walking the module dicts captured once (so a step costs one pass over them, not a recursion)."""
 
     def __init__(self, model):
-        self.mods = list(model.modules())
+        mods = list(model.modules())
+        self.tensor_dicts = [d for m in mods for d in (m._parameters, m._buffers)]
+        self.module_dicts = [m._modules for m in mods]
 
     def key(self) -> tuple:
-        out = []
-        for m in self.mods:
-            for t in (*m._parameters.values(), *m._buffers.values()):
-                out += (None, None) if t is None else (t.data_ptr(), t._version)
-            out += map(id, m._modules.values())
-        return tuple(out)
+        ts = [t for d in self.tensor_dicts for t in d.values() if t is not None]
+        return ([t.data_ptr() for t in ts], [t._version for t in ts],
+                [id(v) for d in self.module_dicts for v in d.values()])
 
 
 def weights_key(model) -> tuple:
