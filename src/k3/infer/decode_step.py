@@ -15,6 +15,12 @@ Nothing inside writes the cache: the caller stores the new KDA tensors and appen
 latents (``MLAState.append``) after the call (also what a ``torch.compile`` of the function would
 need; on this project's 2-core CPU machine inductor took minutes to compile it, so it is not used).
 
+By default (``prepared=True``) the step runs over weights prepared once (``k3.infer.decode_prep``:
+norms, constants and W_UK folded into stacked matrices) through ``k3.infer.decode_fast.fast_forward``,
+which has this function's contract; the preparation is rebuilt whenever ``WeightWatch`` sees any
+parameter, buffer or submodule change, and models it does not cover (``prepare_unsupported``) use
+``decode_forward`` over the modules.
+
 ``model(tokens, cache)`` stays the reference: ``tests/infer/test_decode_step.py`` checks the step
 against it (logits within 1e-5, identical greedy tokens). ``unsupported``
 names why a model or cache cannot take this path (MX or QAT experts, a capacity-factor MoE, max-logit
