@@ -206,3 +206,11 @@ def test_what_the_prepared_step_refuses_falls_back(k3_model):
         want = model(tok[:, None], cache=c2, logits_to_keep=1).logits[:, -1]
     assert step._plan is None
     _close(got, want)
+
+
+def test_the_prepared_step_refuses_other_devices_and_oversized_models(k3_model):
+    assert prepare_unsupported(k3_model) is None                                   # control
+    size = sum(p.numel() * 4 for p in k3_model.parameters())
+    assert prepare_unsupported(k3_model, max_bytes=size) is None
+    assert "more than" in prepare_unsupported(k3_model, max_bytes=size - 1)
+    assert "not on the CPU" in prepare_unsupported(copy.deepcopy(k3_model).to("meta"))

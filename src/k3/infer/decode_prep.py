@@ -27,7 +27,7 @@ from torch import nn
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
 
-__all__ = ["WeightWatch", "weights_key", "prepare_unsupported", "PreparedAct", "PreparedKDA", "PreparedMLA",
+__all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "PreparedAct", "PreparedKDA", "PreparedMLA",
            "PreparedMLP", "PreparedMoE"]
 
 
@@ -57,12 +57,24 @@ def _plain(*mods) -> bool:
     return all(type(m) is nn.Linear and m.bias is None for m in mods)
 
 
-def prepare_unsupported(model) -> str | None:
-    """Why the prepared step cannot serve ``model`` (None when it can): fp32 weights, plain
-    bias-free ``nn.Linear`` projections, plain routed experts, no group-limited routing."""
+MAX_PREPARED_BYTES = 8 << 30   # the preparation copies the weights: refused above this (module path)
+
+
+def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
+    """Why the prepared step cannot serve ``model`` (None when it can): fp32 weights on the CPU
+    (the path this project measures and tests), at most ``max_bytes`` of them (default
+    ``MAX_PREPARED_BYTES``: the preparation is a second copy), plain bias-free ``nn.Linear``
+    projections, plain routed experts, no group-limited routing."""
     cfg = model.config
-    if any(p.dtype != torch.float32 for p in model.parameters()):
+    params = list(model.parameters())
+    if any(p.dtype != torch.float32 for p in params):
         return "weights are not all fp32"
+    if any(p.device.type != "cpu" for p in params):
+        return "weights are not on the CPU"
+    limit = MAX_PREPARED_BYTES if max_bytes is None else max_bytes
+    size = sum(p.numel() * p.element_size() for p in params)
+    if size > limit:
+        return f"weights take {size} bytes, more than the {limit} a prepared copy may"
     if cfg.hidden_act not in ("situ", "silu"):
         return f"hidden_act {cfg.hidden_act!r}"
     for i, layer in enumerate(model.model.layers):
