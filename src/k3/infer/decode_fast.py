@@ -57,7 +57,7 @@ def kda_step(p: PreparedKDA, x, res, conv, S):
     h = F.silu(torch.linalg.vecdot(xp, p.conv_w), inplace=True).view(B, 3, nh, d)   # Σ_k w_k xp_k
     qk = h[:, :2]
     qk = qk * _inv_norm(qk, p.c_qk).mul_(p.qk_scale)                           # l2, q/√d
-    q, k = qk[:, 0].reshape(B * nh, 1, d), qk[:, 1].reshape(B * nh, 1, d)
+    q, k = (t.reshape(B * nh, 1, d) for t in qk.unbind(1))
     v = h[:, 2].reshape(B * nh, 1, d)
     dec = torch.addmm(p.f_bias, fa, p.w_f)
     dec = dec.sigmoid_().mul_(p.lb_t).exp_() if p.lb is not None else F.softplus(dec).mul_(p.neg_a).exp_()
@@ -163,10 +163,9 @@ def mix_rows(q: torch.Tensor, c: torch.Tensor, srcs: list[torch.Tensor]) -> torc
     if len(srcs) == 1:
         return srcs[0]
     v = torch.stack(srcs)                                                        # [n, B, H]
-    n, B, H = v.shape
     nrm = torch.linalg.vector_norm(v, dim=-1)
-    a = torch.mv(v.view(n * B, H), q).view(n, B).mul_(torch.addcmul(c, nrm, nrm).rsqrt_()).softmax(0)
-    return (v * a.unsqueeze(2)).sum(0)
+    a = torch.matmul(v, q).mul_(torch.addcmul(c, nrm, nrm).rsqrt_()).softmax(0)     # [n, B]
+    return torch.linalg.vecdot(v, a.unsqueeze(2), dim=0)                           # Σ_i α_i v_i
 
 
 class _Layer:
