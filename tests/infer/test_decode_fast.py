@@ -71,11 +71,24 @@ def kimi_model():
     return _sharpen(m, 6)
 
 
+@pytest.fixture(scope="module")
+def variant_model():
+    """nano with the other branches: no q LoRA (q_proj absorbed directly), no latent norm,
+    SiTU without its linear tanh, an ungated MLA."""
+    torch.manual_seed(2)
+    cfg = get_preset("nano", q_lora_rank=None, latent_moe_use_norm=False, activation_situ_linear_beta=None,
+                     mla_use_output_gate=False)
+    m = K3ForCausalLM(cfg)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(20)
+    return _sharpen(m, 7)
+
+
 def _rows(B, H, seed):
     return torch.randn(B, H, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("name", ["k3_model", "kimi_model"])
+@pytest.mark.parametrize("name", ["k3_model", "kimi_model", "variant_model"])
 @torch.no_grad()
 def test_each_sublayer_equals_its_module(request, name):
     model = request.getfixturevalue(name)
@@ -151,7 +164,7 @@ def _prefilled(model, lengths, seed):
     return K3Cache.cat(caches)
 
 
-@pytest.mark.parametrize("name", ["k3_model", "kimi_model"])
+@pytest.mark.parametrize("name", ["k3_model", "kimi_model", "variant_model"])
 @pytest.mark.parametrize("lengths", [[9], [3, 17, 8, 30, 5]])
 @torch.no_grad()
 def test_prepared_step_matches_the_model_forward(request, name, lengths):
