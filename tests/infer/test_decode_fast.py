@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.infer.decode_fast import (DecodePlan, kda_step, length_mask, mix_rows, mla_step, mlp_step,
+from k3.infer.decode_fast import (DecodePlan, kda_step, length_mask, mix_rows, mla_step,
                                   moe_step)
 from k3.infer.decode_prep import prepare_unsupported, weights_key
 from k3.infer.decode_step import DecodeStep

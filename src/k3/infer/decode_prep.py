@@ -131,7 +131,7 @@ def _stack_t(*ws: torch.Tensor) -> torch.Tensor:
 class PreparedKDA:
     def __init__(self, attn, norm):
         a = attn
-        nh, d, K = a.num_heads, a.head_dim, a.conv_kernel_size
+        nh, d = a.num_heads, a.head_dim
         P = nh * d
         H = a.hidden_size
         self.nh, self.d, self.P = nh, d, P
