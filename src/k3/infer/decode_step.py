@@ -91,8 +91,9 @@ def decode_forward(model, tokens, lengths, convs, states, c_bufs, pe_bufs):
 
 
 class DecodeStep:
-    """``DecodeStep(model)``; ``step(tokens [B], cache) -> logits [B, V]`` advances ``cache`` by
-    one token per row as ``model(tokens[:, None], cache=cache)`` does (same math, fewer kernels).
+    """``DecodeStep(model, prepared=True)``; ``step(tokens [B], cache) -> logits [B, V]`` advances
+    ``cache`` by one token per row as ``model(tokens[:, None], cache=cache)`` does (same math, fewer
+    kernels; ``prepared``: over ``k3.infer.decode_prep``'s prepared weights where they apply).
     Only for a model with ``unsupported(model) is None`` and a cache that ``accepts(cache)``:
     the engine checks both before every step (a model's flags may change between steps)."""
 
