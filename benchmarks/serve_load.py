@@ -234,6 +234,7 @@ def part_throughput(srv: Server, model: str, gen: int, repeats: int, levels=(1, 
     out: dict[int, list] = {c: [] for c in levels}
     for _ in range(repeats):
         for c in levels:
+            steps0 = srv.metrics().get("k3_decode_steps_total")
             t0 = time.perf_counter()
             with ThreadPoolExecutor(c) as ex:
                 toks = list(ex.map(lambda i: _complete(srv.url, model, gen, i), range(c)))
@@ -241,15 +242,56 @@ def part_throughput(srv: Server, model: str, gen: int, repeats: int, levels=(1, 
             if toks != [gen] * c:
                 raise RuntimeError(f"throughput at {c}: expected {gen} tokens per request, got {toks}")
             out[c].append(sum(toks) / dt)
-            print(f"  throughput: {c:2d} concurrent: {out[c][-1]:.1f} tokens/s ({dt:.1f} s)", flush=True)
+            steps1 = srv.metrics().get("k3_decode_steps_total")
+            batch = "" if steps0 is None or steps1 == steps0 else \
+                f", mean decode batch {c * (gen - 1) / (steps1 - steps0):.2f}"
+            print(f"  throughput: {c:2d} concurrent: {out[c][-1]:.1f} tokens/s ({dt:.1f} s){batch}", flush=True)
     return out
+
+
+# ------------------------------------------------------------------------ part 4: the engine alone
+def part_engine(ckpt: Path, gen: int, repeats: int, threads: int, device: str, levels=(1, 8, 32)) -> dict:
+    """The same requests as ``part_throughput`` (prompt ``the quick brown fox {i}``, ``gen`` greedy
+    tokens, ``ignore_eos``) straight into an in-process ``Engine`` built as ``k3 serve`` builds it
+    (``--max-batch 32``, prefill chunk 512, 256 MiB prefix cache): all ``c`` submitted at once, wall
+    time to the last result. Splits the server's ratio into the engine's batching and the HTTP
+    layer. Also the mean decode batch (generated tokens after the first / decode steps)."""
+    import torch
+
+    from k3.infer.engine import Engine
+    from k3.infer.run_model import load_run_model
+
+    torch.set_num_threads(threads)
+    model, tok = load_run_model(ckpt, device)
+    out: dict = {c: [] for c in levels}
+    batch: dict = {c: [] for c in levels}
+    params = {"max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
+    with Engine(model, max_batch=32, prefill_chunk=512, tokenizer=tok, prefix_cache_bytes=256 << 20) as eng:
+        eng.generate([tok.encode("the quick brown fox -1")], {**params, "max_tokens": 4})  # warm-up
+        for _ in range(repeats):
+            for c in levels:
+                prompts = [tok.encode(f"the quick brown fox {i}") for i in range(c)]
+                s0 = eng.stats()
+                t0 = time.perf_counter()
+                res = eng.generate(prompts, params)
+                dt = time.perf_counter() - t0
+                s1 = eng.stats()
+                if [len(r.token_ids) for r in res] != [gen] * c:
+                    raise RuntimeError(f"engine at {c}: expected {gen} tokens per request")
+                out[c].append(c * gen / dt)
+                steps = s1["decode_steps"] - s0["decode_steps"]
+                batch[c].append(c * (gen - 1) / steps if steps else 0.0)
+                print(f"  engine: {c:2d} at once: {out[c][-1]:.1f} tokens/s ({dt:.1f} s), "
+                      f"mean decode batch {batch[c][-1]:.2f}", flush=True)
+    return {"tps": out, "batch": batch}
 
 
 # -------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="nano")
-    p.add_argument("--parts", default="streams,hostile,throughput")
+    p.add_argument("--parts", default="streams,hostile,throughput",
+                   help="any of streams, hostile, throughput, engine (the engine alone, in-process)")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--hostile", type=int, default=1000)
     p.add_argument("--gen", type=int, default=64, help="max_tokens of each stream / throughput request")
@@ -259,7 +301,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
-    unknown = parts - {"streams", "hostile", "throughput"}
+    unknown = parts - {"streams", "hostile", "throughput", "engine"}
     if unknown:
         p.error(f"--parts: unknown part(s) {sorted(unknown)}")
     where = f"{args.preset}, {args.device}" + (f", {args.threads} threads" if args.device == "cpu" else "")
@@ -318,6 +360,15 @@ def main(argv=None) -> int:
             emit("tps_c1", t[1], unit=unit, gen=args.gen, runs=runs[1])
             emit("tps_c8_vs_c1", t[8], baseline=t[1], target=4.0, unit=unit, gen=args.gen, runs=runs[8])
             emit("tps_c32_vs_c1", t[32], baseline=t[1], unit=unit, gen=args.gen, runs=runs[32])
+        if "engine" in parts:
+            e = part_engine(ckpt, args.gen, args.repeats, args.threads, args.device)
+            t = {c: max(v) for c, v in e["tps"].items()}
+            unit = f"engine alone, aggregate output tokens/s, best of {args.repeats}"
+            emit("engine_tps_c1", t[1], unit=unit, gen=args.gen, runs=e["tps"][1])
+            emit("engine_tps_c8_vs_c1", t[8], baseline=t[1], target=4.0, unit=unit, gen=args.gen,
+                 runs=e["tps"][8], mean_decode_batch=e["batch"][8])
+            emit("engine_tps_c32_vs_c1", t[32], baseline=t[1], unit=unit, gen=args.gen, runs=e["tps"][32],
+                 mean_decode_batch=e["batch"][32])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with RESULTS.open("a") as f:
         for r in rows:

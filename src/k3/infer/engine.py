@@ -30,7 +30,7 @@ from k3.errors import K3Error
 from k3.infer.decode_step import DecodeStep
 from k3.infer.detok import TextStream
 from k3.infer.sampling import Sampler, SamplingParams
-from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
+from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent, per_row_lengths
 from k3.model.cache import KDAState, MLAState, cache_bytes_per_sequence
 
 __all__ = ["Engine"]
@@ -94,9 +94,10 @@ class Engine:
         self._next_id = 0
         self._stop = False
         self._counters = dict(prompt_tokens=0, generated_tokens=0, finished=0, failed=0, decode_steps=0,
-                              max_decode_batch=0)
+                              max_decode_batch=0, max_prefill_batch=1)
         self._bytes = dict(kda_state_bytes=0, mla_latent_bytes=0)
         self._prefix_stats: dict = {}
+        self._listeners: list = []
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
@@ -112,10 +113,12 @@ class Engine:
             handle._fail(e)
             with self._cv:
                 self._counters["failed"] += 1
+            self._notify()
             return handle
         with self._cv:
             if self._stop:
                 handle._fail(K3Error("Engine: closed"))
+                self._notify()
                 return handle
             self._waiting.append(req)
             self._cv.notify()
@@ -128,6 +131,24 @@ class Engine:
             raise K3Error(f"generate: {len(plist)} params for {len(prompts)} prompts")
         handles = [self.submit(p, q) for p, q in zip(prompts, plist)]
         return [h.result() for h in handles]
+
+    def add_listener(self, fn) -> None:
+        """Call ``fn()`` after every engine step (in the engine thread), and after events put outside
+        a step (a request cancelled while waiting, a refused submit): a consumer of many handles
+        (the server's event loop) wakes once per step and ``poll``s its handles, instead of one
+        blocking reader per request. ``fn`` must be quick and must not raise."""
+        with self._cv:
+            self._listeners.append(fn)
+
+    def remove_listener(self, fn) -> None:
+        with self._cv:
+            self._listeners.remove(fn)
+
+    def _notify(self) -> None:
+        with self._cv:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()
 
     def stats(self) -> dict:
         """Active / waiting requests, cache bytes (KDA state, MLA latent KV, prefix cache), prefix
@@ -198,9 +219,12 @@ class Engine:
                 if r.handle is handle:
                     self._waiting.remove(r)
                     self._end(r, TokenEvent(None, "", None, "cancelled"), now=True)
-                    return
-            self._cancels.add(handle.rid)
-            self._cv.notify()
+                    break
+            else:
+                self._cancels.add(handle.rid)
+                self._cv.notify()
+                return
+        self._notify()
 
     def _end(self, req: Request, ev: TokenEvent | None = None, err: BaseException | None = None,
              now: bool = False) -> None:
@@ -239,6 +263,7 @@ class Engine:
                     self._step()
                     self._measure()
                     self._release()
+                    self._notify()
         except BaseException as e:  # a bug in the loop itself: no request may wait forever
             why = f"Engine: scheduler stopped by {e!r}"
             raise
@@ -251,6 +276,7 @@ class Engine:
                 self._waiting.clear(), self._prefill.clear(), self._groups.clear()
             self._measure()
             self._release()
+            self._notify()
 
     def _admit(self) -> None:
         active = self._prefill + [r for g in self._groups for r in g.reqs]
@@ -287,6 +313,10 @@ class Engine:
     def _step(self) -> None:
         budget = self.prefill_chunk  # prompt tokens per step, over as many requests as they cover
         while budget > 0 and self._prefill:
+            batch = self._fresh_batch(budget)
+            if len(batch) > 1:
+                budget -= self._prefill_together(batch)
+                continue
             req = self._prefill[0]
             try:
                 budget -= self._prefill_chunk(req, budget)
@@ -313,16 +343,83 @@ class Engine:
             end = min(end, (pos // self.cache_block + 1) * self.cache_block)
         return end
 
+    def _start(self, req: Request) -> bool:
+        """Consult the prefix cache once per request; True when it starts from scratch (a miss)."""
+        if not req.started:
+            req.started = True
+            hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else None
+            if hit is not None and 0 < hit.length < len(req.prompt) and hit.cache is not None:
+                req.cache, req.pos = hit.cache, hit.length
+        return req.cache is None
+
+    def _fresh_batch(self, budget: int) -> list[Request]:
+        """The prefilling requests to run as one forward: the head request and the next ones with a
+        prompt of the same length, when each is a prefix-cache miss and its whole prompt is one
+        chunk (``_chunk_end(0, n, budget) == n``), at most ``budget`` tokens in all. Requests of
+        equal length only, so no row is padded (a KDA state would absorb the padding). Only whole
+        short prompts: a long prompt keeps its boundary snapshots, and since two prompts of the
+        same length never resume from each other's end snapshot, matching them before either
+        runs loses no prefix-cache hit among them."""
+        head = self._prefill[0]
+        n = len(head.prompt)
+        if head.solo or head.cache is not None or self._chunk_end(0, n, budget) != n or not self._start(head):
+            return []
+        batch, used = [head], n
+        for r in self._prefill[1:]:
+            if used + n > budget:
+                break
+            if len(r.prompt) == n and not r.solo and r.cache is None and self._start(r):
+                batch.append(r)
+                used += n
+        return batch
+
+    def _prefill_together(self, batch: list[Request]) -> int:
+        """Prefill the equal-length whole prompts of ``batch`` as one [k, n] forward; each request
+        gets its first token and the survivors join the decode batch with one concatenation.
+        Returns the prompt tokens run (0 when the forward failed: the requests are then prefilled
+        one by one, so a failure fails only its own request)."""
+        n = len(batch[0].prompt)
+        ids = torch.tensor([r.prompt for r in batch], dtype=torch.long, device=self.device)
+        cache = self.model.new_cache(len(batch))
+        try:
+            logits = self.model(ids, cache=cache, logits_to_keep=1).logits[:, -1]  # [k, V]
+        except Exception:  # noqa: BLE001 - retried alone, where an error is the request's own
+            for r in batch:
+                r.solo = True
+            return 0
+        c = self._counters
+        c["prompt_tokens"] += len(batch) * n
+        c["max_prefill_batch"] = max(c["max_prefill_batch"], len(batch))
+        if self.prefix_cache is not None:
+            for r, c in zip(batch, cache.split()):
+                self.prefix_cache.insert(r.prompt, c)
+        with self._cv:
+            for r in batch:
+                self._prefill.remove(r)
+                r.pos = n
+        fast = [r.params.greedy and not r.sampler.penalised and r.params.logprobs is None for r in batch]
+        argmax = logits.argmax(-1).tolist() if any(fast) else None
+        for i, r in enumerate(batch):
+            self._emit(r, logits[i], argmax[i] if fast[i] else None)
+        keep = [i for i, r in enumerate(batch) if not r.finished]
+        if keep:
+            rows = cache if len(keep) == len(batch) else cache.select(keep)
+            reqs = [batch[i] for i in keep]
+            with self._cv:
+                group = next(iter(self._groups), None) if per_row_lengths(rows) else None
+                if group is None:
+                    self._groups.append(DecodeGroup.of_rows(reqs, rows))
+                else:
+                    group.join_rows(reqs, rows)
+        return len(batch) * n
+
     def _prefill_chunk(self, req: Request, budget: int) -> int:
         """Run the next chunk of ``req``'s prompt (at most ``budget`` tokens); returns its length.
         After the last chunk the first token is sampled and the request joins the decode batch."""
         n = len(req.prompt)
+        self._start(req)
         if req.cache is None:
-            hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else None
-            if hit is not None and 0 < hit.length < n and hit.cache is not None:
-                req.cache, req.pos = hit.cache, hit.length
-            else:
-                req.cache, req.pos = self.model.new_cache(1), 0
+            req.cache, req.pos = self.model.new_cache(1), 0
         end = self._chunk_end(req.pos, n, budget)
         ids = torch.tensor([req.prompt[req.pos: end]], dtype=torch.long, device=self.device)
         logits = self.model(ids, cache=req.cache, logits_to_keep=1).logits[0, -1]
