@@ -29,7 +29,7 @@ import torch
 from k3.errors import K3Error
 from k3.infer.decode_step import DecodeStep
 from k3.infer.detok import TextStream
-from k3.infer.sampling import Sampler, SamplingParams
+from k3.infer.sampling import Sampler, SamplingParams, sample_rows
 from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent, per_row_lengths
 from k3.model.cache import KDAState, MLAState, cache_bytes_per_sequence
 
@@ -397,10 +397,7 @@ class Engine:
             for r in batch:
                 self._prefill.remove(r)
                 r.pos = n
-        fast = [r.params.greedy and not r.sampler.penalised and r.params.logprobs is None for r in batch]
-        argmax = logits.argmax(-1).tolist() if any(fast) else None
-        for i, r in enumerate(batch):
-            self._emit(r, logits[i], argmax[i] if fast[i] else None)
+        self._emit_rows(batch, logits)
         keep = [i for i, r in enumerate(batch) if not r.finished]
         if keep:
             rows = cache if len(keep) == len(batch) else cache.select(keep)
@@ -452,14 +449,22 @@ class Engine:
         c = self._counters
         c["decode_steps"] += 1
         c["max_decode_batch"] = max(c["max_decode_batch"], len(g.reqs))
-        fast = [r.params.greedy and not r.sampler.penalised and r.params.logprobs is None for r in g.reqs]
-        argmax = logits.argmax(-1).tolist() if any(fast) else None
-        for i, r in enumerate(g.reqs):
-            if not r.finished:
-                self._emit(r, logits[i], argmax[i] if fast[i] else None)
+        self._emit_rows(g.reqs, logits)
+
+    def _emit_rows(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sample every unfinished request's next token from its row of logits [B, V] in one
+        batched pass (``sample_rows``: the same tokens as each request sampling alone), then emit."""
+        live = [i for i, r in enumerate(reqs) if not r.finished]
+        if not live:
+            return
+        rows = logits if len(live) == len(reqs) else logits[live]
+        tokens = sample_rows(rows, [reqs[i].sampler for i in live])
+        for i, tok in zip(live, tokens):
+            self._emit(reqs[i], logits[i], tok)
 
     def _emit(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
-        """Sample the next token of ``req`` from logits [V], send its event, finish if it ends."""
+        """Send ``req``'s next token (``token``, else sampled from logits [V]) as its event; the
+        thinking cap may replace it; finish the request if it ends."""
         p = req.params
         tok = req.sampler.choose(logits) if token is None else token
         cap = p.max_thinking_tokens
