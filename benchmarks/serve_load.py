@@ -269,16 +269,17 @@ class EngineAlone:
         self.eng = Engine(model, max_batch=32, prefill_chunk=512, tokenizer=self.tok, prefix_cache_bytes=256 << 20)
         self.eng.generate([self.tok.encode("the quick brown fox -1")], {**self.params, "max_tokens": 4})
 
-    def run(self, c: int) -> tuple[float, float]:
+    def run(self, c: int) -> tuple[float, float, float]:
+        """(tokens / wall s, tokens / CPU s of this process, mean decode batch)."""
         prompts = [self.tok.encode(f"the quick brown fox {i}") for i in range(c)]
         s0 = self.eng.stats()["decode_steps"]
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         res = self.eng.generate(prompts, self.params)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         steps = self.eng.stats()["decode_steps"] - s0
         if [len(r.token_ids) for r in res] != [self.gen] * c:
             raise RuntimeError(f"engine at {c}: expected {self.gen} tokens per request")
-        return c * self.gen / dt, c * (self.gen - 1) / steps
+        return c * self.gen / dt, c * self.gen / cpu, c * (self.gen - 1) / steps
 
     def close(self) -> None:
         self.eng.close()
@@ -294,30 +295,42 @@ def part_throughput(srv: Server | None, model: str, gen: int, repeats: int, stre
         _complete(srv.url, model, 4, -1, stream)
         _complete(srv.url, model, 4, -2, stream)
     out: dict = {k: {c: [] for c in levels} for k in ("server", "engine")}
+    per_cpu: dict = {k: {c: [] for c in levels} for k in ("server", "engine")}
     batch: dict = {k: {c: [] for c in levels} for k in ("server", "engine")}
     for _ in range(repeats):
         for c in levels:
             if engine is not None:
-                tps, b = engine.run(c)
+                tps, tpc, b = engine.run(c)
                 out["engine"][c].append(tps)
+                per_cpu["engine"][c].append(tpc)
                 batch["engine"][c].append(b)
-                print(f"  engine alone: {c:2d} at once: {tps:.1f} tokens/s, mean decode batch {b:.2f}", flush=True)
+                print(f"  engine alone: {c:2d} at once: {tps:.1f} tokens/s, {tpc:.1f} tokens/CPU-s, "
+                      f"mean decode batch {b:.2f}", flush=True)
             if srv is None:
                 continue
             steps0 = srv.metrics().get("k3_decode_steps_total")
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), _cpu_seconds(srv.proc.pid)
             with ThreadPoolExecutor(c) as ex:
                 toks = list(ex.map(lambda i: _complete(srv.url, model, gen, i, stream), range(c)))
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, _cpu_seconds(srv.proc.pid) - cpu0
             if toks != [gen] * c:
                 raise RuntimeError(f"throughput at {c}: expected {gen} tokens per request, got {toks}")
             out["server"][c].append(sum(toks) / dt)
+            per_cpu["server"][c].append(sum(toks) / cpu)
             steps1 = srv.metrics().get("k3_decode_steps_total")
             b = c * (gen - 1) / (steps1 - steps0) if steps0 is not None and steps1 > steps0 else float("nan")
             batch["server"][c].append(b)
             print(f"  server: {c:2d} concurrent: {out['server'][c][-1]:.1f} tokens/s ({dt:.1f} s), "
-                  f"mean decode batch {b:.2f}", flush=True)
-    return {"tps": out, "batch": batch}
+                  f"{per_cpu['server'][c][-1]:.1f} tokens/CPU-s, mean decode batch {b:.2f}", flush=True)
+    return {"tps": out, "per_cpu": per_cpu, "batch": batch}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; ``/proc``, Linux)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -412,6 +425,13 @@ def main(argv=None) -> int:
                      mean_decode_batch=res["batch"][who][8])
                 emit(f"{prefix}_c32_vs_c1", t[32], baseline=t[1], unit=unit, gen=args.gen, runs=runs[32],
                      mean_decode_batch=res["batch"][who][32])
+                # per CPU second of the serving process: what a machine not shared would give
+                pc = {c: max(v) for c, v in res["per_cpu"][who].items()}
+                unit_cpu = unit.replace("tokens/s", "tokens per CPU second")
+                emit(f"{prefix}_per_cpu_c1", pc[1], unit=unit_cpu, runs=res["per_cpu"][who][1])
+                emit(f"{prefix}_per_cpu_c8_vs_c1", pc[8], baseline=pc[1], unit=unit_cpu, runs=res["per_cpu"][who][8])
+                emit(f"{prefix}_per_cpu_c32_vs_c1", pc[32], baseline=pc[1], unit=unit_cpu,
+                     runs=res["per_cpu"][who][32])
     append_results(RESULTS, rows)
     if failed:
         print("FAILED:", ", ".join(failed))
