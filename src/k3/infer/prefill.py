@@ -49,7 +49,9 @@ class PrefillSteps:
         equal length only, so no row is padded (a KDA state would absorb the padding). Only whole
         short prompts: a long prompt keeps its boundary snapshots, and since two prompts of the
         same length never resume from each other's end snapshot, matching them before either
-        runs loses no prefix-cache hit among them."""
+        runs loses no prefix-cache hit among them. (A member queued behind a shorter prompt it
+        extends is matched before that one's end snapshot exists: same tokens, a miss instead of
+        a hit of at most ``cache_block`` tokens.)"""
         head = self._prefill[0]
         n = len(head.prompt)
         if head.solo or head.cache is not None or self._chunk_end(0, n, budget) != n or not self._start(head):
