@@ -14,14 +14,18 @@ always stopped at the end. Parts (``--parts``, default all):
    counted: every answer must be 4xx with an OpenAI-style error body, 0 5xx; then a valid request
    (the positive control) gets 200, ``/health`` is ok and the server's own counters show no 5xx.
 3. ``throughput``: aggregate output tokens/s with 1, 8 and 32 concurrent greedy completions
-   (fixed ``max_tokens``, ``ignore_eos``), i.e. all completion tokens ÷ the wall time from the first
-   send to the last reply; the server runs with ``--max-batch 32``; the best of ``--repeats`` rounds
-   is reported (the machine may be shared). Ratio of 8 vs 1 (target >= 4, PASS / MISS).
+   (fixed ``max_tokens``, ``ignore_eos``, streamed as SSE unless ``--no-stream``), i.e. all
+   completion tokens ÷ the wall time from the first send to the last reply; the server runs with
+   ``--max-batch 32``; the best of ``--repeats`` rounds is reported (the machine may be shared).
+   Ratio of 8 vs 1 (target >= 4, PASS / MISS).
+4. ``engine``: the same requests straight into an in-process ``Engine`` (no HTTP), run right
+   before the server's at each level when both parts are given, so the two ratios share the
+   machine's load: how much of the server's ratio is the engine's batching.
 
 Must-hold rows print PASS / FAIL (and make the exit status 1 when one fails).
 
-``python benchmarks/serve_load.py [--preset nano] [--parts streams,hostile,throughput] [--gen 64]
-[--threads 1] [--repeats 2]``; prints a table and appends JSON lines to ``benchmarks/results/serve_load.jsonl``.
+``python benchmarks/serve_load.py [--preset nano] [--parts streams,hostile,throughput,engine] [--gen 64]
+[--threads 1] [--repeats 2] [--no-stream]``; prints a table and appends JSON lines to ``benchmarks/results/serve_load.jsonl``.
 Exit status 1 when a must-hold figure (0 errors, 0 5xx, nothing left active) fails.
 """
 
@@ -40,6 +44,9 @@ from pathlib import Path
 import httpx
 
 from k3.serve.launch import ServerProcess
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import append_results  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "serve_load.jsonl"
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
@@ -217,39 +224,121 @@ def part_hostile(srv: Server, model: str, n: int, seed: int, workers: int = 8) -
             "server_5xx": srv.metrics()["5xx"], "kinds": len({c[0] for c in cases}), "wall": wall}
 
 
-# ----------------------------------------------------------------------------- part 3: throughput
-def _complete(url: str, model: str, gen: int, salt: int) -> int:
+# ------------------------------------------------------------- part 3: throughput (+ the engine alone)
+def _body(model: str, gen: int, salt: int, stream: bool) -> dict:
     body = {"model": model, "prompt": f"the quick brown fox {salt}", "max_tokens": gen, "temperature": 0,
             "ignore_eos": True}
-    r = httpx.post(url + COMP, json=body, timeout=1800)
-    r.raise_for_status()
-    return r.json()["usage"]["completion_tokens"]
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
 
 
-def part_throughput(srv: Server, model: str, gen: int, repeats: int, levels=(1, 8, 32)) -> dict[int, list]:
-    """Aggregate output tokens/s per concurrency level, ``repeats`` rounds over the levels (a
-    2-request warm-up first); the caller reports the best round (the machine may be shared)."""
-    _complete(srv.url, model, 4, -1)
-    _complete(srv.url, model, 4, -2)
-    out: dict[int, list] = {c: [] for c in levels}
+def _complete(url: str, model: str, gen: int, salt: int, stream: bool = True) -> int:
+    """One greedy completion of ``gen`` tokens (streamed: SSE with a final usage chunk); returns
+    its completion tokens."""
+    if not stream:
+        r = httpx.post(url + COMP, json=_body(model, gen, salt, False), timeout=1800)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+    usage = None
+    with httpx.Client(timeout=1800) as c, c.stream("POST", url + COMP, json=_body(model, gen, salt, True)) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+    return usage["completion_tokens"] if usage else 0
+
+
+class EngineAlone:
+    """The throughput requests straight into an in-process ``Engine`` built as ``k3 serve`` builds
+    it (``--max-batch 32``, prefill chunk 512, 256 MiB prefix cache): the same prompts
+    (``the quick brown fox {i}``), ``gen`` greedy tokens with ``ignore_eos``, all ``c`` submitted at
+    once, wall time to the last result. Splits the server's ratio into the engine's batching and
+    the HTTP layer. ``run(c) -> (tokens/s, mean decode batch)``."""
+
+    def __init__(self, ckpt: Path, gen: int, threads: int, device: str):
+        import torch
+
+        from k3.infer.engine import Engine
+        from k3.infer.run_model import load_run_model
+
+        torch.set_num_threads(threads)
+        model, self.tok = load_run_model(ckpt, device)
+        self.gen, self.params = gen, {"max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
+        self.eng = Engine(model, max_batch=32, prefill_chunk=512, tokenizer=self.tok, prefix_cache_bytes=256 << 20)
+        self.eng.generate([self.tok.encode("the quick brown fox -1")], {**self.params, "max_tokens": 4})
+
+    def run(self, c: int) -> tuple[float, float, float]:
+        """(tokens / wall s, tokens / CPU s of this process, mean decode batch)."""
+        prompts = [self.tok.encode(f"the quick brown fox {i}") for i in range(c)]
+        s0 = self.eng.stats()["decode_steps"]
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        res = self.eng.generate(prompts, self.params)
+        dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        steps = self.eng.stats()["decode_steps"] - s0
+        if [len(r.token_ids) for r in res] != [self.gen] * c:
+            raise RuntimeError(f"engine at {c}: expected {self.gen} tokens per request")
+        return c * self.gen / dt, c * self.gen / cpu, c * (self.gen - 1) / steps
+
+    def close(self) -> None:
+        self.eng.close()
+
+
+def part_throughput(srv: Server | None, model: str, gen: int, repeats: int, stream: bool,
+                    engine: EngineAlone | None, levels=(1, 8, 32)) -> dict:
+    """Aggregate output tokens/s per concurrency level through the server (``srv``) and/or the
+    engine alone, ``repeats`` rounds over the levels, the engine's run right before the server's
+    at each level (so both see the same machine load); a warm-up first. Also the mean decode batch
+    (tokens after the first per request / decode steps). The caller reports the best round."""
+    if srv is not None:
+        _complete(srv.url, model, 4, -1, stream)
+        _complete(srv.url, model, 4, -2, stream)
+    out: dict = {k: {c: [] for c in levels} for k in ("server", "engine")}
+    per_cpu: dict = {k: {c: [] for c in levels} for k in ("server", "engine")}
+    batch: dict = {k: {c: [] for c in levels} for k in ("server", "engine")}
     for _ in range(repeats):
         for c in levels:
-            t0 = time.perf_counter()
+            if engine is not None:
+                tps, tpc, b = engine.run(c)
+                out["engine"][c].append(tps)
+                per_cpu["engine"][c].append(tpc)
+                batch["engine"][c].append(b)
+                print(f"  engine alone: {c:2d} at once: {tps:.1f} tokens/s, {tpc:.1f} tokens/CPU-s, "
+                      f"mean decode batch {b:.2f}", flush=True)
+            if srv is None:
+                continue
+            steps0 = srv.metrics().get("k3_decode_steps_total")
+            t0, cpu0 = time.perf_counter(), _cpu_seconds(srv.proc.pid)
             with ThreadPoolExecutor(c) as ex:
-                toks = list(ex.map(lambda i: _complete(srv.url, model, gen, i), range(c)))
-            dt = time.perf_counter() - t0
+                toks = list(ex.map(lambda i: _complete(srv.url, model, gen, i, stream), range(c)))
+            dt, cpu = time.perf_counter() - t0, _cpu_seconds(srv.proc.pid) - cpu0
             if toks != [gen] * c:
                 raise RuntimeError(f"throughput at {c}: expected {gen} tokens per request, got {toks}")
-            out[c].append(sum(toks) / dt)
-            print(f"  throughput: {c:2d} concurrent: {out[c][-1]:.1f} tokens/s ({dt:.1f} s)", flush=True)
-    return out
+            out["server"][c].append(sum(toks) / dt)
+            per_cpu["server"][c].append(sum(toks) / cpu)
+            steps1 = srv.metrics().get("k3_decode_steps_total")
+            b = c * (gen - 1) / (steps1 - steps0) if steps0 is not None and steps1 > steps0 else float("nan")
+            batch["server"][c].append(b)
+            print(f"  server: {c:2d} concurrent: {out['server'][c][-1]:.1f} tokens/s ({dt:.1f} s), "
+                  f"{per_cpu['server'][c][-1]:.1f} tokens/CPU-s, mean decode batch {b:.2f}", flush=True)
+    return {"tps": out, "per_cpu": per_cpu, "batch": batch}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; ``/proc``, Linux)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # -------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="nano")
-    p.add_argument("--parts", default="streams,hostile,throughput")
+    p.add_argument("--parts", default="streams,hostile,throughput",
+                   help="any of streams, hostile, throughput, engine (the engine alone, in-process)")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--hostile", type=int, default=1000)
     p.add_argument("--gen", type=int, default=64, help="max_tokens of each stream / throughput request")
@@ -257,9 +346,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="throughput rounds (the best is reported)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="throughput with whole (non-streamed) replies instead of SSE streams")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
-    unknown = parts - {"streams", "hostile", "throughput"}
+    unknown = parts - {"streams", "hostile", "throughput", "engine"}
     if unknown:
         p.error(f"--parts: unknown part(s) {sorted(unknown)}")
     where = f"{args.preset}, {args.device}" + (f", {args.threads} threads" if args.device == "cpu" else "")
@@ -310,18 +401,38 @@ def main(argv=None) -> int:
             emit("hostile_bad_answers", len(h["bad"]), must=not h["bad"])
             emit("health_ok_after", float(h["healthy"] and h["control"] == 200), must=h["healthy"],
                  control_status=h["control"])
-        if "throughput" in parts:
-            with Server(ckpt, args.threads, *base, "--max-batch", "32") as srv:
-                runs = part_throughput(srv, model, args.gen, args.repeats)
-            t = {c: max(v) for c, v in runs.items()}
-            unit = f"aggregate output tokens/s, best of {args.repeats}"
-            emit("tps_c1", t[1], unit=unit, gen=args.gen, runs=runs[1])
-            emit("tps_c8_vs_c1", t[8], baseline=t[1], target=4.0, unit=unit, gen=args.gen, runs=runs[8])
-            emit("tps_c32_vs_c1", t[32], baseline=t[1], unit=unit, gen=args.gen, runs=runs[32])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        if parts & {"throughput", "engine"}:
+            eng = EngineAlone(ckpt, args.gen, args.threads, args.device) if "engine" in parts else None
+            try:
+                if "throughput" in parts:
+                    with Server(ckpt, args.threads, *base, "--max-batch", "32") as srv:
+                        res = part_throughput(srv, model, args.gen, args.repeats, args.stream, eng)
+                else:
+                    res = part_throughput(None, model, args.gen, args.repeats, args.stream, eng)
+            finally:
+                if eng is not None:
+                    eng.close()
+            mode = "streamed" if args.stream else "whole replies"
+            for who, prefix in (("server", "tps"), ("engine", "engine_tps")):
+                runs = res["tps"][who]
+                if not runs[1]:
+                    continue
+                t = {c: max(v) for c, v in runs.items()}
+                unit = (f"aggregate output tokens/s, best of {args.repeats}"
+                        + (f", {mode}" if who == "server" else ", engine alone"))
+                emit(f"{prefix}_c1", t[1], unit=unit, gen=args.gen, runs=runs[1])
+                emit(f"{prefix}_c8_vs_c1", t[8], baseline=t[1], target=4.0, unit=unit, gen=args.gen, runs=runs[8],
+                     mean_decode_batch=res["batch"][who][8])
+                emit(f"{prefix}_c32_vs_c1", t[32], baseline=t[1], unit=unit, gen=args.gen, runs=runs[32],
+                     mean_decode_batch=res["batch"][who][32])
+                # per CPU second of the serving process: what a machine not shared would give
+                pc = {c: max(v) for c, v in res["per_cpu"][who].items()}
+                unit_cpu = unit.replace("tokens/s", "tokens per CPU second")
+                emit(f"{prefix}_per_cpu_c1", pc[1], unit=unit_cpu, runs=res["per_cpu"][who][1])
+                emit(f"{prefix}_per_cpu_c8_vs_c1", pc[8], baseline=pc[1], unit=unit_cpu, runs=res["per_cpu"][who][8])
+                emit(f"{prefix}_per_cpu_c32_vs_c1", pc[32], baseline=pc[1], unit=unit_cpu,
+                     runs=res["per_cpu"][who][32])
+    append_results(RESULTS, rows)
     if failed:
         print("FAILED:", ", ".join(failed))
     return 1 if failed else 0

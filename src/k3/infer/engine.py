@@ -9,6 +9,13 @@ prefix cache also cut at every ``cache_block`` boundary so each one can be snaps
 decode step (one token) for every running request. Requests join and leave the decode batch
 between steps; a finished or cancelled request's cache rows are dropped at once.
 
+Batched prefill: prefix-cache misses waiting together whose whole prompt is one chunk and of one
+length run as one [k, n] forward (``_fresh_batch``; no padding, which a KDA state would absorb),
+so clients arriving together do not each stall the running batch for a batch-1 forward. The
+tokens of a step are sampled for all rows at once (``sampling.sample_rows``: each row as its own
+sampler would, with its own generator). ``add_listener(fn)``: ``fn()`` after every step, so one
+consumer of many handles (the server's event loop) wakes once per step and ``poll``s them.
+
 Prefix cache (SPEC §6.2) through its API only: ``match(prompt)`` gives the request its own
 batch-1 cache at the deepest snapshotted boundary (at least one prompt token is always fed, so
 the first token's logits come from the model), and ``insert(prompt[:b], cache)`` is called after
@@ -28,8 +35,9 @@ import torch
 
 from k3.errors import K3Error
 from k3.infer.decode_step import DecodeStep
+from k3.infer.prefill import PrefillSteps
 from k3.infer.detok import TextStream
-from k3.infer.sampling import Sampler, SamplingParams
+from k3.infer.sampling import Sampler, SamplingParams, sample_rows
 from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
 from k3.model.cache import KDAState, MLAState, cache_bytes_per_sequence
 
@@ -47,7 +55,7 @@ def _load(path, dtype, device, tokenizer):
     return model, tokenizer
 
 
-class Engine:
+class Engine(PrefillSteps):
     """``Engine(model_or_checkpoint_dir, max_batch=16, prefill_chunk=512, cache_block=64, ...)``.
 
     ``fast_decode`` (default on) runs decode steps through ``k3.infer.decode_step.DecodeStep``
@@ -94,9 +102,10 @@ class Engine:
         self._next_id = 0
         self._stop = False
         self._counters = dict(prompt_tokens=0, generated_tokens=0, finished=0, failed=0, decode_steps=0,
-                              max_decode_batch=0)
+                              max_decode_batch=0, max_prefill_batch=1)
         self._bytes = dict(kda_state_bytes=0, mla_latent_bytes=0)
         self._prefix_stats: dict = {}
+        self._listeners: list = []
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
@@ -112,10 +121,12 @@ class Engine:
             handle._fail(e)
             with self._cv:
                 self._counters["failed"] += 1
+            self._notify()
             return handle
         with self._cv:
             if self._stop:
                 handle._fail(K3Error("Engine: closed"))
+                self._notify()
                 return handle
             self._waiting.append(req)
             self._cv.notify()
@@ -129,9 +140,29 @@ class Engine:
         handles = [self.submit(p, q) for p, q in zip(prompts, plist)]
         return [h.result() for h in handles]
 
+    def add_listener(self, fn) -> None:
+        """Call ``fn()`` after every engine step (in the engine thread), and after events put outside
+        a step (a request cancelled while waiting, a refused submit): a consumer of many handles
+        (the server's event loop) wakes once per step and ``poll``s its handles, instead of one
+        blocking reader per request. ``fn`` must be quick and must not raise."""
+        with self._cv:
+            self._listeners.append(fn)
+
+    def remove_listener(self, fn) -> None:
+        with self._cv:
+            self._listeners.remove(fn)
+
+    def _notify(self) -> None:
+        with self._cv:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn()
+
     def stats(self) -> dict:
         """Active / waiting requests, cache bytes (KDA state, MLA latent KV, prefix cache), prefix
-        hits and misses, token and request counters; bytes as of the end of the last step."""
+        hits and misses, token and request counters (``decode_steps``, ``max_decode_batch``,
+        ``max_prefill_batch``: most requests prefilled by one forward); bytes as of the end of the
+        last step."""
         with self._cv:
             out = dict(active=len(self._prefill) + sum(len(g.reqs) for g in self._groups),
                        waiting=len(self._waiting), **self._bytes, **self._counters)
@@ -198,9 +229,12 @@ class Engine:
                 if r.handle is handle:
                     self._waiting.remove(r)
                     self._end(r, TokenEvent(None, "", None, "cancelled"), now=True)
-                    return
-            self._cancels.add(handle.rid)
-            self._cv.notify()
+                    break
+            else:
+                self._cancels.add(handle.rid)
+                self._cv.notify()
+                return
+        self._notify()
 
     def _end(self, req: Request, ev: TokenEvent | None = None, err: BaseException | None = None,
              now: bool = False) -> None:
@@ -239,6 +273,7 @@ class Engine:
                     self._step()
                     self._measure()
                     self._release()
+                    self._notify()
         except BaseException as e:  # a bug in the loop itself: no request may wait forever
             why = f"Engine: scheduler stopped by {e!r}"
             raise
@@ -251,6 +286,7 @@ class Engine:
                 self._waiting.clear(), self._prefill.clear(), self._groups.clear()
             self._measure()
             self._release()
+            self._notify()
 
     def _admit(self) -> None:
         active = self._prefill + [r for g in self._groups for r in g.reqs]
@@ -287,6 +323,10 @@ class Engine:
     def _step(self) -> None:
         budget = self.prefill_chunk  # prompt tokens per step, over as many requests as they cover
         while budget > 0 and self._prefill:
+            batch = self._fresh_batch(budget)
+            if len(batch) > 1:
+                budget -= self._prefill_together(batch)
+                continue
             req = self._prefill[0]
             try:
                 budget -= self._prefill_chunk(req, budget)
@@ -305,47 +345,6 @@ class Engine:
         with self._cv:
             self._drop_finished()
 
-    def _chunk_end(self, pos: int, n: int, budget: int) -> int:
-        """End of the next prefill chunk: at most ``budget`` tokens, and with the prefix cache never
-        past the next ``cache_block`` boundary (each boundary gets its snapshot)."""
-        end = min(pos + budget, n)
-        if self.prefix_cache is not None:
-            end = min(end, (pos // self.cache_block + 1) * self.cache_block)
-        return end
-
-    def _prefill_chunk(self, req: Request, budget: int) -> int:
-        """Run the next chunk of ``req``'s prompt (at most ``budget`` tokens); returns its length.
-        After the last chunk the first token is sampled and the request joins the decode batch."""
-        n = len(req.prompt)
-        if req.cache is None:
-            hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else None
-            if hit is not None and 0 < hit.length < n and hit.cache is not None:
-                req.cache, req.pos = hit.cache, hit.length
-            else:
-                req.cache, req.pos = self.model.new_cache(1), 0
-        end = self._chunk_end(req.pos, n, budget)
-        ids = torch.tensor([req.prompt[req.pos: end]], dtype=torch.long, device=self.device)
-        logits = self.model(ids, cache=req.cache, logits_to_keep=1).logits[0, -1]
-        ran, req.pos = end - req.pos, end
-        self._counters["prompt_tokens"] += ran
-        if self.prefix_cache is not None and (end % self.cache_block == 0 or end == n):
-            self.prefix_cache.insert(req.prompt[:end], req.cache)
-        if end < n:
-            return ran
-        with self._cv:
-            self._prefill.remove(req)
-        self._emit(req, logits)
-        if req.finished:
-            req.cache = None
-            return ran
-        with self._cv:
-            group = next((g for g in self._groups if g.accepts(req)), None)
-            if group is None:
-                self._groups.append(DecodeGroup(req))
-            else:
-                group.join(req)
-        return ran
-
     def _decode(self, g: DecodeGroup) -> None:
         tokens = g.last_tokens(self.device)                                   # [B, 1]
         if self.fast_decode and DecodeStep.unsupported(self.model) is None and DecodeStep.accepts(g.cache):
@@ -355,14 +354,22 @@ class Engine:
         c = self._counters
         c["decode_steps"] += 1
         c["max_decode_batch"] = max(c["max_decode_batch"], len(g.reqs))
-        fast = [r.params.greedy and not r.sampler.penalised and r.params.logprobs is None for r in g.reqs]
-        argmax = logits.argmax(-1).tolist() if any(fast) else None
-        for i, r in enumerate(g.reqs):
-            if not r.finished:
-                self._emit(r, logits[i], argmax[i] if fast[i] else None)
+        self._emit_rows(g.reqs, logits)
+
+    def _emit_rows(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sample every unfinished request's next token from its row of logits [B, V] in one
+        batched pass (``sample_rows``: the same tokens as each request sampling alone), then emit."""
+        live = [i for i, r in enumerate(reqs) if not r.finished]
+        if not live:
+            return
+        rows = logits if len(live) == len(reqs) else logits[live]
+        tokens = sample_rows(rows, [reqs[i].sampler for i in live])
+        for i, tok in zip(live, tokens):
+            self._emit(reqs[i], logits[i], tok)
 
     def _emit(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
-        """Sample the next token of ``req`` from logits [V], send its event, finish if it ends."""
+        """Send ``req``'s next token (``token``, else sampled from logits [V]) as its event; the
+        thinking cap may replace it; finish the request if it ends."""
         p = req.params
         tok = req.sampler.choose(logits) if token is None else token
         cap = p.max_thinking_tokens

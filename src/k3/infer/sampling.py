@@ -13,6 +13,11 @@ Order of the processors on one row of logits ``z`` [V] (float32):
 4. a draw from ``softmax(z)`` with the request's own ``torch.Generator`` (one uniform per step,
    inverse CDF), so a request's tokens depend only on its own seed and logits.
 
+``sample_rows(logits [B, V], samplers)`` runs these steps once for a whole decode batch (per-row
+parameters as [B, 1] columns, one sort / softmax / cumsum / searchsorted over all rows, one
+uniform from each row's own generator); every operation is row-wise, so a row's token does not
+depend on its companions, and ``Sampler.choose`` is the same function on one row.
+
 Logprobs are reported under the model's distribution (``log_softmax`` of the raw logits, before
 penalties and temperature), as OpenAI-style APIs report them.
 """
@@ -27,7 +32,7 @@ import torch
 from k3.errors import K3Error
 
 __all__ = ["SamplingParams", "Sampler", "apply_penalties", "top_k_mask", "top_p_mask", "min_p_mask",
-           "process_logits", "sample_next_token"]
+           "process_logits", "sample_next_token", "sample_rows"]
 
 
 def _is_int(x) -> bool:
@@ -155,7 +160,7 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep-mask: the most probable tokens until their probability sum reaches ``p``."""
     if p >= 1:
         return torch.ones_like(logits, dtype=torch.bool)
-    sorted_z, order = logits.sort(-1, descending=True)
+    sorted_z, order = logits.sort(dim=-1, descending=True, stable=True)
     probs = sorted_z.softmax(-1)
     keep_sorted = probs.cumsum(-1) - probs < p  # tokens ranked above this one sum to < p
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
@@ -180,18 +185,6 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int | None =
     return z if keep is None else z.masked_fill(~keep, float("-inf"))
 
 
-def _draw(z: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from softmax(z) [V] by inverse CDF with a single uniform from ``generator``."""
-    probs = z.softmax(-1, dtype=torch.float64)
-    cdf = probs.cumsum(-1)
-    u = torch.rand((), generator=generator, dtype=torch.float64, device=z.device) * cdf[-1]
-    idx = int(torch.searchsorted(cdf, u.reshape(1), right=True))
-    idx = min(idx, z.shape[-1] - 1)
-    while probs[idx] == 0:  # u landed exactly on a masked token's (zero-width) step
-        idx -= 1
-    return idx
-
-
 def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> next token ids [B] int64 (the one-call sampler; rows share ``generator``)."""
@@ -199,7 +192,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int
     if params.greedy:
         return logits.float().argmax(-1)
     z = process_logits(logits, temperature, top_k, params.top_p)
-    return torch.tensor([_draw(row, generator) for row in z], dtype=torch.long, device=logits.device)
+    return torch.tensor(_draw_rows(z, [generator] * z.shape[0]), dtype=torch.long, device=logits.device)
 
 
 # ------------------------------------------------------------------------------ per request
@@ -231,14 +224,7 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> int:
         """logits [V] -> the next token id (call ``observe`` with it afterwards)."""
-        p = self.params
-        z = logits.float()
-        if self._counts is not None:
-            z = apply_penalties(z, self._seen, self._counts, p.repetition_penalty, p.presence_penalty,
-                                p.frequency_penalty)
-        if p.greedy:
-            return int(z.argmax())
-        return _draw(process_logits(z, p.temperature, p.top_k, p.top_p, p.min_p), self.generator)
+        return sample_rows(logits[None], [self])[0]
 
     def observe(self, token: int) -> None:
         if self._counts is not None:
@@ -253,3 +239,77 @@ class Sampler:
             v, i = lp.topk(min(self.params.logprobs, lp.shape[-1]))
             top = list(zip(i.tolist(), v.tolist()))
         return float(lp[token]), top
+
+
+# ----------------------------------------------------------------------------- a whole batch
+def _col(values, z: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=z.dtype, device=z.device)[:, None]
+
+
+def _penalise_rows(z: torch.Tensor, samplers: list) -> torch.Tensor:
+    """``apply_penalties`` on the rows whose sampler has penalties, with [P, 1] parameter columns."""
+    rows = [i for i, s in enumerate(samplers) if s.penalised]
+    if not rows:
+        return z
+    ps = [samplers[i].params for i in rows]
+    idx = torch.tensor(rows, device=z.device)
+    sub = z.index_select(0, idx)
+    seen = torch.stack([samplers[i]._seen for i in rows])
+    counts = torch.stack([samplers[i]._counts for i in rows]).to(z.dtype)
+    rep = _col([p.repetition_penalty for p in ps], z)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq, pres = _col([p.frequency_penalty for p in ps], z), _col([p.presence_penalty for p in ps], z)
+    sub = sub - freq * counts - pres * (counts > 0).to(z.dtype)
+    return z.index_copy(0, idx, sub)
+
+
+def _masked_rows(z: torch.Tensor, ps: list) -> torch.Tensor:
+    """Temperature then the top-k / top-p / min-p masks of ``process_logits`` with per-row values."""
+    z = z / _col([p.temperature for p in ps], z)
+    V = z.shape[-1]
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if any(p.top_k is not None and p.top_k < V for p in ps) or any(p.top_p < 1 for p in ps):
+        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
+        if any(p.top_k is not None and p.top_k < V for p in ps):
+            k = torch.tensor([min(p.top_k or V, V) - 1 for p in ps], device=z.device)[:, None]
+            keep &= z >= sorted_z.gather(-1, k)               # the k-th largest, ties kept
+        if any(p.top_p < 1 for p in ps):
+            probs = sorted_z.softmax(-1)
+            top_p = _col([p.top_p if p.top_p < 1 else math.inf for p in ps], z)
+            keep &= torch.zeros_like(keep).scatter(-1, order, probs.cumsum(-1) - probs < top_p)
+    if any(p.min_p > 0 for p in ps):
+        probs = z.softmax(-1)
+        keep &= probs >= _col([p.min_p for p in ps], z) * probs.max(-1, keepdim=True).values
+    return z.masked_fill(~keep, float("-inf"))
+
+
+def _draw_rows(z: torch.Tensor, generators: list) -> list[int]:
+    """One token per row of z [B, V] from softmax(z) by inverse CDF: the first index whose
+    cumulative probability exceeds ``u · total``, u one float64 uniform from the row's generator
+    (drawn in row order; a generator may repeat)."""
+    probs = z.softmax(-1, dtype=torch.float64)
+    cdf = probs.cumsum(-1)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64, device=z.device) for g in generators])
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=z.shape[-1] - 1)
+    out = idx.tolist()
+    for i, j in enumerate(out):
+        while probs[i, j] == 0:  # u landed exactly on a masked token's (zero-width) step
+            j -= 1
+        out[i] = j
+    return out
+
+
+def sample_rows(logits: torch.Tensor, samplers: list) -> list[int]:
+    """logits [B, V] -> the next token of every row, row i chosen as ``samplers[i]`` samples
+    (its penalties, its temperature and masks, a uniform from its own generator): greedy rows take
+    the argmax after their penalties, the other rows share one pass of masks and one draw."""
+    z = _penalise_rows(logits.float(), samplers)
+    out = z.argmax(-1).tolist()
+    hot = [i for i, s in enumerate(samplers) if not s.params.greedy]
+    if hot:
+        sub = z if len(hot) == len(samplers) else z.index_select(0, torch.tensor(hot, device=z.device))
+        drawn = _draw_rows(_masked_rows(sub, [samplers[i].params for i in hot]),
+                           [samplers[i].generator for i in hot])
+        for i, t in zip(hot, drawn):
+            out[i] = t
+    return out

@@ -72,18 +72,42 @@ class RequestHandle:
     def cancel(self) -> None:
         self._engine._cancel(self)
 
+    def _take(self, ev) -> bool:
+        """Record one queue item; False at the end marker."""
+        if ev is _END:
+            self.done = True
+            return False
+        if ev.finish_reason is not None:
+            self.finish_reason = ev.finish_reason
+        self.events.append(ev)
+        return True
+
     def __iter__(self):
         while not self.done:  # a handle already read to its end yields nothing more
             ev = self._q.get()
-            if ev is _END:
-                self.done = True
+            if not self._take(ev):
                 break
-            if ev.finish_reason is not None:
-                self.finish_reason = ev.finish_reason
-            self.events.append(ev)
             yield ev
         if self.error is not None:
             raise self.error
+
+    def pending(self) -> bool:
+        """Whether ``poll`` would return something new (an event or the end)."""
+        return not self.done and not self._q.empty()
+
+    def poll(self) -> list[TokenEvent]:
+        """The events available now, without blocking (for an event loop woken by
+        ``Engine.add_listener``); once the end was read ``done`` is True (and ``error`` set for a
+        failed request: the caller raises it, as iteration does)."""
+        out = []
+        while not self.done:
+            try:
+                ev = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if self._take(ev):
+                out.append(ev)
+        return out
 
     def result(self) -> Completion:
         """Block until the request ends; all its tokens, text and finish reason (also those events
@@ -111,6 +135,8 @@ class Request:
     max_tokens: int        # params.max_tokens capped by max_position_embeddings
     cache: K3Cache | None = None
     pos: int = 0           # prompt tokens already in the cache
+    started: bool = False  # the prefix cache was consulted (a miss leaves ``cache`` None, ``pos`` 0)
+    solo: bool = False     # a batched prefill that held it failed: prefill it alone from now on
     out: list[int] = field(default_factory=list)
     finished: bool = False  # ended (stop, length, cancel, error): its rows are dropped
     t_submit: float = field(default_factory=time.perf_counter)
@@ -130,6 +156,13 @@ class DecodeGroup:
         self.cache = req.cache
         req.cache = None
 
+    @classmethod
+    def of_rows(cls, reqs: list[Request], cache: K3Cache) -> "DecodeGroup":
+        """A group of ``reqs`` whose rows are ``cache`` (in order)."""
+        g = cls.__new__(cls)
+        g.reqs, g.cache = list(reqs), cache
+        return g
+
     def length(self) -> int:
         return self.cache.seq_len
 
@@ -140,6 +173,11 @@ class DecodeGroup:
         self.cache = K3Cache.cat([self.cache, req.cache])
         req.cache = None
         self.reqs.append(req)
+
+    def join_rows(self, reqs: list[Request], cache: K3Cache) -> None:
+        """Append ``reqs`` whose rows are ``cache`` (in order), with one concatenation."""
+        self.cache = K3Cache.cat([self.cache, cache])
+        self.reqs.extend(reqs)
 
     def drop(self, gone: set[int]) -> None:
         """Remove the rows of requests whose handle ids are in ``gone``; keeps the others' order."""

@@ -9,8 +9,8 @@ param, code}}``: bad input is 4xx (400 invalid, 401 auth, 404 unknown model or r
 large); only a fault of the server itself is 5xx. Bodies are read here (not by FastAPI) so that a
 size limit, invalid JSON and invalid UTF-8 are refused before any parsing.
 
-Each request is one engine submission; a thread per request moves the engine's blocking events into
-the event loop. When a streaming client goes away, the response task is cancelled and the request
+Each request is one engine submission; its events reach the event loop through one
+``EventBridge`` (``k3.serve.bridge``: one loop wake-up per engine step for all streams). When a streaming client goes away, the response task is cancelled and the request
 is cancelled in the engine at once (its batch slot and cache are freed before the next step).
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 
@@ -31,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from k3.data.chat import ChatFormat, thinking_budget
 from k3.errors import K3Error
 from k3.infer.sampling import SamplingParams
+from k3.serve.bridge import EventBridge
 from k3.serve.chat import chat_stream, chat_whole, completion_stream, completion_whole
 from k3.serve.forcing import forced_call_ids, forced_events
 from k3.serve.metrics import Metrics
@@ -53,6 +53,16 @@ class Service:
         self.max_pos = engine.config.max_position_embeddings
         self.metrics = Metrics()
         self.created = int(time.time())
+        self._bridge: EventBridge | None = None
+
+    def events(self, handle):
+        """The handle's TokenEvents as an async iterator in the running loop (``EventBridge``)."""
+        loop = asyncio.get_running_loop()
+        if self._bridge is None or self._bridge.loop is not loop:
+            if self._bridge is not None:
+                self._bridge.close()
+            self._bridge = EventBridge(self.engine, loop)
+        return self._bridge.events(handle)
 
     # ---------------------------------------------------------------------- request checks
     def auth(self, request: Request) -> None:
@@ -240,9 +250,9 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
         forced = forced_call_ids(svc.fmt, req.messages, req.tool_choice)
         if forced is None:
             handle = svc.submit(ids, params)
-            evs = events(handle)
+            evs = svc.events(handle)
         else:
-            handle, evs = None, forced_events(svc, ids, params, forced, events)
+            handle, evs = None, forced_events(svc, ids, params, forced, svc.events)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
@@ -260,8 +270,8 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return _sse(completion_stream(svc, handle, events(handle), rid, len(ids), usage))
-        return await _unless_gone(request, completion_whole(svc, handle, events(handle), rid, len(ids)))
+            return _sse(completion_stream(svc, handle, svc.events(handle), rid, len(ids), usage))
+        return await _unless_gone(request, completion_whole(svc, handle, svc.events(handle), rid, len(ids)))
 
     return app
 
@@ -308,38 +318,3 @@ async def _unless_gone(request: Request, coro):
 
 def _sse(gen) -> StreamingResponse:
     return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-async def events(handle):
-    """The handle's TokenEvents in the event loop (a thread reads the blocking handle). Leaving early
-    (the client went away: the task is cancelled) cancels the request in the engine."""
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    def put(item):
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the loop is gone (server shutting down)
-            pass
-
-    def pump():
-        try:
-            for ev in handle:
-                put(ev)
-            put(end)
-        except BaseException as e:  # noqa: BLE001 - the request's error goes to the response
-            put(e)
-
-    threading.Thread(target=pump, name="k3-serve-pump", daemon=True).start()
-    try:
-        while True:
-            item = await q.get()
-            if item is end:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        if not handle.done:
-            handle.cancel()

@@ -66,6 +66,7 @@ class Metrics:
             ("k3_time_to_first_token_seconds_count", "counter", ttft[1]),
             ("k3_cancelled_requests_total", "counter", ttft[2]),
             ("k3_output_tokens_per_second", "gauge", self.tokens_per_second()),
+            ("k3_decode_steps_total", "counter", stats.get("decode_steps", 0)),
         ]
         for name, kind, v in gauges:
             out += [f"# TYPE {name} {kind}", f"{name} {v}"]
