@@ -152,6 +152,36 @@ def _bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.view(*lead, a.shape[-2], b.shape[-2])
 
 
+def _diag_halving(xs: torch.Tensor, ks: torch.Tensor, Gs: torch.Tensor) -> torch.Tensor:
+    """Diagonal sub-chunk blocks for any gate (no bound), by recursive halving; sub a power of two.
+
+    xs [..., ns, 2, s, K] (q rows, k rows), ks, Gs [..., ns, s, K] -> [..., ns, 2, s, s] holding
+    Σ_d x_id k_jd e^{G_id − G_jd} for j ≤ i (entries above the diagonal are 0). A block of size 2h
+    is [[D_top, 0], [L, D_bottom]]: its lower-left h×h part factorises around the bottom half's
+    first row m (j < m ≤ i), e^{G_i − G_m} · e^{G_m − G_j}, both factors ≤ 1 (clamped like every
+    decay), so L is one batched matmul; the two diagonal halves recurse down to 1×1 blocks,
+    x_i · k_i (e^0 = 1). log2(s) matmul levels instead of an [s, s, K] elementwise tensor.
+    """
+    lead, (s, K) = xs.shape[:-4], xs.shape[-2:]
+    ns = xs.shape[-4]
+    D = (xs * ks.unsqueeze(-3)).sum(-1).reshape(*lead, ns, 2, s, 1, 1)          # 1×1 blocks
+    h = 1
+    while h < s:
+        nb = s // (2 * h)                                                      # blocks of size 2h
+        G2 = Gs.reshape(*lead, ns, nb, 2, h, K)
+        ref = G2[..., 1, :1, :]                                                # [..., ns, nb, 1, K]
+        x2 = xs.reshape(*lead, ns, 2, nb, 2, h, K)[..., 1, :, :]              # bottom halves
+        left = (x2 * _decay(G2[..., 1, :, :] - ref).unsqueeze(-4)).movedim(-4, -3)  # [.., ns, nb, 2, h, K]
+        right = ks.reshape(*lead, ns, nb, 2, h, K)[..., 0, :, :] * _decay(ref - G2[..., 0, :, :])
+        L = _bmm_nt(left.flatten(-3, -2), right).unflatten(-2, (2, h)).movedim(-3, -4)  # [.., ns, 2, nb, h, h]
+        D = D.reshape(*lead, ns, 2, nb, 2, h, h)
+        top = torch.cat([D[..., 0, :, :], torch.zeros_like(L)], dim=-1)
+        bottom = torch.cat([L, D[..., 1, :, :]], dim=-1)
+        D = torch.cat([top, bottom], dim=-2)                                   # [..., ns, 2, nb, 2h, 2h]
+        h *= 2
+    return D.reshape(*lead, ns, 2, s, s)
+
+
 def _score_blocks(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int, factor_diag: bool):
     """Sub-chunk blocks of P and A for q, k, G [..., C, K] (decays applied).
 
@@ -176,8 +206,11 @@ def _score_blocks(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int, f
         diag = diag.unflatten(-2, (2, sub))
     else:
         left = xs * _decay(dG).unsqueeze(-3)
-        dec = _decay(Gs.unsqueeze(-2) - Gs.unsqueeze(-3))                          # [..., ns, sub, sub, K]
-        diag = (xs.unsqueeze(-2) * (dec * ks.unsqueeze(-3)).unsqueeze(-4)).sum(-1)
+        if sub & (sub - 1) == 0:
+            diag = _diag_halving(xs, ks, Gs)
+        else:   # sub not a power of two (odd chunk sizes): the [sub, sub, K] decays, materialised
+            dec = _decay(Gs.unsqueeze(-2) - Gs.unsqueeze(-3))                      # [..., ns, sub, sub, K]
+            diag = (xs.unsqueeze(-2) * (dec * ks.unsqueeze(-3)).unsqueeze(-4)).sum(-1)
     tril = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
     diag = diag * torch.stack([tril, tril.tril(-1)]).to(diag.dtype)
     # Off-diagonal blocks: row block I factorises around its first row r (all j < r ≤ i).
