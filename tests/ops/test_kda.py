@@ -242,6 +242,18 @@ def test_unbounded_diagonal_blocks_survive_steep_gates():
     torch.testing.assert_close(P.double(), P_ref, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bound", [-5.0, None])
+def test_inference_forward_is_bitwise_the_training_forward(bound):
+    # Under no_grad chunk_kda writes its block matrices in place; the values must not move by a bit.
+    q, k, v, g, beta, s0 = make_inputs(T=150, dtype=torch.float32, seed=4)
+    with torch.no_grad():
+        o_inf, s_inf = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, g_lower_bound=bound)
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, s0)]
+    o_tr, s_tr = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, g_lower_bound=bound)
+    assert o_tr.requires_grad
+    assert torch.equal(o_inf, o_tr.detach()) and torch.equal(s_inf, s_tr.detach())
+
+
 # --- gradients -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 3.0)])

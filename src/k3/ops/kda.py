@@ -139,7 +139,7 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 def _decay(x: torch.Tensor) -> torch.Tensor:
     """exp of a log-decay difference that is ≤ 0 where it is used (clamped: no overflow, no denormals)."""
-    return torch.exp(x.clamp(min=_LOG_DECAY_FLOOR, max=0.0))
+    return x.clamp(min=_LOG_DECAY_FLOOR, max=0.0).exp_()   # in place on clamp's fresh output
 
 
 def _bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -227,6 +227,14 @@ def _assemble(diag: torch.Tensor, off: list[torch.Tensor], which: int) -> torch.
     """[..., C, C] lower block-triangular matrix from `_score_blocks` (which: 0 = P, 1 = A)."""
     ns, sub = diag.shape[-4], diag.shape[-1]
     C = ns * sub
+    if not torch.is_grad_enabled():   # inference: the blocks copied once into a zeroed matrix
+        out = diag.new_zeros(*diag.shape[:-4], C, C)
+        for blk, d in enumerate(diag.unbind(-3)[which].unbind(-3)):
+            r = blk * sub
+            if blk:
+                out[..., r:r + sub, :r].copy_(off[blk - 1].unbind(-3)[which])
+            out[..., r:r + sub, r:r + sub].copy_(d)
+        return out
     rows = []
     for blk, d in enumerate(diag.unbind(-3)[which].unbind(-3)):
         parts = [] if blk == 0 else [off[blk - 1].unbind(-3)[which]]
@@ -305,7 +313,12 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
     # (I + diag(β) A) [U0 | W] = diag(β) [V | K ⊙ e^G], so U = U0 − W S_0: one blockwise solve.
     decay_in = _decay(G)                                                   # e^{G_i}: chunk start -> i
-    rhs = torch.cat([vc, kc * decay_in], dim=-1) * bc
+    if torch.is_grad_enabled():
+        rhs = torch.cat([vc, kc * decay_in], dim=-1) * bc
+    else:   # the same products written in place of the concatenation
+        rhs = torch.empty(*vc.shape[:-1], V + K, dtype=vc.dtype, device=vc.device)
+        torch.mul(vc, bc, out=rhs[..., :V])
+        torch.mul(kc * decay_in, bc, out=rhs[..., V:])
     UW = _unit_lower_solve(diag.unbind(-3)[1], [o.unbind(-3)[1] for o in off], bc, rhs)
     o_intra, PW = (P @ UW).split([V, K], dim=-1)                                # O = o_intra + q_eff S_0
     q_eff = qc * decay_in - PW
