@@ -266,8 +266,17 @@ def _unit_lower_solve(diag_a: torch.Tensor, off_a: list[torch.Tensor], beta: tor
     eye = torch.eye(sub, dtype=rhs.dtype, device=rhs.device)
     inv = torch.linalg.solve_triangular(bs * diag_a + eye, eye.expand(*lead, ns, sub, sub),
                                         upper=False, unitriangular=True)          # [..., ns, sub, sub]
+    blocks = zip(rhs.split(sub, dim=-2), bs.unbind(-3), inv.unbind(-3))
+    if not torch.is_grad_enabled():   # inference: the solved blocks are written into one buffer
+        X = torch.empty_like(rhs)
+        for blk, (r_blk, b_blk, inv_blk) in enumerate(blocks):
+            r = blk * sub
+            if blk:
+                r_blk = r_blk - (b_blk * off_a[blk - 1]) @ X[..., :r, :]
+            torch.matmul(inv_blk, r_blk, out=X[..., r:r + sub, :])
+        return X
     xs = []
-    for blk, (r_blk, b_blk, inv_blk) in enumerate(zip(rhs.split(sub, dim=-2), bs.unbind(-3), inv.unbind(-3))):
+    for blk, (r_blk, b_blk, inv_blk) in enumerate(blocks):
         if blk:
             r_blk = r_blk - (b_blk * off_a[blk - 1]) @ torch.cat(xs, dim=-2)
         xs.append(inv_blk @ r_blk)
@@ -334,13 +343,20 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         S = initial_state.float().reshape(B * H, K, V)
     # unbind, not Z[n] / M[n]: each indexed view's backward would allocate a full-size zero gradient
     # (quadratic in N); unbind's backward stacks the N slice gradients once.
-    states = []
-    for Zn, Mn in zip(Z.unbind(0), M.unbind(0)):
-        states.append(S)
-        S = torch.baddbmm(Zn, Mn, S)
+    if torch.is_grad_enabled():
+        states = []
+        for Zn, Mn in zip(Z.unbind(0), M.unbind(0)):
+            states.append(S)
+            S = torch.baddbmm(Zn, Mn, S)
+        states = torch.stack(states)
+    else:   # inference: the scan writes each chunk's entering state into one buffer
+        states = S.new_empty(N, B * H, K, V)
+        states[0].copy_(S)
+        for n, (Zn, Mn) in enumerate(zip(Z.unbind(0), M.unbind(0))):
+            S = torch.baddbmm(Zn, Mn, states[n], out=states[n + 1] if n + 1 < N else None)
     # O = o_intra + q_eff S_n, one fused batched multiply-add over all chunks.
     o = torch.baddbmm(o_intra.reshape(N * B * H, C, V), q_eff.reshape(N * B * H, C, K),
-                      torch.stack(states).reshape(N * B * H, K, V))
+                      states.reshape(N * B * H, K, V))
     o = o.reshape(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(v.dtype)
     return o, (S.reshape(B, H, K, V) if output_final_state else None)
 
