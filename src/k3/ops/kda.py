@@ -138,8 +138,12 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 def _decay(x: torch.Tensor) -> torch.Tensor:
-    """exp of a log-decay difference that is ≤ 0 where it is used (clamped: no overflow, no denormals)."""
-    return x.clamp(min=_LOG_DECAY_FLOOR, max=0.0).exp_()   # in place on clamp's fresh output
+    """exp of a log-decay difference G_i − G_j with j ≤ i, clamped below (no denormals).
+
+    No upper clamp is needed: g ≤ 0 makes the fp32 cumulative sum G non-increasing (each
+    sequential step adds a value ≤ 0, and round-to-nearest cannot make that increase), so every
+    such difference is ≤ 0 exactly, and a one-sided clamp has a one-comparison backward."""
+    return x.clamp(min=_LOG_DECAY_FLOOR).exp_()   # in place on clamp's fresh output
 
 
 def _bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -209,7 +213,8 @@ def _score_blocks(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int, f
         if sub & (sub - 1) == 0:
             diag = _diag_halving(xs, ks, Gs)
         else:   # sub not a power of two (odd chunk sizes): the [sub, sub, K] decays, materialised
-            dec = _decay(Gs.unsqueeze(-2) - Gs.unsqueeze(-3))                      # [..., ns, sub, sub, K]
+            # all (i, j) pairs: j > i gives G_i − G_j > 0, clamped to 0 (masked out below)
+            dec = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).clamp(_LOG_DECAY_FLOOR, 0.0).exp_()   # [.., ns, sub, sub, K]
             diag = (xs.unsqueeze(-2) * (dec * ks.unsqueeze(-3)).unsqueeze(-4)).sum(-1)
     tril = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
     diag = diag * torch.stack([tril, tril.tril(-1)]).to(diag.dtype)
