@@ -27,12 +27,15 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-from _timing import median_time  # benchmarks/ is on sys.path when run as a script
+from k3.threads import configure_openmp
 
-from k3.ops.attn_res import attn_res_mix
-from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
-from k3.ops.norm import rms_norm
+configure_openmp()  # OMP_WAIT_POLICY=PASSIVE before torch loads libgomp: 2 threads on a busy machine
+import torch  # noqa: E402
+from _timing import median_time  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+from k3.ops.attn_res import attn_res_mix  # noqa: E402
+from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda  # noqa: E402
+from k3.ops.norm import rms_norm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "kda.jsonl"
 TARGET_VS_TRANSFORMERS = 30.0   # issue 15: chunk_kda fwd ≥ 30× transformers' torch fallback at T=4096

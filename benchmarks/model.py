@@ -7,7 +7,8 @@ Cases (each run in its own subprocess so peak RSS is that case's own):
                       Kimi-Linear-mode config — the baseline: ratios are k3-kl / transformers, i.e.
                       the same math in both implementations.
 
-Prints a table (median of --repeats) and appends JSON lines to benchmarks/results/model.jsonl.
+Issue 15's row: ``--preset tiny --batch 4 --seq 512 --threads 2`` (8 layers, d 256, 16 experts
+top-4). Prints a table (median of --repeats) and appends JSON lines to benchmarks/results/model.jsonl.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def transformers_model(cfg):
 
 
 def run_case(case: str, preset: str, batch: int, seq: int, repeats: int, threads: int) -> dict:
+    from k3.threads import configure_openmp
+
+    configure_openmp()  # before torch loads libgomp (each case is its own process): no spin collapse
     import torch
 
     from k3.config import get_preset

@@ -17,7 +17,8 @@ Model FLOPs per trained token (the usual 6·N rule plus attention, no recomputat
                                                 S^T k, rank-1 update, S^T q (2·d_k·d_v each) + decay
 
 (the chunked KDA form does extra intra-chunk work that is not counted: MFU counts useful math).
-Medians over the timed steps.
+Medians over the timed steps. Issue 15's row: ``--what mfu --batch-size 8 --seq-len 512``;
+``--dtype bf16`` times the same step under bf16 autocast against the same fp32 peak.
 
 ``--what baseline``: the architecture's overhead. K3-tiny trains with the real Trainer (the demo's
 recipe: B8 T256, Per-Head Muon + AdamW, WSD, QB) and a dense nanoGPT-style transformer
@@ -82,7 +83,7 @@ def _sync(device: torch.device) -> None:
 
 
 def step_times(model, opt, bal, batch: int, seq_len: int, steps: int, warmup: int,
-               device: torch.device) -> list[float]:
+               device: torch.device, autocast: torch.dtype | None = None) -> list[float]:
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     times = []
@@ -91,8 +92,9 @@ def step_times(model, opt, bal, batch: int, seq_len: int, steps: int, warmup: in
         _sync(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = model(x[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+        with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            logits = model(x[:, :-1]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
         loss.backward()
         bal.collect()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -115,6 +117,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--matmul-n", type=int, default=2048)
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                    help="--what mfu: bf16 runs forward and loss under bf16 autocast (as k3 train --dtype bf16); "
+                         "the peak stays the fp32 matmul rate, so MFU compares with the fp32 step")
     ap.add_argument("--baseline-steps", type=int, default=24, help="--what baseline: steps of each model")
     ap.add_argument("--eval-batches", type=int, default=8, help="--what baseline: validation batches (0: all)")
     ap.add_argument("--dense-lr", type=float, default=3e-3, help="--what baseline: the dense model's AdamW lr")
@@ -142,14 +147,15 @@ def mfu(args) -> None:
     bal.recording(True)
     fl = model_flops_per_token(model, args.seq_len)
     peak = peak_matmul_flops(device, args.matmul_n, 5)
-    times = step_times(model, opt, bal, args.batch_size, args.seq_len, args.steps, args.warmup, device)
+    autocast = torch.bfloat16 if args.dtype == "bf16" else None
+    times = step_times(model, opt, bal, args.batch_size, args.seq_len, args.steps, args.warmup, device, autocast)
     peak = max(peak, peak_matmul_flops(device, args.matmul_n, 5))  # before and after: the better one
     step = statistics.median(times)
     tokens = args.batch_size * args.seq_len
     tps = tokens / step
     achieved = tps * fl["total"]
     cfg = (f"{args.preset} B{args.batch_size} T{args.seq_len} {device.type} "
-           f"threads={torch.get_num_threads()}")
+           f"threads={torch.get_num_threads()}" + (" bf16-autocast" if autocast else ""))
     print(f"{'config':<40} {'tokens/s':>10} {'model TFLOP/s':>14} {'peak TFLOP/s':>13} {'MFU':>7}")
     print(f"{cfg:<40} {tps:>10,.0f} {achieved / 1e12:>14.4f} {peak / 1e12:>13.4f} {achieved / peak:>7.2%}")
     print(f"model FLOPs/token: 6·N_act {fl['dense']:.3g} (N_act {fl['activated_params']:,}) + "

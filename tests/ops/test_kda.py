@@ -227,6 +227,33 @@ def test_intra_chunk_scores_match_materialised_decays(factor_diag):
     torch.testing.assert_close(A.double(), A_ref, atol=1e-5, rtol=1e-4)
 
 
+def test_unbounded_diagonal_blocks_survive_steep_gates():
+    # Unbounded (softplus) gates as steep as -60 per token: e^{G_r - G_j} for j < r would overflow
+    # fp32 in any factorisation around one row per 16-block; the halving form never builds it.
+    torch.manual_seed(1)
+    C, K = 64, 8
+    q, k = torch.randn(2, C, K), torch.randn(2, C, K)
+    G = (-60.0 * torch.rand(2, C, K)).cumsum(-2)
+    P, A = kda._intra_chunk_scores(q, k, G, 16, False)
+    assert torch.isfinite(P).all() and torch.isfinite(A).all()
+    dec = torch.exp(G.double().unsqueeze(-2) - G.double().unsqueeze(-3)).clamp(max=1.0)
+    tril = torch.ones(C, C, dtype=torch.bool).tril()
+    P_ref = (q.double().unsqueeze(-2) * k.double().unsqueeze(-3) * dec.masked_fill(~tril[..., None], 0)).sum(-1)
+    torch.testing.assert_close(P.double(), P_ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bound", [-5.0, None])
+def test_inference_forward_is_bitwise_the_training_forward(bound):
+    # Under no_grad chunk_kda writes its block matrices in place; the values must not move by a bit.
+    q, k, v, g, beta, s0 = make_inputs(T=150, dtype=torch.float32, seed=4)
+    with torch.no_grad():
+        o_inf, s_inf = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, g_lower_bound=bound)
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta, s0)]
+    o_tr, s_tr = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, g_lower_bound=bound)
+    assert o_tr.requires_grad
+    assert torch.equal(o_inf, o_tr.detach()) and torch.equal(s_inf, s_tr.detach())
+
+
 # --- gradients -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 3.0)])

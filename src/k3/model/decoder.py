@@ -29,7 +29,7 @@ from k3.model.mla import GatedMLA
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE
 from k3.model.norm import RMSNorm
-from k3.ops.attn_res import attn_res_mix
+from k3.ops.attn_res import attn_res_mix, compiled_attn_res_mix
 
 __all__ = ["DecoderLayer", "K3Model", "K3ForCausalLM", "CausalLMOutput", "AttnResPair"]
 
@@ -54,10 +54,13 @@ class AttnResPair(nn.Module):
         if hasattr(owner, f"{prefix}_proj"):
             nn.init.zeros_(getattr(owner, f"{prefix}_proj").weight)
 
+    compiled = False   # opt-in: ``AttnResPair.compiled = True`` mixes with compiled_attn_res_mix
+
     @staticmethod
     def mix(owner: nn.Module, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
         proj, norm = getattr(owner, f"{prefix}_proj"), getattr(owner, f"{prefix}_norm")
-        return attn_res_mix(sources, proj.weight, norm.weight, norm.eps)
+        fn = compiled_attn_res_mix if AttnResPair.compiled and len(sources) > 1 else attn_res_mix
+        return fn(sources, proj.weight, norm.weight, norm.eps)
 
 
 class DecoderLayer(nn.Module):

@@ -19,7 +19,7 @@ import torch
 
 from k3.ops.norm import inv_rms, rms_norm
 
-__all__ = ["attn_res_mix", "attn_res_mix_rows"]
+__all__ = ["attn_res_mix", "attn_res_mix_rows", "compiled_attn_res_mix"]
 
 
 def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -36,6 +36,22 @@ def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
         logits = key @ query.reshape(-1).float()                  # [n, ...]
         alpha = torch.softmax(logits, dim=0).unsqueeze(-1)        # [n, ..., 1]
         return (alpha * v).sum(0).to(dtype)
+
+
+_COMPILED = None
+
+
+def compiled_attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float = 1e-5) -> torch.Tensor:
+    """``attn_res_mix`` through ``torch.compile`` (opt-in, never the default): inductor fuses the key
+    norm, logits, softmax and weighted sum, forward and backward, into a few loops over the stacked
+    sources (measured 6.4–7.5× on ``tiny``'s training shape, 1 thread, after 6–16 s of compile per
+    distinct number of sources). Same math; fp32 rounding differs from eager (re-associated sums),
+    so runs that must match the golden losses stay eager."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(attn_res_mix, dynamic=False)
+    return _COMPILED(sources, query, norm_weight, eps)
 
 
 def attn_res_mix_rows(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,

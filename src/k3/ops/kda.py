@@ -138,8 +138,12 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 def _decay(x: torch.Tensor) -> torch.Tensor:
-    """exp of a log-decay difference that is ≤ 0 where it is used (clamped: no overflow, no denormals)."""
-    return torch.exp(x.clamp(min=_LOG_DECAY_FLOOR, max=0.0))
+    """exp of a log-decay difference G_i − G_j with j ≤ i, clamped below (no denormals).
+
+    No upper clamp is needed: g ≤ 0 makes the fp32 cumulative sum G non-increasing (each
+    sequential step adds a value ≤ 0, and round-to-nearest cannot make that increase), so every
+    such difference is ≤ 0 exactly, and a one-sided clamp has a one-comparison backward."""
+    return x.clamp(min=_LOG_DECAY_FLOOR).exp_()   # in place on clamp's fresh output
 
 
 def _bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -150,6 +154,36 @@ def _bmm_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lead = a.shape[:-2]
     out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]).transpose(1, 2))
     return out.view(*lead, a.shape[-2], b.shape[-2])
+
+
+def _diag_halving(xs: torch.Tensor, ks: torch.Tensor, Gs: torch.Tensor) -> torch.Tensor:
+    """Diagonal sub-chunk blocks for any gate (no bound), by recursive halving; sub a power of two.
+
+    xs [..., ns, 2, s, K] (q rows, k rows), ks, Gs [..., ns, s, K] -> [..., ns, 2, s, s] holding
+    Σ_d x_id k_jd e^{G_id − G_jd} for j ≤ i (entries above the diagonal are 0). A block of size 2h
+    is [[D_top, 0], [L, D_bottom]]: its lower-left h×h part factorises around the bottom half's
+    first row m (j < m ≤ i), e^{G_i − G_m} · e^{G_m − G_j}, both factors ≤ 1 (clamped like every
+    decay), so L is one batched matmul; the two diagonal halves recurse down to 1×1 blocks,
+    x_i · k_i (e^0 = 1). log2(s) matmul levels instead of an [s, s, K] elementwise tensor.
+    """
+    lead, (s, K) = xs.shape[:-4], xs.shape[-2:]
+    ns = xs.shape[-4]
+    D = (xs * ks.unsqueeze(-3)).sum(-1).reshape(*lead, ns, 2, s, 1, 1)          # 1×1 blocks
+    h = 1
+    while h < s:
+        nb = s // (2 * h)                                                      # blocks of size 2h
+        G2 = Gs.reshape(*lead, ns, nb, 2, h, K)
+        ref = G2[..., 1, :1, :]                                                # [..., ns, nb, 1, K]
+        x2 = xs.reshape(*lead, ns, 2, nb, 2, h, K)[..., 1, :, :]              # bottom halves
+        left = (x2 * _decay(G2[..., 1, :, :] - ref).unsqueeze(-4)).movedim(-4, -3)  # [.., ns, nb, 2, h, K]
+        right = ks.reshape(*lead, ns, nb, 2, h, K)[..., 0, :, :] * _decay(ref - G2[..., 0, :, :])
+        L = _bmm_nt(left.flatten(-3, -2), right).unflatten(-2, (2, h)).movedim(-3, -4)  # [.., ns, 2, nb, h, h]
+        D = D.reshape(*lead, ns, 2, nb, 2, h, h)
+        top = torch.cat([D[..., 0, :, :], torch.zeros_like(L)], dim=-1)
+        bottom = torch.cat([L, D[..., 1, :, :]], dim=-1)
+        D = torch.cat([top, bottom], dim=-2)                                   # [..., ns, 2, nb, 2h, 2h]
+        h *= 2
+    return D.reshape(*lead, ns, 2, s, s)
 
 
 def _score_blocks(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int, factor_diag: bool):
@@ -176,8 +210,12 @@ def _score_blocks(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor, sub: int, f
         diag = diag.unflatten(-2, (2, sub))
     else:
         left = xs * _decay(dG).unsqueeze(-3)
-        dec = _decay(Gs.unsqueeze(-2) - Gs.unsqueeze(-3))                          # [..., ns, sub, sub, K]
-        diag = (xs.unsqueeze(-2) * (dec * ks.unsqueeze(-3)).unsqueeze(-4)).sum(-1)
+        if sub & (sub - 1) == 0:
+            diag = _diag_halving(xs, ks, Gs)
+        else:   # sub not a power of two (odd chunk sizes): the [sub, sub, K] decays, materialised
+            # all (i, j) pairs: j > i gives G_i − G_j > 0, clamped to 0 (masked out below)
+            dec = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).clamp(_LOG_DECAY_FLOOR, 0.0).exp_()   # [.., ns, sub, sub, K]
+            diag = (xs.unsqueeze(-2) * (dec * ks.unsqueeze(-3)).unsqueeze(-4)).sum(-1)
     tril = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
     diag = diag * torch.stack([tril, tril.tril(-1)]).to(diag.dtype)
     # Off-diagonal blocks: row block I factorises around its first row r (all j < r ≤ i).
@@ -194,6 +232,14 @@ def _assemble(diag: torch.Tensor, off: list[torch.Tensor], which: int) -> torch.
     """[..., C, C] lower block-triangular matrix from `_score_blocks` (which: 0 = P, 1 = A)."""
     ns, sub = diag.shape[-4], diag.shape[-1]
     C = ns * sub
+    if not torch.is_grad_enabled():   # inference: the blocks copied once into a zeroed matrix
+        out = diag.new_zeros(*diag.shape[:-4], C, C)
+        for blk, d in enumerate(diag.unbind(-3)[which].unbind(-3)):
+            r = blk * sub
+            if blk:
+                out[..., r:r + sub, :r].copy_(off[blk - 1].unbind(-3)[which])
+            out[..., r:r + sub, r:r + sub].copy_(d)
+        return out
     rows = []
     for blk, d in enumerate(diag.unbind(-3)[which].unbind(-3)):
         parts = [] if blk == 0 else [off[blk - 1].unbind(-3)[which]]
@@ -225,8 +271,17 @@ def _unit_lower_solve(diag_a: torch.Tensor, off_a: list[torch.Tensor], beta: tor
     eye = torch.eye(sub, dtype=rhs.dtype, device=rhs.device)
     inv = torch.linalg.solve_triangular(bs * diag_a + eye, eye.expand(*lead, ns, sub, sub),
                                         upper=False, unitriangular=True)          # [..., ns, sub, sub]
+    blocks = zip(rhs.split(sub, dim=-2), bs.unbind(-3), inv.unbind(-3))
+    if not torch.is_grad_enabled():   # inference: the solved blocks are written into one buffer
+        X = torch.empty_like(rhs)
+        for blk, (r_blk, b_blk, inv_blk) in enumerate(blocks):
+            r = blk * sub
+            if blk:
+                r_blk = r_blk - (b_blk * off_a[blk - 1]) @ X[..., :r, :]
+            torch.matmul(inv_blk, r_blk, out=X[..., r:r + sub, :])
+        return X
     xs = []
-    for blk, (r_blk, b_blk, inv_blk) in enumerate(zip(rhs.split(sub, dim=-2), bs.unbind(-3), inv.unbind(-3))):
+    for blk, (r_blk, b_blk, inv_blk) in enumerate(blocks):
         if blk:
             r_blk = r_blk - (b_blk * off_a[blk - 1]) @ torch.cat(xs, dim=-2)
         xs.append(inv_blk @ r_blk)
@@ -272,7 +327,12 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
     # (I + diag(β) A) [U0 | W] = diag(β) [V | K ⊙ e^G], so U = U0 − W S_0: one blockwise solve.
     decay_in = _decay(G)                                                   # e^{G_i}: chunk start -> i
-    rhs = torch.cat([vc, kc * decay_in], dim=-1) * bc
+    if torch.is_grad_enabled():
+        rhs = torch.cat([vc, kc * decay_in], dim=-1) * bc
+    else:   # the same products written in place of the concatenation
+        rhs = torch.empty(*vc.shape[:-1], V + K, dtype=vc.dtype, device=vc.device)
+        torch.mul(vc, bc, out=rhs[..., :V])
+        torch.mul(kc * decay_in, bc, out=rhs[..., V:])
     UW = _unit_lower_solve(diag.unbind(-3)[1], [o.unbind(-3)[1] for o in off], bc, rhs)
     o_intra, PW = (P @ UW).split([V, K], dim=-1)                                # O = o_intra + q_eff S_0
     q_eff = qc * decay_in - PW
@@ -288,13 +348,20 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         S = initial_state.float().reshape(B * H, K, V)
     # unbind, not Z[n] / M[n]: each indexed view's backward would allocate a full-size zero gradient
     # (quadratic in N); unbind's backward stacks the N slice gradients once.
-    states = []
-    for Zn, Mn in zip(Z.unbind(0), M.unbind(0)):
-        states.append(S)
-        S = torch.baddbmm(Zn, Mn, S)
+    if torch.is_grad_enabled():
+        states = []
+        for Zn, Mn in zip(Z.unbind(0), M.unbind(0)):
+            states.append(S)
+            S = torch.baddbmm(Zn, Mn, S)
+        states = torch.stack(states)
+    else:   # inference: the scan writes each chunk's entering state into one buffer
+        states = S.new_empty(N, B * H, K, V)
+        states[0].copy_(S)
+        for n, (Zn, Mn) in enumerate(zip(Z.unbind(0), M.unbind(0))):
+            S = torch.baddbmm(Zn, Mn, states[n], out=states[n + 1] if n + 1 < N else None)
     # O = o_intra + q_eff S_n, one fused batched multiply-add over all chunks.
     o = torch.baddbmm(o_intra.reshape(N * B * H, C, V), q_eff.reshape(N * B * H, C, K),
-                      torch.stack(states).reshape(N * B * H, K, V))
+                      states.reshape(N * B * H, K, V))
     o = o.reshape(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(v.dtype)
     return o, (S.reshape(B, H, K, V) if output_final_state else None)
 
