@@ -26,19 +26,19 @@ import torch.nn.functional as F
 
 from k3.infer.decode_prep import PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE
 from k3.model.moe import LatentMoE
+from k3.ops.norm import inv_sumsq
 
 __all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step", "mix_rows",
            "length_mask"]
 
 
 def _inv_norm(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """rsqrt(Σ_D x² + c) [..., 1]; with c = D·eps this is rms⁻¹(x) / √D (√D lives in the weights)."""
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return torch.addcmul(c, n, n).rsqrt_()
+    """(Σ_D x² + c)^(-1/2) [..., 1]; with c = D·eps this is rms⁻¹(x) / √D (√D lives in the weights)."""
+    return inv_sumsq(x, c)
 
 
 def _normed(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """x · rsqrt(Σx² + D·eps): the RMSNorm without its weight and its √D (both folded into W)."""
+    """x · (Σx² + D·eps)^(-1/2): the RMSNorm without its weight and its √D (both folded into W)."""
     return x * _inv_norm(x, c)
 
 
@@ -159,12 +159,11 @@ def moe_step(p: PreparedMoE, x, res):
 
 def mix_rows(q: torch.Tensor, c: torch.Tensor, srcs: list[torch.Tensor]) -> torch.Tensor:
     """AttnRes mix of n [B, H] rows with the folded query q = √H γ ⊙ w [H], c = H·eps -> [B, H]:
-    logit_i = <q, v_i> · rsqrt(Σv_i² + c) = <γ ⊙ w, v_i> / rms(v_i)."""
+    logit_i = <q, v_i> · (Σv_i² + c)^(-1/2) = <γ ⊙ w, v_i> / rms(v_i)."""
     if len(srcs) == 1:
         return srcs[0]
     v = torch.stack(srcs)                                                        # [n, B, H]
-    nrm = torch.linalg.vector_norm(v, dim=-1)
-    a = torch.matmul(v, q).mul_(torch.addcmul(c, nrm, nrm).rsqrt_()).softmax(0)     # [n, B]
+    a = torch.matmul(v, q).mul_(inv_sumsq(v, c, keepdim=False)).softmax(0)     # [n, B]
     return torch.linalg.vecdot(v, a.unsqueeze(2), dim=0)                           # Σ_i α_i v_i
 
 

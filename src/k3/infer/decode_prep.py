@@ -119,7 +119,7 @@ def _t(v: float) -> torch.Tensor:
 
 
 def _norm_const(norm, dim: int) -> torch.Tensor:
-    """The RMSNorm in the form rsqrt(Σx² + D·eps) (√D goes into the weights): D·eps as a constant."""
+    """The RMSNorm in the form (Σx² + D·eps)^(-1/2) (√D goes into the weights): D·eps as a constant."""
     return _t(dim * norm.eps)
 
 

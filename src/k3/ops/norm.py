@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm", "l2_normalize", "inv_rms"]
+__all__ = ["rms_norm", "l2_normalize", "inv_rms", "inv_sumsq"]
 
 
 def inv_rms(x: torch.Tensor, eps: float, keepdim: bool = False) -> torch.Tensor:
     """x [..., D] fp32 -> 1 / sqrt(mean_D(x²) + eps), [...] (or [..., 1] with keepdim); written in
     place on its own fresh intermediate (the inference paths' form)."""
     return x.pow(2).mean(-1, keepdim=keepdim).add_(eps).rsqrt_()
+
+
+def inv_sumsq(x: torch.Tensor, c: torch.Tensor, keepdim: bool = True) -> torch.Tensor:
+    """x [..., D] fp32, c a 0-dim tensor -> 1 / sqrt(Σ_D x² + c), [..., 1] (or [...]). With c = D·eps
+    this is inv_rms(x, eps) / √D: the decode step's form, whose √D lives in the next weight."""
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=keepdim)
+    return torch.addcmul(c, n, n).rsqrt_()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
