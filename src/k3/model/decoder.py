@@ -54,12 +54,13 @@ class AttnResPair(nn.Module):
         if hasattr(owner, f"{prefix}_proj"):
             nn.init.zeros_(getattr(owner, f"{prefix}_proj").weight)
 
-    compiled = False   # opt-in: ``AttnResPair.compiled = True`` mixes with compiled_attn_res_mix
-
     @staticmethod
     def mix(owner: nn.Module, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
+        """Mix ``sources`` with the owner's pair; eager unless the owner's ``attn_res_compiled`` is
+        set (``K3ForCausalLM.compile_attn_res``, an opt-in: compiled rounding differs from eager)."""
         proj, norm = getattr(owner, f"{prefix}_proj"), getattr(owner, f"{prefix}_norm")
-        fn = compiled_attn_res_mix if AttnResPair.compiled and len(sources) > 1 else attn_res_mix
+        compiled = getattr(owner, "attn_res_compiled", False) and len(sources) > 1
+        fn = compiled_attn_res_mix if compiled else attn_res_mix
         return fn(sources, proj.weight, norm.weight, norm.eps)
 
 
@@ -198,6 +199,16 @@ class K3ForCausalLM(nn.Module):
         self.reset_parameters()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def compile_attn_res(self, on: bool = True) -> "K3ForCausalLM":
+        """Opt in (or out) to ``torch.compile``'d AttnRes mixing in this model only (the same math,
+        fused; fp32 rounding differs from eager, so golden-compared runs stay eager). Returns self."""
+        if self.config.attn_res_block_size is None:
+            raise ValueError("compile_attn_res: this model has no Block AttnRes (attn_res_block_size is None)")
+        for m in self.modules():
+            if isinstance(m, (DecoderLayer, K3Model)):
+                m.attn_res_compiled = bool(on)
+        return self
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

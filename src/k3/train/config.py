@@ -77,6 +77,7 @@ class TrainConfig:
     qat: bool = False
     qk_clip: float | None = None             # QK-Clip τ for MLA max logits (None: off)
     dtype: str = "fp32"                      # fp32 | bf16 (autocast; fp32 master weights, KDA state)
+    compile_attn_res: bool = False           # torch.compile the AttnRes mixing (opt-in; not bit-equal to eager)
     capacity_factor: float | None = None     # MoE capacity C = ceil(f·N·k/E) (None: dropless)
     qb_bins: int | None = None               # histogram QB bins (None: exact; 1024 when distributed)
     # distributed (torchrun; k3.train.distributed): mesh dp x ep, world size = dp * ep
@@ -182,7 +183,7 @@ class TrainConfig:
         from k3.threads import parse_threads
         if (threads := parse_threads(self.threads)) != "auto":
             check_int("threads", threads, lo=0, hi=max_threads())
-        for name in ("qat", "plot"):
+        for name in ("qat", "plot", "compile_attn_res"):
             check_bool(name, getattr(self, name))
         check_bool("attn_res", self.attn_res, allow_none=True)
         for name in ("preset", "out"):
@@ -314,6 +315,9 @@ def resolve_model_config(tc: TrainConfig) -> K3Config:
         changes["hidden_act"] = tc.hidden_act
     if changes:
         cfg = cfg.replace(**changes)
+    if tc.compile_attn_res and cfg.attn_res_block_size is None:
+        raise ConfigError("compile_attn_res=true needs Block AttnRes, which this model has off "
+                         "(attn_res_block_size is None or attn_res=false)")
     if tc.max_seq_len > cfg.max_position_embeddings:
         raise ConfigError(f"curriculum sequence length {tc.max_seq_len} exceeds the model's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")

@@ -156,6 +156,8 @@ class Trainer:
         if tc.qat:
             from k3.train.qat import enable_qat
             enable_qat(self.model)
+        if tc.compile_attn_res:   # resolve_model_config refused it for a model without AttnRes
+            self.model.compile_attn_res()
         self.model.to(self.device)
         self._parallelize()
         self.optimizer = self._make_optimizer()
