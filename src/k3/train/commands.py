@@ -338,7 +338,7 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
 # beats the 8-layer preset: the tiny preset cut to 4 layers (3 KDA + 1 Gated MLA, the presets'
 # layout rule; AttnRes blocks of 2; LatentMoE 16 experts top-4 with QB; SiTU; Per-Head Muon), 16
 # sequences of 256 tokens per step. FIGURES
-DEMO_STEPS = 170
+DEMO_STEPS = 160
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
     "model_overrides": {
