@@ -337,7 +337,13 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
 # by per-layer non-matmul work, so at a fixed 10-minute budget a shallower K3 that sees more tokens
 # beats the 8-layer preset: the tiny preset cut to 4 layers (3 KDA + 1 Gated MLA, the presets'
 # layout rule; AttnRes blocks of 2; LatentMoE 16 experts top-4 with QB; SiTU; Per-Head Muon), 16
-# sequences of 256 tokens per step. FIGURES
+# sequences of 256 tokens per step. Measured (14:34 UTC, shared machine, load 1.4-5.5, --threads
+# auto mostly at 1 thread): whole-split validation 1.799 bits/byte (the 8-layer recipe before:
+# 1.99-2.035; gzip -9 1.629), 160 x 16 x 256 = 655,360 tokens at 1,036 training tokens/s average
+# (1,365 median over the last 40 steps, load ~2), 13.7 min of training + 0.9 min whole-split eval
+# and samples. To stay <= 10 minutes on 2 idle cores it needs >= ~1,240 training tokens/s on
+# average (the tokens/s probe puts it at ~1.9x the old recipe's 835, i.e. ~1,550: ~8 min in all).
+# The first run adds ~1.5 minutes to train the tokenizer and tokenize the stdlib (cached after).
 DEMO_STEPS = 160
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
