@@ -266,8 +266,9 @@ def gzip_bits_per_byte(texts) -> float:
 
 
 def demo_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3 demo", description="Train the tiny preset on the Python "
-                                "stdlib, then print validation bits per byte and samples.")
+    p = argparse.ArgumentParser(prog="k3 demo", description="Train a 4-layer K3 (the tiny preset, "
+                                "cut to 4 layers) on the Python stdlib, then print validation bits "
+                                "per byte and samples.")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--steps", type=int, default=DEMO_STEPS)
     p.add_argument("--threads", type=_threads_flag, default="auto", help="auto | N (see k3 train)")
@@ -301,7 +302,9 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     trainer = Trainer(tc)
-    print(f"{trainer.corpus.summary()}\ntiny preset: "
+    cfg = trainer.model_config
+    print(f"{trainer.corpus.summary()}\n{tc.preset} preset at {cfg.num_hidden_layers} layers "
+          f"({len(cfg.linear_attn_config.kda_layers)} KDA + {len(cfg.linear_attn_config.full_attn_layers)} MLA): "
           f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
           f"{tc.steps} steps of {tc.batch_size} sequences, curriculum {tc.curriculum}", flush=True)
     res = trainer.train()
@@ -332,12 +335,26 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-# The demo's budget, sized for <= 10 minutes on 2 free CPU cores (measured: 8.0 min of training at
-# ~810 tokens/s for 160 steps x 8 x 256 tokens, 9.4 min in all with the evaluations and samples),
-# plus ~1.5 minutes to train the tokenizer and tokenize the stdlib on the first run (cached after).
+# The demo's recipe (issue 15 sweep: benchmarks/recipe.py, docs/RECIPE.md). The step is dominated
+# by per-layer non-matmul work, so at a fixed 10-minute budget a shallower K3 that sees more tokens
+# beats the 8-layer preset: the tiny preset cut to 4 layers (3 KDA + 1 Gated MLA, the presets'
+# layout rule; AttnRes blocks of 2; LatentMoE 16 experts top-4 with QB; SiTU; Per-Head Muon), 16
+# sequences of 256 tokens per step. Measured (14:34 UTC, shared machine, load 1.4-5.5, --threads
+# auto mostly at 1 thread): whole-split validation 1.799 bits/byte (the 8-layer recipe before:
+# 1.99-2.035; gzip -9 1.629), 160 x 16 x 256 = 655,360 tokens at 1,036 training tokens/s average
+# (1,365 median over the last 40 steps, load ~2), 13.7 min of training + 0.9 min whole-split eval
+# and samples. To stay <= 10 minutes on 2 idle cores it needs >= ~1,240 training tokens/s on
+# average (the tokens/s probe puts it at ~1.9x the old recipe's 835, i.e. ~1,550: ~8 min in all).
+# The first run adds ~1.5 minutes to train the tokenizer and tokenize the stdlib (cached after).
 DEMO_STEPS = 160
 DEMO_CONFIG: dict[str, Any] = {
-    "preset": "tiny", "batch_size": 8, "curriculum": [[0, 256]], "lr": 5e-3, "warmup_frac": 0.1,
-    "decay_frac": 0.4, "eval_interval": 40, "eval_batches": 16, "final_eval_batches": 16,
-    "ckpt_interval": 100, "log_interval": 10,
+    "preset": "tiny",
+    "model_overrides": {
+        "num_hidden_layers": 4, "attn_res_block_size": 2,
+        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 4,
+                               "head_dim": 64, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                               "use_full_rank_gate": True},
+    },
+    "batch_size": 16, "curriculum": [[0, 256]], "lr": 5e-3, "warmup_frac": 0.1, "decay_frac": 0.4,
+    "eval_interval": 40, "eval_batches": 4, "final_eval_batches": 4, "ckpt_interval": 100, "log_interval": 10,
 }
