@@ -339,14 +339,13 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
 # by per-layer non-matmul work, so at a fixed 10-minute budget a shallower K3 that sees more tokens
 # beats the 8-layer preset: the tiny preset cut to 4 layers (3 KDA + 1 Gated MLA, the presets'
 # layout rule; AttnRes blocks of 2; LatentMoE 16 experts top-4 with QB; SiTU; Per-Head Muon), 16
-# sequences of 256 tokens per step. Measured (14:34 UTC, shared machine, load 1.4-5.5, --threads
-# auto mostly at 1 thread): whole-split validation 1.799 bits/byte (the 8-layer recipe before:
-# 1.99-2.035; gzip -9 1.629), 160 x 16 x 256 = 655,360 tokens at 1,036 training tokens/s average
-# (1,365 median over the last 40 steps, load ~2), 13.7 min of training + 0.9 min whole-split eval
-# and samples. To stay <= 10 minutes on 2 idle cores it needs >= ~1,240 training tokens/s on
-# average (the tokens/s probe puts it at ~1.9x the old recipe's 835, i.e. ~1,550: ~8 min in all).
-# The first run adds ~1.5 minutes to train the tokenizer and tokenize the stdlib (cached after).
-DEMO_STEPS = 160
+# sequences of 256 tokens per step. Measured on 2 idle cores (load ~1, --threads auto): 160 steps ran
+# at 1,824 training tokens/s (6.3 min of training, 6:57 in all with the whole-split evaluation and the
+# samples) to 1.796 bits/byte on the whole validation split (the 8-layer recipe before: 1.99-2.035;
+# gzip -9 1.629). 200 steps (819,200 tokens): 1,969 training tokens/s, 7.3 min of training, 7:59 in
+# all, 1.793 bits/byte: 25% more tokens bought only 0.003 bits/byte at this lr and schedule. The first run adds ~1.5 minutes to train the tokenizer and tokenize the stdlib
+# (cached after). Below ~1,400 training tokens/s (a busy machine) it takes longer than 10 minutes.
+DEMO_STEPS = 200
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
     "model_overrides": {
@@ -356,5 +355,5 @@ DEMO_CONFIG: dict[str, Any] = {
                                "use_full_rank_gate": True},
     },
     "batch_size": 16, "curriculum": [[0, 256]], "lr": 5e-3, "warmup_frac": 0.1, "decay_frac": 0.4,
-    "eval_interval": 40, "eval_batches": 4, "final_eval_batches": 4, "ckpt_interval": 100, "log_interval": 10,
+    "eval_interval": 50, "eval_batches": 4, "final_eval_batches": 4, "ckpt_interval": 100, "log_interval": 10,
 }
