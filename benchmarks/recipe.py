@@ -77,6 +77,7 @@ RECIPES: dict[str, tuple[dict, dict]] = {
     "l4_b16_bf16": ({"batch_size": 16, "dtype": "bf16"}, _shape(4)),
     "l4_b16_lr1e2": ({"batch_size": 16, "lr": 1e-2}, _shape(4)),
     "l4_b16_lr3e3": ({"batch_size": 16, "lr": 3e-3}, _shape(4)),
+    "l4_b16_decay7": ({"batch_size": 16, "decay_frac": 0.7}, _shape(4)),
     "l4_b32": ({"batch_size": 32}, _shape(4)),
     "l4_t512_b8": ({"batch_size": 8, "curriculum": [[0, 512]]}, _shape(4)),
     "l4_b32_bf16": ({"batch_size": 32, "dtype": "bf16"}, _shape(4)),

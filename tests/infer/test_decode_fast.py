@@ -16,9 +16,10 @@ from k3.infer.decode_fast import (DecodePlan, kda_step, length_mask, mix_rows, m
                                   moe_step)
 from k3.infer.decode_prep import prepare_unsupported, weights_key
 from k3.infer.decode_step import DecodeStep
-from k3.model.cache import K3Cache
 from k3.model.decoder import K3ForCausalLM
 from k3.ops.attn_res import attn_res_mix
+
+from test_decode_step import _prefilled  # same folder (pytest puts it on sys.path)
 
 
 def _close(got, want, tol=1e-5):
@@ -152,16 +153,6 @@ def test_attn_res_rows_mix_equals_the_training_mix(k3_model):
         want = attn_res_mix(srcs, layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight,
                             layer.self_attention_res_norm.eps)
         _close(mix_rows(q, c, srcs), want)
-
-
-def _prefilled(model, lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    caches = []
-    for n in lengths:
-        c = model.new_cache(1)
-        model(torch.randint(0, model.config.vocab_size, (1, n), generator=g), cache=c)
-        caches.append(c)
-    return K3Cache.cat(caches)
 
 
 @pytest.mark.parametrize("name", ["k3_model", "kimi_model", "variant_model"])

@@ -16,7 +16,8 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
                         = M·W·4·e                            SwiGLU: g, silu(g), u, down input
     kda_core            = B·nh·(n_c·(64·201 + (64c + 1)·d + 4d²) − (5 | 7)·d²)·4    chunk_kda (torch)
                           n_c = ⌈T/64⌉ chunks; 5 when n_c > 1, 7 for one chunk; c = 30 with factorised
-                          diagonal blocks (a gate lower bound lb with |lb|·15 ≤ 80), else 77
+                          diagonal blocks (a gate lower bound lb with |lb|·15 ≤ 80), else 43 (diagonal blocks by
+                          recursive halving, ``k3.ops.kda._diag_halving``)
     sdpa (math, CPU)    = B·nh_m·T·(2(n+p) + v + T)·4        q, k, v and the T×T probabilities, fp32
     sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
@@ -66,7 +67,7 @@ def _kda(cfg, B: int, T: int, e: int) -> int:
     gate_in = N * d * e + 2 * N * P * F32 + N * nh * F32                     # f_a out, decay (2), beta
     chunks = math.ceil(T / 64)
     factored = lac.gate_lower_bound is not None and abs(lac.gate_lower_bound) * 15 <= 80  # as chunk_kda picks
-    c = 30 if factored else 77
+    c = 30 if factored else 43   # else: recursive halving of the diagonal blocks
     per_chunk = 64 * 201 + (64 * c + 1) * d + 4 * d * d
     core = B * nh * (chunks * per_chunk - (5 if chunks > 1 else 7) * d * d) * F32
     if lac.use_full_rank_gate:
