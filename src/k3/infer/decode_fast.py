@@ -13,7 +13,7 @@ written as its shortest op list (B rows, H hidden; n(x) = x / rms(x), the norm w
           few slots (N·k < E): per slot one gemv into w1|w3 and one (add)mv of w2, no sort;
           otherwise sort + two ``grouped_mm`` over the stacked experts + one ``index_add_``
           out = res + [n(u) | act(g_s, u_s)] [W_up; W_sd]                   (one addmm)
-    AttnRes mix of n sources: α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v
+    AttnRes mix of n sources: α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v   (ops.attn_res_mix_folded)
 
 Nothing here writes the cache (the caller appends the MLA latents and stores the KDA tensors).
 Equal to the module path within float rounding: ``tests/infer/test_decode_fast.py``.
@@ -24,22 +24,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3.infer.decode_prep import PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE
+from k3.infer.decode_prep import (PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE,
+                                  norm_const)
 from k3.model.moe import LatentMoE
+from k3.ops.attn_res import attn_res_mix_folded
 from k3.ops.norm import inv_sumsq
 
-__all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step", "mix_rows",
-           "length_mask"]
-
-
-def _inv_norm(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """(Σ_D x² + c)^(-1/2) [..., 1]; with c = D·eps this is rms⁻¹(x) / √D (√D lives in the weights)."""
-    return inv_sumsq(x, c)
+__all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step", "length_mask"]
 
 
 def _normed(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """x · (Σx² + D·eps)^(-1/2): the RMSNorm without its weight and its √D (both folded into W)."""
-    return x * _inv_norm(x, c)
+    return x * inv_sumsq(x, c)
 
 
 def _out(res: torch.Tensor | None, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -56,7 +52,7 @@ def kda_step(p: PreparedKDA, x, res, conv, S):
     conv = xp[:, :, 1:].contiguous()
     h = F.silu(torch.linalg.vecdot(xp, p.conv_w), inplace=True).view(B, 3, nh, d)   # Σ_k w_k xp_k
     qk = h[:, :2]
-    qk = qk * _inv_norm(qk, p.c_qk).mul_(p.qk_scale)                           # l2, q/√d
+    qk = qk * inv_sumsq(qk, p.c_qk).mul_(p.qk_scale)                           # l2, q/√d
     q, k = (t.reshape(B * nh, 1, d) for t in qk.unbind(1))
     v = h[:, 2].reshape(B * nh, 1, d)
     dec = torch.addmm(p.f_bias, fa, p.w_f)
@@ -66,7 +62,7 @@ def kda_step(p: PreparedKDA, x, res, conv, S):
     S.baddbmm_(k.transpose(1, 2), u)
     o = torch.bmm(q, S).view(B, nh, d)
     gate = g if p.full_gate else torch.mm(g, p.w_gb)
-    o.mul_(_inv_norm(o, p.c_o)).mul_(torch.sigmoid(gate).view(B, nh, d))
+    o.mul_(inv_sumsq(o, p.c_o)).mul_(torch.sigmoid(gate).view(B, nh, d))
     return _out(res, o.view(B, nh * d), p.w_o), conv, S.view(B, nh, d, d)
 
 
@@ -86,7 +82,7 @@ def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
     q_lat, q_pe = q.split_with_sizes([nh * r, nh * p.p], 1)
     q_lat, q_pe = q_lat.view(B, nh, r), q_pe.view(B, nh, p.p)
     c_new, pe_new = ckv.split_with_sizes([r, p.p], 1)
-    c_new = c_new * _inv_norm(c_new, p.c_kv)
+    c_new = c_new * inv_sumsq(c_new, p.c_kv)
     c_new.mul_(p.kv_w)
     s = torch.baddbmm(torch.bmm(q_pe, pe_buf.transpose(1, 2)), q_lat, c_buf.transpose(1, 2))  # [B, nh, S]
     if mask is not None:
@@ -152,19 +148,9 @@ def moe_step(p: PreparedMoE, x, res):
         out = u if res is None else res + u
         return torch.addmm(out, p.act(*parts), p.w_out) if p.shared else out
     if p.c_u is not None:
-        u.mul_(_inv_norm(u, p.c_u))
+        u.mul_(inv_sumsq(u, p.c_u))
     a = torch.cat([u, p.act(*parts)], 1) if p.shared else u
     return _out(res, a, p.w_out)
-
-
-def mix_rows(q: torch.Tensor, c: torch.Tensor, srcs: list[torch.Tensor]) -> torch.Tensor:
-    """AttnRes mix of n [B, H] rows with the folded query q = √H γ ⊙ w [H], c = H·eps -> [B, H]:
-    logit_i = <q, v_i> · (Σv_i² + c)^(-1/2) = <γ ⊙ w, v_i> / rms(v_i)."""
-    if len(srcs) == 1:
-        return srcs[0]
-    v = torch.stack(srcs)                                                        # [n, B, H]
-    a = torch.matmul(v, q).mul_(inv_sumsq(v, c, keepdim=False)).softmax(0)     # [n, B]
-    return torch.linalg.vecdot(v, a.unsqueeze(2), dim=0)                           # Σ_i α_i v_i
 
 
 class _Layer:
@@ -188,7 +174,7 @@ def _fold(owner, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
     norm = getattr(owner, f"{prefix}_norm")
     H = norm.weight.shape[0]
     q = norm.weight.detach() * getattr(owner, f"{prefix}_proj").weight.detach().reshape(-1) * H ** 0.5
-    return q, torch.tensor(H * norm.eps)
+    return q, norm_const(norm, H)
 
 
 class DecodePlan:
@@ -205,7 +191,7 @@ class DecodePlan:
             if self.block is not None:
                 self.mix_out = _fold(m, "output_attn_res")
             H = cfg.hidden_size
-            self.c_norm = torch.tensor(H * m.norm.eps)
+            self.c_norm = norm_const(m.norm, H)
             self.w_lm = (model.lm_head.weight.detach() * (m.norm.weight.detach() * H ** 0.5)).contiguous().t()
 
 
@@ -236,10 +222,10 @@ def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bu
             if l % plan.block == 0:
                 blocks.append(partial)
                 partial = None
-            h = mix_rows(*L.mix_attn, blocks if partial is None else blocks + [partial])
+            h = attn_res_mix_folded(*L.mix_attn, blocks if partial is None else blocks + [partial])
             partial = attn(L, h, partial)
-            h = mix_rows(*L.mix_mlp, blocks + [partial])
+            h = attn_res_mix_folded(*L.mix_mlp, blocks + [partial])
             partial = L.ffn_step(L.ffn, h, partial)
-        x = mix_rows(*plan.mix_out, blocks + [partial])
+        x = attn_res_mix_folded(*plan.mix_out, blocks + [partial])
     logits = torch.mm(_normed(x, plan.c_norm), plan.w_lm)
     return logits, new_conv, new_S, new_c, new_pe

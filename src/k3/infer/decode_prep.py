@@ -27,8 +27,8 @@ from torch import nn
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
 
-__all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "PreparedAct", "PreparedKDA", "PreparedMLA",
-           "PreparedMLP", "PreparedMoE"]
+__all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "norm_const",
+           "PreparedAct", "PreparedKDA", "PreparedMLA", "PreparedMLP", "PreparedMoE"]
 
 
 class WeightWatch:
@@ -118,7 +118,7 @@ def _t(v: float) -> torch.Tensor:
     return torch.tensor(float(v), dtype=torch.float32)
 
 
-def _norm_const(norm, dim: int) -> torch.Tensor:
+def norm_const(norm, dim: int) -> torch.Tensor:
     """The RMSNorm in the form (Σx² + D·eps)^(-1/2) (√D goes into the weights): D·eps as a constant."""
     return _t(dim * norm.eps)
 
@@ -135,7 +135,7 @@ class PreparedKDA:
         P = nh * d
         H = a.hidden_size
         self.nh, self.d, self.P = nh, d, P
-        self.c_in, self.c_o, self.c_qk = _norm_const(norm, H), _norm_const(a.o_norm, d), _t(1e-6)
+        self.c_in, self.c_o, self.c_qk = norm_const(norm, H), norm_const(a.o_norm, d), _t(1e-6)
         self.full_gate, self.lb = a.use_full_rank_gate, a.gate_lower_bound
         self.lb_t = None if self.lb is None else _t(self.lb)
         g_in = a.g_proj if a.use_full_rank_gate else a.g_a_proj
@@ -160,8 +160,8 @@ class PreparedMLA:
         a = attn
         nh, n, p, r, vd = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
         H = a.hidden_size
-        self.nh, self.r, self.p, self.vd, self.c_in = nh, r, p, vd, _norm_const(norm, H)
-        self.c_kv, self.kv_w = _norm_const(a.kv_a_layernorm, r), a.kv_a_layernorm.weight.detach() * r ** 0.5
+        self.nh, self.r, self.p, self.vd, self.c_in = nh, r, p, vd, norm_const(norm, H)
+        self.c_kv, self.kv_w = norm_const(a.kv_a_layernorm, r), a.kv_a_layernorm.weight.detach() * r ** 0.5
         self.gated, self.lora = a.use_output_gate, a.q_lora_rank is not None
         w = a.kv_b_proj.weight.detach().view(nh, n + vd, r)
         w_uk = w[:, :n]                                                        # [nh, n, r]
@@ -173,7 +173,7 @@ class PreparedMLA:
         gate = (a.g_proj.weight * gamma,) if self.gated else ()
         if self.lora:
             ql = a.q_lora_rank
-            self.c_q = _norm_const(a.q_a_layernorm, ql)
+            self.c_q = norm_const(a.q_a_layernorm, ql)
             self.w_q = (w_q * (a.q_a_layernorm.weight.detach() * ql ** 0.5)).contiguous().t()   # [q_lora, nh(r+p)]
             self.w_in = _stack_t(a.q_a_proj.weight * gamma, a.kv_a_proj_with_mqa.weight * gamma, *gate)
             self.sizes = [a.q_lora_rank, r + p] + ([nh * vd] if self.gated else [])
@@ -186,7 +186,7 @@ class PreparedMLA:
 class PreparedMLP:
     def __init__(self, mlp, norm, act: PreparedAct):
         gamma = norm.weight.detach() * mlp.hidden_size ** 0.5
-        self.c_in, self.act, self.F = _norm_const(norm, mlp.hidden_size), act, mlp.gate_proj.weight.shape[0]
+        self.c_in, self.act, self.F = norm_const(norm, mlp.hidden_size), act, mlp.gate_proj.weight.shape[0]
         self.w_in = _stack_t(mlp.gate_proj.weight * gamma, mlp.up_proj.weight * (gamma * act.up_scale))
         self.w_down = (mlp.down_proj.weight.detach() * act.down_scale).contiguous().t()
 
@@ -194,7 +194,7 @@ class PreparedMLP:
 class PreparedMoE:
     def __init__(self, moe: LatentMoE, norm, act: PreparedAct):
         gamma, g = norm.weight.detach() * moe.hidden_size ** 0.5, moe.gate
-        self.c_in, self.act, self.k, self.E = _norm_const(norm, moe.hidden_size), act, moe.top_k, moe.num_experts
+        self.c_in, self.act, self.k, self.E = norm_const(norm, moe.hidden_size), act, moe.top_k, moe.num_experts
         self.k_t, self.tiny = torch.tensor(moe.top_k), _t(1e-20)
         self.activation, self.renormalize = g.activation, g.renormalize
         self.bias = g.e_score_correction_bias                                  # live buffer (QB updates it)
@@ -220,7 +220,7 @@ class PreparedMoE:
         self.w13_e, self.w2_e = list(self.w13_t.unbind(0)), list(self.w2_t.unbind(0))
         norm_u = getattr(moe, "routed_expert_norm", None)
         ell = ex.w1.shape[2]
-        self.c_u = None if norm_u is None else _norm_const(norm_u, ell)
+        self.c_u = None if norm_u is None else norm_const(norm_u, ell)
         outs = []
         if self.latent:
             up = moe.routed_expert_up_proj.weight.detach()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.infer.scheduler import DecodeGroup, Request, per_row_lengths
+from k3.infer.scheduler import DecodeGroup, Request
 
 __all__ = ["PrefillSteps"]
 
@@ -92,14 +92,7 @@ class PrefillSteps:
         self._emit_rows(batch, logits)
         keep = [i for i, r in enumerate(batch) if not r.finished]
         if keep:
-            rows = cache if len(keep) == len(batch) else cache.select(keep)
-            reqs = [batch[i] for i in keep]
-            with self._cv:
-                group = next(iter(self._groups), None) if per_row_lengths(rows) else None
-                if group is None:
-                    self._groups.append(DecodeGroup.of_rows(reqs, rows))
-                else:
-                    group.join_rows(reqs, rows)
+            self._to_decode([batch[i] for i in keep], cache if len(keep) == len(batch) else cache.select(keep))
         return len(batch) * n
 
     def _prefill_chunk(self, req: Request, budget: int) -> int:
@@ -121,13 +114,17 @@ class PrefillSteps:
         with self._cv:
             self._prefill.remove(req)
         self._emit(req, logits)
-        if req.finished:
-            req.cache = None
-            return ran
-        with self._cv:
-            group = next((g for g in self._groups if g.accepts(req)), None)
-            if group is None:
-                self._groups.append(DecodeGroup(req))
-            else:
-                group.join(req)
+        rows, req.cache = req.cache, None
+        if not req.finished:
+            self._to_decode([req], rows)
         return ran
+
+    def _to_decode(self, reqs: list[Request], rows) -> None:
+        """``reqs`` (prefilled; their cache rows ``rows``, in order) join the first decode group that
+        accepts those rows, or start one."""
+        with self._cv:
+            group = next((g for g in self._groups if g.accepts(rows)), None)
+            if group is None:
+                self._groups.append(DecodeGroup(reqs, rows))
+            else:
+                group.join(reqs, rows)

@@ -151,30 +151,18 @@ def per_row_lengths(cache: K3Cache) -> bool:
 class DecodeGroup:
     """Running requests decoded together: ``cache`` row ``i`` belongs to ``reqs[i]``."""
 
-    def __init__(self, req: Request):
-        self.reqs = [req]
-        self.cache = req.cache
-        req.cache = None
-
-    @classmethod
-    def of_rows(cls, reqs: list[Request], cache: K3Cache) -> "DecodeGroup":
+    def __init__(self, reqs: list[Request], cache: K3Cache):
         """A group of ``reqs`` whose rows are ``cache`` (in order)."""
-        g = cls.__new__(cls)
-        g.reqs, g.cache = list(reqs), cache
-        return g
+        self.reqs, self.cache = list(reqs), cache
 
     def length(self) -> int:
         return self.cache.seq_len
 
-    def accepts(self, req: Request) -> bool:
-        return per_row_lengths(self.cache) or self.cache.seq_len == req.cache.seq_len
+    def accepts(self, cache: K3Cache) -> bool:
+        """Whether rows ``cache`` can join (per-row lengths, or the same length as the group's)."""
+        return per_row_lengths(self.cache) or self.cache.seq_len == cache.seq_len
 
-    def join(self, req: Request) -> None:
-        self.cache = K3Cache.cat([self.cache, req.cache])
-        req.cache = None
-        self.reqs.append(req)
-
-    def join_rows(self, reqs: list[Request], cache: K3Cache) -> None:
+    def join(self, reqs: list[Request], cache: K3Cache) -> None:
         """Append ``reqs`` whose rows are ``cache`` (in order), with one concatenation."""
         self.cache = K3Cache.cat([self.cache, cache])
         self.reqs.extend(reqs)

@@ -17,9 +17,9 @@ from typing import Sequence
 
 import torch
 
-from k3.ops.norm import inv_rms, rms_norm
+from k3.ops.norm import inv_sumsq, rms_norm
 
-__all__ = ["attn_res_mix", "attn_res_mix_rows", "compiled_attn_res_mix"]
+__all__ = ["attn_res_mix", "attn_res_mix_rows", "attn_res_mix_folded", "compiled_attn_res_mix"]
 
 
 def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -56,14 +56,20 @@ def compiled_attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, 
 
 def attn_res_mix_rows(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                       eps: float = 1e-5) -> torch.Tensor:
-    """Inference form of ``attn_res_mix`` for fp32 rows: sources n × [B, H] -> [B, H], in fewer
-    kernels (the decode step). The key norm's weight is folded into the query,
-    <w, γ ⊙ v / rms(v)> = <γ ⊙ w, v> / rms(v), and the logits are one matrix-vector product; equal
-    to ``attn_res_mix`` up to float rounding (not bitwise)."""
+    """Inference form of ``attn_res_mix`` for fp32 rows: sources n × [B, H] -> [B, H] (the decode
+    step), ``attn_res_mix_folded`` with the key norm's weight folded into the query; equal to
+    ``attn_res_mix`` up to float rounding (not bitwise)."""
+    H = norm_weight.shape[-1]
+    q = norm_weight * query.reshape(-1) * H ** 0.5
+    return attn_res_mix_folded(q, torch.tensor(H * eps), sources)
+
+
+def attn_res_mix_folded(q: torch.Tensor, c: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The mix of n fp32 rows [B, H] -> [B, H] with the folded query q = √H γ ⊙ w [H] and c = H·eps
+    (0-dim): logit_i = <q, v_i> · (Σv_i² + c)^(-1/2) = <w, γ ⊙ v_i / rms(v_i)>, α = softmax_i,
+    out = Σ_i α_i v_i; one matrix-vector product for the logits, one vecdot for the sum."""
     if len(sources) == 1:
         return sources[0]
-    v = torch.stack(sources)                                           # [n, B, H]
-    n, B, H = v.shape
-    logits = torch.mv(v.view(n * B, H), norm_weight * query.reshape(-1)).view(n, B).mul_(inv_rms(v, eps))
-    alpha = logits.softmax(0)                                          # [n, B]
-    return (v * alpha[..., None]).sum(0)                               # [B, H]
+    v = torch.stack(list(sources))                                             # [n, B, H]
+    a = torch.matmul(v, q).mul_(inv_sumsq(v, c, keepdim=False)).softmax(0)     # [n, B]
+    return torch.linalg.vecdot(v, a.unsqueeze(2), dim=0)                       # Σ_i α_i v_i
