@@ -10,8 +10,9 @@ large); only a fault of the server itself is 5xx. Bodies are read here (not by F
 size limit, invalid JSON and invalid UTF-8 are refused before any parsing.
 
 Each request is one engine submission; its events reach the event loop through one
-``EventBridge`` (``k3.serve.bridge``: one loop wake-up per engine step for all streams). When a streaming client goes away, the response task is cancelled and the request
-is cancelled in the engine at once (its batch slot and cache are freed before the next step).
+``EventBridge`` (``k3.serve.bridge``: one loop wake-up per engine step for all streams). When a
+streaming client goes away, the response task is cancelled and the request is cancelled in the
+engine at once (its batch slot and cache are freed before the next step).
 """
 
 from __future__ import annotations
