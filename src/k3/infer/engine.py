@@ -40,6 +40,7 @@ from k3.infer.detok import TextStream
 from k3.infer.sampling import Sampler, SamplingParams, sample_rows
 from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
 from k3.model.cache import KDAState, MLAState, cache_bytes_per_sequence
+from k3.threads import release_openmp_team
 
 __all__ = ["Engine"]
 
@@ -107,11 +108,15 @@ class Engine(PrefillSteps):
         self._prefix_stats: dict = {}
         self._listeners: list = []
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
+        release_openmp_team()   # k3.threads: this thread's idle OpenMP team would slow the engine's
         self._thread.start()
 
     # ------------------------------------------------------------------------------ public
     def submit(self, prompt_ids, params: SamplingParams | dict | None = None) -> RequestHandle:
         """Queue a request; returns at once. Bad input fails this handle only."""
+        if threading.current_thread() is not self._thread:
+            release_openmp_team()   # the caller's idle OpenMP team (if it ran torch since) would
+            #                         throttle the engine thread's workers (k3.threads)
         with self._cv:
             handle = RequestHandle(self._next_id, self)
             self._next_id += 1
