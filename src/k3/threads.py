@@ -16,7 +16,8 @@ Two mechanisms, both measured on the 2-core machine this project grew on (docs/T
   built or warmed in the main thread and then stepped by ``Engine``'s thread is that case: a
   ``small`` decode step took 17 ms in the main thread and 22–34 ms in the engine thread on 2
   cores. :func:`release_openmp_team` ends the calling thread's team (OpenMP 5.0
-  ``omp_pause_resource_all``); the engine calls it for the threads that hand it work.
+  ``omp_pause_resource_all``); the engine calls it in the threads that hand it work, and in
+  its own thread whenever it goes idle.
 * **Thread count from what is free.** :class:`CpuMeter` measures how many of this process's
   usable cores other processes keep busy over a window: the busy time of those CPUs in
   ``/proc/stat`` minus this process's own CPU time. :class:`ThreadController` starts at the

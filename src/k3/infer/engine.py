@@ -268,6 +268,8 @@ class Engine(PrefillSteps):
             with torch.no_grad():
                 while True:
                     with self._cv:
+                        if not (self._stop or self._waiting or self._prefill or self._groups):
+                            release_openmp_team()  # idle: no team of ours to throttle other threads'
                         while not (self._stop or self._waiting or self._prefill or self._groups):
                             self._cv.wait()
                         if self._stop:
