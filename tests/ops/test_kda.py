@@ -315,3 +315,24 @@ def test_recurrence_stays_fp32_under_bf16_autocast():
         assert control.dtype == torch.bfloat16
         assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fn.__name__
+
+
+@pytest.mark.parametrize("bound", [-5.0, None])
+def test_inference_forward_in_chunk_groups_equals_the_whole_and_the_recurrence(bound, monkeypatch):
+    # Under no_grad the chunks go in groups of _group_size; a group of every chunk (one pass, as
+    # in training) and groups of one or three chunks must give the same bits, and the per-token
+    # recurrence (the independent reference) the same values.
+    q, k, v, g, beta, s0 = make_inputs(T=7 * 16 + 5, dtype=torch.float32, seed=5)   # 8 chunks of 16
+    B, _, H, K = q.shape
+    chunk_bytes = B * H * 16 * max(K, v.shape[-1]) * 4
+    outs = []
+    for group_bytes in (1 << 40, 1, 3 * chunk_bytes):          # all 8, 1 chunk, 3 + 3 + 2 chunks
+        monkeypatch.setattr(kda, "_GROUP_BYTES", group_bytes)
+        with torch.no_grad():
+            outs.append(chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                  chunk_size=16, g_lower_bound=bound))
+    for o, s in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(s, outs[0][1])
+    o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    torch.testing.assert_close(outs[1][0], o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(outs[1][1], s_ref, atol=2e-5, rtol=1e-4)
