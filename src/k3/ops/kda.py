@@ -279,7 +279,7 @@ def _unit_lower_solve(diag_a: torch.Tensor, off_a: list[torch.Tensor], beta: tor
             r = blk * sub
             if blk:
                 r_blk = r_blk - (b_blk * off_a[blk - 1]) @ X[..., :r, :]
-            torch.matmul(inv_blk, r_blk, out=X[..., r:r + sub, :])
+            X[..., r:r + sub, :] = inv_blk @ r_blk   # not out=: a strided out loops over the batch
         return X
     xs = []
     for blk, (r_blk, b_blk, inv_blk) in enumerate(blocks):
