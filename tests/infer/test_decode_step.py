@@ -119,3 +119,29 @@ def test_attn_res_rows_mix_equals_the_training_mix_with_a_nonzero_query():
     assert not torch.allclose(alpha, torch.full_like(alpha, 1 / 5))  # a real, non-uniform mix
     torch.testing.assert_close(attn_res_mix_rows(srcs, q, gamma, 1e-5), sum(a[:, None] * s for a, s in zip(alpha, srcs)),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_the_cache_after_steps_is_ordinary_and_a_forward_with_autograd_continues_it(model, prepared):
+    # The step's math runs in inference mode; the cache and logits it leaves must be ordinary
+    # tensors: a later forward with autograd from that cache, and an in-place op on the logits,
+    # work (an inference tensor would refuse both), with the same values as the no-grad forward.
+    cache = _prefilled(model, [5, 11], 2)
+    step = DecodeStep(model, prepared=prepared)
+    tok = torch.tensor([3, 7])
+    for _ in range(3):
+        logits = step.step(tok, cache)
+        tok = logits.argmax(-1)
+    assert not logits.is_inference()
+    logits.div_(2.0)                                                  # in place outside inference mode
+    for s in cache.layers:
+        for t in ((s.conv, s.recurrent) if isinstance(s, KDAState) else (s.c, s.k_pe)):
+            assert not t.is_inference()
+    with torch.no_grad():
+        want = model(tok[:, None], cache=cache.clone(), logits_to_keep=1).logits      # control
+    out = model(tok[:, None], cache=cache, logits_to_keep=1).logits
+    out.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(out.detach(), want, rtol=1e-6, atol=1e-6)
