@@ -11,7 +11,7 @@ both idle phases (measured in the same run, so the load other users put on the m
 baseline too), and its busy figure is the *minimum* window of the busy phase over that idle rate.
 
     old:  threads = all usable cores, libgomp's default wait policy (spin, then sleep)
-    auto: the new default: k3.threads (passive wait policy, thread count from the free cores,
+    auto: the default: k3.threads (passive wait policy, thread count from the free cores,
           re-measured while training)
     passive (not in the default --modes): all usable cores, fixed, with the passive wait policy
           (separates the wait policy's effect from the controller's)
@@ -19,7 +19,7 @@ baseline too), and its busy figure is the *minimum* window of the busy phase ove
           spin before sleeping: the middle ground between libgomp's default and passive)
     autospin (not in the default --modes): the controller of auto with libgomp's default spin
           count set explicitly (GOMP_SPINCOUNT=300000, kept by k3.threads): the controller then
-          never probes above the free-core count
+          never probes above the free-core count (faster idle, slower to meet a competitor)
 
 Target (issue 15): the busy minimum of ``auto`` >= 40% of idle (PASS/MISS is printed). The machine's
 load average before and after is printed: on a machine other users load, "idle" is not idle.
@@ -50,6 +50,8 @@ def worker(mode: str, data: str, out: str, log: str) -> None:
         import torch  # noqa: F401  # loaded before k3.train: libgomp keeps its default wait policy
     if mode == "spin10k":
         os.environ["GOMP_SPINCOUNT"] = "10000"  # a user's setting: k3.threads keeps it
+    if mode == "passive":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # as k3 sets it, explicit
     if mode == "autospin":
         os.environ["GOMP_SPINCOUNT"] = "300000"  # libgomp's own default, as a user setting
     import signal

@@ -6,8 +6,11 @@ Two mechanisms, both measured on the 2-core machine this project grew on (docs/T
   Unset, libgomp lets an idle worker spin ~300,000 times before it sleeps; when another process
   holds a core, the spinning workers take the CPU that the thread they wait for (or the other
   process) needs, and a ``tiny`` training step slowed from 2.7 s to 16–80 s. With
-  ``OMP_WAIT_POLICY=PASSIVE`` (workers sleep at once) the same step took 4–7 s.
-  :func:`configure_openmp` sets it; libgomp reads the variable once, when torch loads it, so it
+  ``OMP_WAIT_POLICY=PASSIVE`` (workers sleep at once) the same step took 4–7 s. Idle, spinning
+  is faster (the demo's step 1.11–1.30× in alternated runs), but choosing it from the load at
+  start failed the busy case: a competitor arriving mid-run held the minimum window at 32.6 % of
+  idle until the controller reacted (docs/TRAINING_SPEED.md). :func:`configure_openmp` sets
+  PASSIVE; libgomp reads the variable once, when torch loads it, so it
   must run before ``import torch`` (``k3.train`` calls it first thing). A user's own
   ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is kept.
 * **One OpenMP team per process.** libgomp gives every thread that opens a parallel region its
