@@ -80,6 +80,7 @@ RECIPES: dict[str, tuple[dict, dict]] = {
     "l4_b16_decay7": ({"batch_size": 16, "decay_frac": 0.7}, _shape(4)),
     "l4_b32": ({"batch_size": 32}, _shape(4)),
     "l4_t512_b8": ({"batch_size": 8, "curriculum": [[0, 512]]}, _shape(4)),
+    "l4_t512_b8_decay7": ({"batch_size": 8, "curriculum": [[0, 512]], "decay_frac": 0.7}, _shape(4)),
     "l4_b32_bf16": ({"batch_size": 32, "dtype": "bf16"}, _shape(4)),
     "l6_b16": ({"batch_size": 16}, _shape(6)),
     "l4_h2": ({"batch_size": 16}, _shape(4, heads=2, head_dim=128, num_attention_heads=2)),
