@@ -1,6 +1,7 @@
-"""CPU threads for training on a machine that other processes share (``--threads auto``).
+"""CPU threads on a machine that other processes share (``--threads auto``), and OpenMP teams.
 
-Two mechanisms, both measured on the 2-core machine this project grew on (docs/TRAINING_SPEED.md):
+Three mechanisms, all measured on the 2-core machine this project grew on (docs/TRAINING_SPEED.md,
+docs/INFERENCE.md):
 
 * **OpenMP wait policy.** torch's CPU build runs its parallel regions on GNU OpenMP (libgomp).
   Unset, libgomp lets an idle worker spin ~300,000 times before it sleeps; when another process

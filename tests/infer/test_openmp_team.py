@@ -5,8 +5,8 @@ OS thread). An idle team in the thread that built the model makes the engine thr
 sleep between parallel regions (k3.threads), so the engine ends the teams of the threads that
 hand it work. The facts checked: the worker thread exists (control), goes when released, comes
 back with the next parallel region, results unchanged; Engine() and submit() end the caller's
-team, and the idle engine ends its own, while it keeps generating the same tokens. Run in a child process so that the test
-process's own teams stay as they are.
+team, and the idle engine ends its own, while it keeps generating the same tokens. Run in a child
+process so that the test process's own teams stay as they are.
 """
 
 from __future__ import annotations
