@@ -157,9 +157,9 @@ class DecodeStep:
         lengths = mla[0].lengths if mla else cache.seq_lens
         plan = self.plan()
         # The math in inference mode (no version counters or view tracking: ~5% of a batch-1
-        # step, interleaved). What leaves it is copied out (the KDA tensors, the logits) or copied into the MLA
-        # buffers by append, outside it: the cache and the logits stay ordinary tensors, which a
-        # later in-place op or a forward with autograd may use.
+        # step, interleaved). What leaves it is copied out (the KDA tensors, the logits) or copied
+        # into the MLA buffers by append, outside it: the cache and the logits stay ordinary
+        # tensors, which a later in-place op or a forward with autograd may use.
         with torch.inference_mode():
             if plan is not None:
                 mask = None if all(s.uniform for s in mla) else length_mask(lengths, mla[0].max_length)

@@ -83,8 +83,8 @@ class PrefillSteps:
         c["prompt_tokens"] += len(batch) * n
         c["max_prefill_batch"] = max(c["max_prefill_batch"], len(batch))
         if self.prefix_cache is not None:
-            for r, c in zip(batch, cache.split()):
-                self.prefix_cache.insert(r.prompt, c)
+            for r, rows in zip(batch, cache.split()):
+                self.prefix_cache.insert(r.prompt, rows)
         with self._cv:
             for r in batch:
                 self._prefill.remove(r)
