@@ -135,40 +135,54 @@ class SamplingParams:
 
 
 # ------------------------------------------------------------------------- pure processors
+# Each processor takes its parameter as a number (one setting for every row) or as a [B, 1] column
+# (one per row of [B, V] logits: ``sample_rows``); the arithmetic is the same either way.
+def _is_col(x) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor,
-                    repetition: float, presence: float, frequency: float) -> torch.Tensor:
-    """logits [V]; ``seen`` [V] bool (prompt or output), ``counts`` [V] output counts -> new [V]."""
+                    repetition, presence, frequency) -> torch.Tensor:
+    """logits [..., V]; ``seen`` [..., V] bool (prompt or output), ``counts`` [..., V] output
+    counts -> new [..., V]."""
     z = logits
-    if repetition != 1.0:
+    if _is_col(repetition) or repetition != 1.0:
         scaled = torch.where(z > 0, z / repetition, z * repetition)
         z = torch.where(seen, scaled, z)
-    if presence or frequency:
+    if _is_col(presence) or _is_col(frequency) or presence or frequency:
         c = counts.to(z.dtype)
         z = z - frequency * c - presence * (c > 0).to(z.dtype)
     return z
 
 
-def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep-mask [..., V]: logits >= the k-th largest (ties at the k-th value are kept)."""
-    if k >= logits.shape[-1]:
-        return torch.ones_like(logits, dtype=torch.bool)
-    kth = logits.topk(k, dim=-1).values[..., -1:]
-    return logits >= kth
+def top_k_mask(logits: torch.Tensor, k, sorted_desc: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep-mask [..., V]: logits >= the k-th largest (ties at the k-th value are kept). ``k``: an
+    int, or a [..., 1] integer column of per-row values in [1, V], read from ``sorted_desc`` (the
+    logits sorted descending) when given."""
+    if not _is_col(k):
+        if k >= logits.shape[-1]:
+            return torch.ones_like(logits, dtype=torch.bool)
+        return logits >= logits.topk(k, dim=-1).values[..., -1:]
+    if sorted_desc is None:
+        sorted_desc = logits.sort(dim=-1, descending=True, stable=True).values
+    return logits >= sorted_desc.gather(-1, k - 1)
 
 
-def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep-mask: the most probable tokens until their probability sum reaches ``p``."""
-    if p >= 1:
+def top_p_mask(logits: torch.Tensor, p, sorted_z: tuple | None = None) -> torch.Tensor:
+    """Keep-mask: the most probable tokens until their probability sum reaches ``p`` (a number or
+    a [..., 1] column; ``sorted_z``: ``logits.sort(dim=-1, descending=True, stable=True)`` when at
+    hand)."""
+    if not _is_col(p) and p >= 1:
         return torch.ones_like(logits, dtype=torch.bool)
-    sorted_z, order = logits.sort(dim=-1, descending=True, stable=True)
-    probs = sorted_z.softmax(-1)
+    values, order = logits.sort(dim=-1, descending=True, stable=True) if sorted_z is None else sorted_z
+    probs = values.softmax(-1)
     keep_sorted = probs.cumsum(-1) - probs < p  # tokens ranked above this one sum to < p
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-def min_p_mask(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Keep-mask: probability >= ``min_p`` times the largest probability."""
-    if min_p <= 0:
+def min_p_mask(logits: torch.Tensor, min_p) -> torch.Tensor:
+    """Keep-mask: probability >= ``min_p`` (a number or a [..., 1] column) times the largest."""
+    if not _is_col(min_p) and min_p <= 0:
         return torch.ones_like(logits, dtype=torch.bool)
     probs = logits.softmax(-1)
     return probs >= min_p * probs.max(-1, keepdim=True).values
@@ -253,33 +267,30 @@ def _penalise_rows(z: torch.Tensor, samplers: list) -> torch.Tensor:
         return z
     ps = [samplers[i].params for i in rows]
     idx = torch.tensor(rows, device=z.device)
-    sub = z.index_select(0, idx)
-    seen = torch.stack([samplers[i]._seen for i in rows])
-    counts = torch.stack([samplers[i]._counts for i in rows]).to(z.dtype)
-    rep = _col([p.repetition_penalty for p in ps], z)
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq, pres = _col([p.frequency_penalty for p in ps], z), _col([p.presence_penalty for p in ps], z)
-    sub = sub - freq * counts - pres * (counts > 0).to(z.dtype)
+    sub = apply_penalties(z.index_select(0, idx), torch.stack([samplers[i]._seen for i in rows]),
+                          torch.stack([samplers[i]._counts for i in rows]),
+                          _col([p.repetition_penalty for p in ps], z), _col([p.presence_penalty for p in ps], z),
+                          _col([p.frequency_penalty for p in ps], z))
     return z.index_copy(0, idx, sub)
 
 
 def _masked_rows(z: torch.Tensor, ps: list) -> torch.Tensor:
-    """Temperature then the top-k / top-p / min-p masks of ``process_logits`` with per-row values."""
+    """Temperature then the top-k / top-p / min-p masks of ``process_logits`` with per-row values
+    (one sort shared by top-k and top-p)."""
     z = z / _col([p.temperature for p in ps], z)
     V = z.shape[-1]
     keep = torch.ones_like(z, dtype=torch.bool)
-    if any(p.top_k is not None and p.top_k < V for p in ps) or any(p.top_p < 1 for p in ps):
-        sorted_z, order = z.sort(dim=-1, descending=True, stable=True)
-        if any(p.top_k is not None and p.top_k < V for p in ps):
-            k = torch.tensor([min(p.top_k or V, V) - 1 for p in ps], device=z.device)[:, None]
-            keep &= z >= sorted_z.gather(-1, k)               # the k-th largest, ties kept
-        if any(p.top_p < 1 for p in ps):
-            probs = sorted_z.softmax(-1)
-            top_p = _col([p.top_p if p.top_p < 1 else math.inf for p in ps], z)
-            keep &= torch.zeros_like(keep).scatter(-1, order, probs.cumsum(-1) - probs < top_p)
+    need_k = any(p.top_k is not None and p.top_k < V for p in ps)
+    need_p = any(p.top_p < 1 for p in ps)
+    if need_k or need_p:
+        srt = z.sort(dim=-1, descending=True, stable=True)
+        if need_k:
+            k = torch.tensor([min(p.top_k or V, V) for p in ps], device=z.device)[:, None]
+            keep &= top_k_mask(z, k, srt.values)
+        if need_p:
+            keep &= top_p_mask(z, _col([p.top_p if p.top_p < 1 else math.inf for p in ps], z), srt)
     if any(p.min_p > 0 for p in ps):
-        probs = z.softmax(-1)
-        keep &= probs >= _col([p.min_p for p in ps], z) * probs.max(-1, keepdim=True).values
+        keep &= min_p_mask(z, _col([p.min_p for p in ps], z))
     return z.masked_fill(~keep, float("-inf"))
 
 
