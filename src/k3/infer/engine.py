@@ -374,11 +374,10 @@ class Engine(PrefillSteps):
         for i, tok in zip(live, tokens):
             self._emit(reqs[i], logits[i], tok)
 
-    def _emit(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
-        """Send ``req``'s next token (``token``, else sampled from logits [V]) as its event; the
-        thinking cap may replace it; finish the request if it ends."""
+    def _emit(self, req: Request, logits: torch.Tensor, tok: int) -> None:
+        """Send ``req``'s next token ``tok`` (sampled by ``_emit_rows`` from its logits [V]) as its
+        event; the thinking cap may replace it; finish the request if it ends."""
         p = req.params
-        tok = req.sampler.choose(logits) if token is None else token
         cap = p.max_thinking_tokens
         if cap is not None and len(req.out) >= cap and p.think_end_id not in req.out:
             tok = p.think_end_id  # the thinking cap: close the thinking section, the answer follows

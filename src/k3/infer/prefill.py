@@ -113,7 +113,7 @@ class PrefillSteps:
             return ran
         with self._cv:
             self._prefill.remove(req)
-        self._emit(req, logits)
+        self._emit_rows([req], logits[None])
         rows, req.cache = req.cache, None
         if not req.finished:
             self._to_decode([req], rows)
