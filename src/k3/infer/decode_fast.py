@@ -10,12 +10,13 @@ written as its shortest op list (B rows, H hidden; n(x) = x / rms(x), the norm w
     MLA   y = n(x) W_in;  [q_lat | q_pe] = n(q_a) W_q  (W_UK and the scale absorbed)
           s = [q_lat cᵀ + q_pe k_peᵀ (+ mask) | self];  o = (softmax(s) [c; c_new]) W_UV ⊙ σ(g)
     MoE   [logits | z | g_s | u_s] = n(x) W_in;  top-k of σ(logits) + bias, p renormalized
-          few slots (N·k < E): per slot one gemv into w1|w3 and one (add)mv of w2, no sort;
-          otherwise sort + two ``grouped_mm`` over the stacked experts + one ``index_add_``
+          all N·k slots at once: h = act(z_slot [w1|w3]_e) · p (one packed rows_mm), then
+          h w2_e (a second), summed over each token's k slots
           out = res + [n(u) | act(g_s, u_s)] [W_up; W_sd]                   (one addmm)
     AttnRes mix of n sources: α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v   (ops.attn_res_mix_folded)
 
-Nothing here writes the cache (the caller appends the MLA latents and stores the KDA tensors).
+Every matrix product with a weight is one call of the packed kernel (``k3.ops.packed_mm``), so a
+row's result does not depend on the rows beside it. Nothing here writes the cache (the caller appends the MLA latents and stores the KDA tensors).
 Equal to the module path within float rounding: ``tests/infer/test_decode_fast.py``.
 """
 
@@ -29,6 +30,7 @@ from k3.infer.decode_prep import (PreparedAct, PreparedKDA, PreparedMLA, Prepare
 from k3.model.moe import LatentMoE
 from k3.ops.attn_res import attn_res_mix_folded
 from k3.ops.norm import inv_sumsq
+from k3.ops.packed_mm import PackedMatrix
 
 __all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step", "length_mask"]
 
@@ -38,16 +40,16 @@ def _normed(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return x * inv_sumsq(x, c)
 
 
-def _out(res: torch.Tensor | None, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _out(res: torch.Tensor | None, a: torch.Tensor, w: PackedMatrix) -> torch.Tensor:
     """res + a @ w (a @ w when there is no residual yet)."""
-    return torch.mm(a, w) if res is None else torch.addmm(res, a, w)
+    return w.mm(a, res)
 
 
 def kda_step(p: PreparedKDA, x, res, conv, S):
     """x [B,H] (pre-norm), res [B,H] | None, conv [B,3P,K−1], S [B,nh,d,d] fp32 ->
     (res + out [B,H], conv', S')."""
     B, nh, d = x.shape[0], p.nh, p.d
-    qkv, fa, b, g = torch.mm(_normed(x, p.c_in), p.w_in).split_with_sizes(p.sizes, 1)
+    qkv, fa, b, g = p.w_in.mm(_normed(x, p.c_in)).split_with_sizes(p.sizes, 1)
     xp = torch.cat([conv, qkv.unsqueeze(2)], 2)                                  # [B, 3P, K]
     conv = xp[:, :, 1:].contiguous()
     h = F.silu(torch.linalg.vecdot(xp, p.conv_w), inplace=True).view(B, 3, nh, d)   # Σ_k w_k xp_k
@@ -55,13 +57,13 @@ def kda_step(p: PreparedKDA, x, res, conv, S):
     qk = qk * inv_sumsq(qk, p.c_qk).mul_(p.qk_scale)                           # l2, q/√d
     q, k = (t.reshape(B * nh, 1, d) for t in qk.unbind(1))
     v = h[:, 2].reshape(B * nh, 1, d)
-    dec = torch.addmm(p.f_bias, fa, p.w_f)
+    dec = p.w_f.mm(fa, p.f_bias)
     dec = dec.sigmoid_().mul_(p.lb_t).exp_() if p.lb is not None else F.softplus(dec).mul_(p.neg_a).exp_()
     S = S.reshape(B * nh, d, d) * dec.view(B * nh, d, 1)                         # decayed copy
     u = torch.baddbmm(v, k, S, alpha=-1).mul_(torch.sigmoid(b).view(B * nh, 1, 1))
     S.baddbmm_(k.transpose(1, 2), u)
     o = torch.bmm(q, S).view(B, nh, d)
-    gate = g if p.full_gate else torch.mm(g, p.w_gb)
+    gate = g if p.full_gate else p.w_gb.mm(g)
     o.mul_(inv_sumsq(o, p.c_o)).mul_(torch.sigmoid(gate).view(B, nh, d))
     return _out(res, o.view(B, nh * d), p.w_o), conv, S.view(B, nh, d, d)
 
@@ -76,9 +78,9 @@ def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
     """x [B,H], c_buf [B,S,r], pe_buf [B,S,p] (filled part), mask [B,1,S] | None ->
     (res + out [B,H], c_new [B,r], pe_new [B,p])."""
     B, nh, r = x.shape[0], p.nh, p.r
-    q, ckv, *gate = torch.mm(_normed(x, p.c_in), p.w_in).split_with_sizes(p.sizes, 1)
+    q, ckv, *gate = p.w_in.mm(_normed(x, p.c_in)).split_with_sizes(p.sizes, 1)
     if p.lora:
-        q = torch.mm(_normed(q, p.c_q), p.w_q)
+        q = p.w_q.mm(_normed(q, p.c_q))
     q_lat, q_pe = q.split_with_sizes([nh * r, nh * p.p], 1)
     q_lat, q_pe = q_lat.view(B, nh, r), q_pe.view(B, nh, p.p)
     c_new, pe_new = ckv.split_with_sizes([r, p.p], 1)
@@ -99,43 +101,38 @@ def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
 
 def mlp_step(p: PreparedMLP, x, res):
     """The dense gated MLP: res + act(n(x) W_g, n(x) W_u) W_d."""
-    h = p.act(*torch.mm(_normed(x, p.c_in), p.w_in).chunk(2, 1))
+    h = p.act(*p.w_in.mm(_normed(x, p.c_in)).chunk(2, 1))
     return _out(res, h, p.w_down)
 
 
-def _slots(p: PreparedMoE, z, w, idx):
-    """Σ_j p_j expert_j(z) one slot at a time: z [N, ℓ] -> [N, ℓ] (N·k gemv pairs, no sort)."""
+def _experts(p: PreparedMoE, z, w, idx):
+    """Σ_j p_j expert_j(z) over each row's k slots: z [N, ℓ], w, idx [N, k] -> [N, ℓ]."""
     N, k = idx.shape
-    ids = idx.view(-1).tolist()
-    zr = z.chunk(N)
-    h13 = torch.cat([torch.mm(zr[s // k], p.w13_e[e]) for s, e in enumerate(ids)])   # [S, 2F]
+    experts = idx.reshape(-1)
+    h13 = p.w13.rows_mm(z, _token_rows(N, k), experts)                         # [N·k, 2F]
     h = p.act(*h13.chunk(2, 1)).mul_(w.view(-1, 1))
-    hr = h.chunk(N * k)
-    rows = []
-    for n in range(N):
-        acc = torch.mm(hr[n * k], p.w2_e[ids[n * k]])
-        for j in range(n * k + 1, n * k + k):
-            acc.addmm_(hr[j], p.w2_e[ids[j]])
-        rows.append(acc)
-    return rows[0] if N == 1 else torch.cat(rows)
+    return p.w2.rows_mm(h, _slot_rows(N * k), experts).view(N, k, -1).sum(1)
 
 
-def _grouped(p: PreparedMoE, z, w, idx):
-    """The same sum for many slots: slots sorted by expert, two grouped_mm, one index_add_."""
-    flat = idx.view(-1)
-    order = torch.argsort(flat)
-    offs = torch.bincount(flat, minlength=p.E).cumsum(0).to(torch.int32)
-    token = order.div(p.k_t, rounding_mode="floor")
-    h13 = F.grouped_mm(z.index_select(0, token), p.w13_t, offs=offs)
-    h = p.act(*h13.chunk(2, 1)).mul_(w.view(-1).index_select(0, order).unsqueeze(1))
-    ys = F.grouped_mm(h, p.w2_t, offs=offs)
-    return torch.zeros(z.shape[0], ys.shape[1], dtype=ys.dtype).index_add_(0, token, ys)
+_ROWS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _token_rows(N: int, k: int) -> torch.Tensor:
+    """[N·k] int64: slot s reads token s // k (kept per (N, k); a decode batch has few shapes)."""
+    t = _ROWS.get((N, k))
+    if t is None:
+        t = _ROWS[(N, k)] = torch.arange(N).repeat_interleave(k)
+    return t
+
+
+def _slot_rows(S: int) -> torch.Tensor:
+    return _token_rows(S, 1)
 
 
 def moe_step(p: PreparedMoE, x, res):
     """x [N,H] (pre-norm), res [N,H] -> res + LatentMoE(norm(x))."""
     xn = _normed(x, p.c_in)
-    parts = list(torch.mm(xn, p.w_in).split_with_sizes(p.sizes, 1))
+    parts = list(p.w_in.mm(xn).split_with_sizes(p.sizes, 1))
     logits = parts.pop(0)
     scores = torch.sigmoid(logits) if p.activation == "sigmoid" else logits.softmax(-1)
     idx = torch.topk(scores + p.bias, p.k).indices
@@ -143,10 +140,10 @@ def moe_step(p: PreparedMoE, x, res):
     if p.renormalize:
         w.div_(w.sum(-1, keepdim=True).add_(p.tiny))
     z = parts.pop(0) if p.latent else xn * p.gamma
-    u = (_slots if idx.numel() < p.E or not p.grouped_ok else _grouped)(p, z, w, idx)
+    u = _experts(p, z, w, idx)
     if not p.latent:
         out = u if res is None else res + u
-        return torch.addmm(out, p.act(*parts), p.w_out) if p.shared else out
+        return p.w_out.mm(p.act(*parts), out) if p.shared else out
     if p.c_u is not None:
         u.mul_(inv_sumsq(u, p.c_u))
     a = torch.cat([u, p.act(*parts)], 1) if p.shared else u
@@ -192,7 +189,7 @@ class DecodePlan:
                 self.mix_out = _fold(m, "output_attn_res")
             H = cfg.hidden_size
             self.c_norm = norm_const(m.norm, H)
-            self.w_lm = (model.lm_head.weight.detach() * (m.norm.weight.detach() * H ** 0.5)).contiguous().t()
+            self.w_lm = PackedMatrix((model.lm_head.weight.detach() * (m.norm.weight.detach() * H ** 0.5)).t())
 
 
 def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bufs, mask=None):
@@ -227,5 +224,5 @@ def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bu
             h = attn_res_mix_folded(*L.mix_mlp, blocks + [partial])
             partial = L.ffn_step(L.ffn, h, partial)
         x = attn_res_mix_folded(*plan.mix_out, blocks + [partial])
-    logits = torch.mm(_normed(x, plan.c_norm), plan.w_lm)
+    logits = plan.w_lm.mm(_normed(x, plan.c_norm))
     return logits, new_conv, new_S, new_c, new_pe

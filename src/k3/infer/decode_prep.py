@@ -14,8 +14,9 @@ What is folded, per layer (x: the sublayer's input row, n(x) = x / rms(x) withou
   the latent norm's weight into routed_expert_up_proj; the routed up-projection and the shared
   experts' down-projection side by side (one addmm over [u | h_shared]).
 
-All copies are inference-only tensors (never parameters); ``weights_key(model)`` tells when any
-source changed (``data_ptr`` / ``_version`` / dtype of every parameter and buffer) and the
+Every matrix is kept as a ``k3.ops.packed_mm.PackedMatrix`` (column panels, multiplied by the
+packed kernel; the routed experts as one stack per layer). All copies are inference-only tensors
+(never parameters); ``weights_key(model)`` tells when any source changed (``data_ptr`` / ``_version`` / dtype of every parameter and buffer) and the
 preparation must be redone. Equal to the module path up to float rounding (tested to 1e-5).
 """
 
@@ -26,6 +27,8 @@ from torch import nn
 
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
+from k3.ops import packed_mm
+from k3.ops.packed_mm import PackedMatrix
 
 __all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "norm_const",
            "PreparedAct", "PreparedKDA", "PreparedMLA", "PreparedMLP", "PreparedMoE"]
@@ -64,7 +67,8 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
     """Why the prepared step cannot serve ``model`` (None when it can): fp32 weights on the CPU
     (the path this project measures and tests), at most ``max_bytes`` of them (default
     ``MAX_PREPARED_BYTES``: the preparation is a second copy), plain bias-free ``nn.Linear``
-    projections, plain routed experts, no group-limited routing."""
+    projections, plain routed experts, no group-limited routing, and the packed matmul kernel built
+    for this machine (``k3.ops.packed_mm.unavailable``)."""
     cfg = model.config
     params = list(model.parameters())
     if any(p.dtype != torch.float32 for p in params):
@@ -91,7 +95,7 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
             return f"layer {i}: the dense MLP is {type(getattr(layer, 'mlp', None)).__name__}"
     if not _plain(model.lm_head):
         return "lm_head is not a plain bias-free nn.Linear"
-    return None
+    return packed_mm.unavailable()
 
 
 class PreparedAct:
@@ -123,9 +127,14 @@ def norm_const(norm, dim: int) -> torch.Tensor:
     return _t(dim * norm.eps)
 
 
-def _stack_t(*ws: torch.Tensor) -> torch.Tensor:
-    """[ΣO, I] stacked rows, returned as its transpose view [I, ΣO] (x @ it = [x W_1ᵀ | …])."""
-    return torch.cat([w.detach() for w in ws], 0).contiguous().t()
+def _stack_t(*ws: torch.Tensor) -> PackedMatrix:
+    """[ΣO, I] stacked rows, packed as its transpose [I, ΣO] (x @ it = [x W_1ᵀ | …])."""
+    return PackedMatrix(torch.cat([w.detach() for w in ws], 0).t())
+
+
+def _packed_t(w: torch.Tensor) -> PackedMatrix:
+    """A [O, I] weight packed as [I, O] (x @ it = x Wᵀ)."""
+    return PackedMatrix(w.detach().t())
 
 
 class PreparedKDA:
@@ -147,12 +156,12 @@ class PreparedKDA:
         dec = a.A_log.detach().float().exp().repeat_interleave(d)              # a per channel [P]
         dt = a.dt_bias.detach().float()
         if self.lb is not None:   # lb·σ(a·(f + dt)):  a·f + a·dt in one addmm
-            self.w_f, self.f_bias = (a.f_b_proj.weight.detach() * dec[:, None]).contiguous().t(), dec * dt
+            self.w_f, self.f_bias = _packed_t(a.f_b_proj.weight.detach() * dec[:, None]), dec * dt
         else:                     # −a·softplus(f + dt)
-            self.w_f, self.f_bias, self.neg_a = a.f_b_proj.weight.detach().contiguous().t(), dt, -dec
-        self.w_gb = None if self.full_gate else a.g_b_proj.weight.detach().contiguous().t()
+            self.w_f, self.f_bias, self.neg_a = _packed_t(a.f_b_proj.weight), dt, -dec
+        self.w_gb = None if self.full_gate else _packed_t(a.g_b_proj.weight)
         self.qk_scale = torch.tensor([d ** -0.5, 1.0]).view(1, 2, 1, 1)       # q also gets 1/√d
-        self.w_o = (a.o_proj.weight.detach() * (a.o_norm.weight.detach().repeat(nh) * d ** 0.5)).contiguous().t()
+        self.w_o = _packed_t(a.o_proj.weight.detach() * (a.o_norm.weight.detach().repeat(nh) * d ** 0.5))
 
 
 class PreparedMLA:
@@ -174,13 +183,13 @@ class PreparedMLA:
         if self.lora:
             ql = a.q_lora_rank
             self.c_q = norm_const(a.q_a_layernorm, ql)
-            self.w_q = (w_q * (a.q_a_layernorm.weight.detach() * ql ** 0.5)).contiguous().t()   # [q_lora, nh(r+p)]
+            self.w_q = _packed_t(w_q * (a.q_a_layernorm.weight.detach() * ql ** 0.5))   # [q_lora, nh(r+p)]
             self.w_in = _stack_t(a.q_a_proj.weight * gamma, a.kv_a_proj_with_mqa.weight * gamma, *gate)
             self.sizes = [a.q_lora_rank, r + p] + ([nh * vd] if self.gated else [])
         else:
             self.w_in = _stack_t(w_q * gamma, a.kv_a_proj_with_mqa.weight * gamma, *gate)
             self.sizes = [nh * (r + p), r + p] + ([nh * vd] if self.gated else [])
-        self.w_o = a.o_proj.weight.detach().contiguous().t()
+        self.w_o = _packed_t(a.o_proj.weight)
 
 
 class PreparedMLP:
@@ -188,14 +197,14 @@ class PreparedMLP:
         gamma = norm.weight.detach() * mlp.hidden_size ** 0.5
         self.c_in, self.act, self.F = norm_const(norm, mlp.hidden_size), act, mlp.gate_proj.weight.shape[0]
         self.w_in = _stack_t(mlp.gate_proj.weight * gamma, mlp.up_proj.weight * (gamma * act.up_scale))
-        self.w_down = (mlp.down_proj.weight.detach() * act.down_scale).contiguous().t()
+        self.w_down = _packed_t(mlp.down_proj.weight.detach() * act.down_scale)
 
 
 class PreparedMoE:
     def __init__(self, moe: LatentMoE, norm, act: PreparedAct):
         gamma, g = norm.weight.detach() * moe.hidden_size ** 0.5, moe.gate
         self.c_in, self.act, self.k, self.E = norm_const(norm, moe.hidden_size), act, moe.top_k, moe.num_experts
-        self.k_t, self.tiny = torch.tensor(moe.top_k), _t(1e-20)
+        self.tiny = _t(1e-20)
         self.activation, self.renormalize = g.activation, g.renormalize
         self.bias = g.e_score_correction_bias                                  # live buffer (QB updates it)
         self.latent = moe.latent
@@ -212,12 +221,9 @@ class PreparedMoE:
         ex = moe.experts
         F_ = ex.w1.shape[1]
         self.F, self.gamma = F_, gamma
-        self.grouped_ok = ex.w1.shape[2] % 4 == 0 and F_ % 4 == 0   # grouped_mm: 16-byte strides
         w13 = torch.cat([ex.w1.detach(), ex.w3.detach() * act.up_scale], 1)   # [E, 2F, ℓ]
         w2 = ex.w2.detach() * (act.down_scale * g.scaling)                     # [E, ℓ, F]
-        # [E, in, out] contiguous: x @ w[e] per slot, and grouped_mm's layout
-        self.w13_t, self.w2_t = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
-        self.w13_e, self.w2_e = list(self.w13_t.unbind(0)), list(self.w2_t.unbind(0))
+        self.w13, self.w2 = PackedMatrix(w13.transpose(1, 2)), PackedMatrix(w2.transpose(1, 2))  # x @ w[e]
         norm_u = getattr(moe, "routed_expert_norm", None)
         ell = ex.w1.shape[2]
         self.c_u = None if norm_u is None else norm_const(norm_u, ell)
@@ -227,4 +233,4 @@ class PreparedMoE:
             outs.append(up if norm_u is None else up * (norm_u.weight.detach() * ell ** 0.5))
         if shared is not None:
             outs.append(shared.down_proj.weight.detach() * act.down_scale)
-        self.w_out = torch.cat(outs, 1).contiguous().t() if outs else None       # [ℓ(+Fs), H]
+        self.w_out = PackedMatrix(torch.cat(outs, 1).t()) if outs else None       # [ℓ(+Fs), H]
