@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo test install chromium sandbox-deps vm-deps bench clean
+.PHONY: demo test install chromium sandbox-deps vm-deps cc bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) cc
 	$(BIN)/k3 demo
 
 # The chat page test drives Debian's chromium headless; install it when missing (root, or sudo).
@@ -26,6 +26,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 chromium:
 	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
+
+# The decode step's packed matmul (k3.ops.packed_mm) is C, compiled on first use; install a compiler when missing.
+cc:
+	command -v cc >/dev/null || { $(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q gcc libc6-dev; }
 
 # The namespace sandbox backend (k3.env) runs on Debian's bubblewrap; install it when missing.
 sandbox-deps:
@@ -39,10 +44,10 @@ vm-deps: $(STAMP)
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q qemu-system-x86 zstd; }
 	$(BIN)/python -m k3.env.vm_image install
 
-test: $(STAMP) chromium sandbox-deps vm-deps
+test: $(STAMP) cc chromium sandbox-deps vm-deps
 	$(BIN)/python -m pytest -q tests
 
-bench: $(STAMP)
+bench: $(STAMP) cc
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
