@@ -17,7 +17,8 @@ from k3.infer.decode_fast import (DecodePlan, kda_step, length_mask, mla_step,
 from k3.infer.decode_prep import prepare_unsupported, weights_key
 from k3.infer.decode_step import DecodeStep
 from k3.model.decoder import K3ForCausalLM
-from k3.ops.attn_res import attn_res_mix, attn_res_mix_folded, attn_res_mix_rows
+from k3.ops.attn_res import attn_res_mix, attn_res_mix_rows
+from k3.ops.decode_rows import attn_res_mix_c
 
 from test_decode_step import _prefilled  # same folder (pytest puts it on sys.path)
 
@@ -146,7 +147,7 @@ def test_attn_res_rows_mix_equals_the_training_mix(k3_model):
         srcs = [_rows(3, 64, 40 + i) * (i + 1) for i in range(n)]
         want = attn_res_mix(srcs, layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight,
                             layer.self_attention_res_norm.eps)
-        _close(attn_res_mix_folded(q, c, srcs), want)
+        _close(attn_res_mix_c(q, c, srcs), want)
         _close(attn_res_mix_rows(srcs, layer.self_attention_res_proj.weight, layer.self_attention_res_norm.weight,
                                  layer.self_attention_res_norm.eps), want)
 

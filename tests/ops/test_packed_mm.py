@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from k3.ops import packed_mm
+from k3.ops import cpu_kernels
 from k3.ops.packed_mm import NR, PackedMatrix
 
 
@@ -29,8 +29,8 @@ def _close64(got, want64, tol=2e-6):
 
 
 def test_the_kernel_builds_here_and_shares_torchs_openmp():
-    assert packed_mm.unavailable() is None
-    assert packed_mm.kernel_path().is_file()
+    assert cpu_kernels.unavailable() is None
+    assert cpu_kernels.kernel_path().is_file()
     gomp = {line.split()[-1] for line in open("/proc/self/maps") if "/libgomp" in line}
     assert len(gomp) == 1 and "torch" in next(iter(gomp))
 
@@ -138,10 +138,10 @@ _NO_CC = textwrap.dedent("""
     from k3.infer.decode_prep import prepare_unsupported
     from k3.infer.decode_step import DecodeStep
     from k3.model.decoder import K3ForCausalLM
-    from k3.ops import packed_mm
+    from k3.ops import cpu_kernels
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("nano")).eval()
-    print("WHY", packed_mm.unavailable())
+    print("WHY", cpu_kernels.unavailable())
     print("PREP", prepare_unsupported(model))
     step = DecodeStep(model)
     with torch.no_grad():
@@ -166,7 +166,7 @@ def test_a_missing_compiler_is_reported_and_decode_runs_over_the_modules(tmp_pat
     if cc is None:
         assert lines["WHY"] == "None" and lines["PREP"] == "None"
         assert lines["PLAN"] == "False CLOSE True"           # the prepared step ran, and is right
-        assert len(list((tmp_path / "kernels").glob("packed_mm-*.so"))) == 1
+        assert len(list((tmp_path / "kernels").glob("k3_cpu-*.so"))) == 1
     else:
         assert "cannot be built or loaded" in lines["WHY"] and "/bin/false" in lines["WHY"]
         assert lines["PREP"] == lines["WHY"]

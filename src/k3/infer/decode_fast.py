@@ -13,7 +13,7 @@ written as its shortest op list (B rows, H hidden; n(x) = x / rms(x), the norm w
           all N·k slots at once: h = act(z_slot [w1|w3]_e) · p (one packed rows_mm), then
           h w2_e (a second), summed over each token's k slots
           out = res + [n(u) | act(g_s, u_s)] [W_up; W_sd]                   (one addmm)
-    AttnRes mix of n sources: α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v   (ops.attn_res_mix_folded)
+    AttnRes mix of n sources: α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v   (one C call)
 
 Every matrix product with a weight is one call of the packed kernel (``k3.ops.packed_mm``), so a
 row's result does not depend on the rows beside it. Nothing here writes the cache (the caller appends the MLA latents and stores the KDA tensors).
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from k3.infer.decode_prep import (PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE,
                                   norm_const)
 from k3.model.moe import LatentMoE
-from k3.ops.attn_res import attn_res_mix_folded
+from k3.ops.decode_rows import attn_res_mix_c, kda_step_c
 from k3.ops.norm import inv_sumsq
 from k3.ops.packed_mm import PackedMatrix
 
@@ -48,24 +48,11 @@ def _out(res: torch.Tensor | None, a: torch.Tensor, w: PackedMatrix) -> torch.Te
 def kda_step(p: PreparedKDA, x, res, conv, S):
     """x [B,H] (pre-norm), res [B,H] | None, conv [B,3P,K−1], S [B,nh,d,d] fp32 ->
     (res + out [B,H], conv', S')."""
-    B, nh, d = x.shape[0], p.nh, p.d
-    qkv, fa, b, g = p.w_in.mm(_normed(x, p.c_in)).split_with_sizes(p.sizes, 1)
-    xp = torch.cat([conv, qkv.unsqueeze(2)], 2)                                  # [B, 3P, K]
-    conv = xp[:, :, 1:].contiguous()
-    h = F.silu(torch.linalg.vecdot(xp, p.conv_w), inplace=True).view(B, 3, nh, d)   # Σ_k w_k xp_k
-    qk = h[:, :2]
-    qk = qk * inv_sumsq(qk, p.c_qk).mul_(p.qk_scale)                           # l2, q/√d
-    q, k = (t.reshape(B * nh, 1, d) for t in qk.unbind(1))
-    v = h[:, 2].reshape(B * nh, 1, d)
-    dec = p.w_f.mm(fa, p.f_bias)
-    dec = dec.sigmoid_().mul_(p.lb_t).exp_() if p.lb is not None else F.softplus(dec).mul_(p.neg_a).exp_()
-    S = S.reshape(B * nh, d, d) * dec.view(B * nh, d, 1)                         # decayed copy
-    u = torch.baddbmm(v, k, S, alpha=-1).mul_(torch.sigmoid(b).view(B * nh, 1, 1))
-    S.baddbmm_(k.transpose(1, 2), u)
-    o = torch.bmm(q, S).view(B, nh, d)
+    qkv, fa, b, g = p.w_in.mm(x, norm_c=p.c_in).split_with_sizes(p.sizes, 1)
+    dec = p.w_f.mm(fa, p.f_bias)                                                 # the decay's pre-activation
     gate = g if p.full_gate else p.w_gb.mm(g)
-    o.mul_(inv_sumsq(o, p.c_o)).mul_(torch.sigmoid(gate).view(B, nh, d))
-    return _out(res, o.view(B, nh * d), p.w_o), conv, S.view(B, nh, d, d)
+    o, conv, S = kda_step_c(qkv, conv, p.conv_w, dec, p.lb, p.neg_a, b, gate, S, p.c_qk, p.q_scale, p.c_o)
+    return _out(res, o, p.w_o), conv, S
 
 
 def length_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
@@ -78,9 +65,9 @@ def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
     """x [B,H], c_buf [B,S,r], pe_buf [B,S,p] (filled part), mask [B,1,S] | None ->
     (res + out [B,H], c_new [B,r], pe_new [B,p])."""
     B, nh, r = x.shape[0], p.nh, p.r
-    q, ckv, *gate = p.w_in.mm(_normed(x, p.c_in)).split_with_sizes(p.sizes, 1)
+    q, ckv, *gate = p.w_in.mm(x, norm_c=p.c_in).split_with_sizes(p.sizes, 1)
     if p.lora:
-        q = p.w_q.mm(_normed(q, p.c_q))
+        q = p.w_q.mm(q, norm_c=p.c_q)
     q_lat, q_pe = q.split_with_sizes([nh * r, nh * p.p], 1)
     q_lat, q_pe = q_lat.view(B, nh, r), q_pe.view(B, nh, p.p)
     c_new, pe_new = ckv.split_with_sizes([r, p.p], 1)
@@ -101,7 +88,7 @@ def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
 
 def mlp_step(p: PreparedMLP, x, res):
     """The dense gated MLP: res + act(n(x) W_g, n(x) W_u) W_d."""
-    h = p.act(*p.w_in.mm(_normed(x, p.c_in)).chunk(2, 1))
+    h = p.act(*p.w_in.mm(x, norm_c=p.c_in).chunk(2, 1))
     return _out(res, h, p.w_down)
 
 
@@ -131,8 +118,8 @@ def _slot_rows(S: int) -> torch.Tensor:
 
 def moe_step(p: PreparedMoE, x, res):
     """x [N,H] (pre-norm), res [N,H] -> res + LatentMoE(norm(x))."""
-    xn = _normed(x, p.c_in)
-    parts = list(p.w_in.mm(xn).split_with_sizes(p.sizes, 1))
+    xn = None if p.latent else _normed(x, p.c_in_t)
+    parts = list((p.w_in.mm(x, norm_c=p.c_in) if p.latent else p.w_in.mm(xn)).split_with_sizes(p.sizes, 1))
     logits = parts.pop(0)
     scores = torch.sigmoid(logits) if p.activation == "sigmoid" else logits.softmax(-1)
     idx = torch.topk(scores + p.bias, p.k).indices
@@ -166,7 +153,7 @@ class _Layer:
             self.mix_mlp = _fold(layer, "mlp_res")
 
 
-def _fold(owner, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _fold(owner, prefix: str) -> tuple[torch.Tensor, float]:
     """(√H γ ⊙ w, H·eps) of one AttnRes pseudo-query / key-norm pair."""
     norm = getattr(owner, f"{prefix}_norm")
     H = norm.weight.shape[0]
@@ -219,10 +206,10 @@ def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bu
             if l % plan.block == 0:
                 blocks.append(partial)
                 partial = None
-            h = attn_res_mix_folded(*L.mix_attn, blocks if partial is None else blocks + [partial])
+            h = attn_res_mix_c(*L.mix_attn, blocks if partial is None else blocks + [partial])
             partial = attn(L, h, partial)
-            h = attn_res_mix_folded(*L.mix_mlp, blocks + [partial])
+            h = attn_res_mix_c(*L.mix_mlp, blocks + [partial])
             partial = L.ffn_step(L.ffn, h, partial)
-        x = attn_res_mix_folded(*plan.mix_out, blocks + [partial])
-    logits = plan.w_lm.mm(_normed(x, plan.c_norm))
+        x = attn_res_mix_c(*plan.mix_out, blocks + [partial])
+    logits = plan.w_lm.mm(x, norm_c=plan.c_norm)
     return logits, new_conv, new_S, new_c, new_pe

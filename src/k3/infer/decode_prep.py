@@ -27,7 +27,7 @@ from torch import nn
 
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
-from k3.ops import packed_mm
+from k3.ops import cpu_kernels
 from k3.ops.packed_mm import PackedMatrix
 
 __all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "norm_const",
@@ -68,7 +68,7 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
     (the path this project measures and tests), at most ``max_bytes`` of them (default
     ``MAX_PREPARED_BYTES``: the preparation is a second copy), plain bias-free ``nn.Linear``
     projections, plain routed experts, no group-limited routing, and the packed matmul kernel built
-    for this machine (``k3.ops.packed_mm.unavailable``)."""
+    for this machine (``k3.ops.cpu_kernels.unavailable``)."""
     cfg = model.config
     params = list(model.parameters())
     if any(p.dtype != torch.float32 for p in params):
@@ -95,7 +95,7 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
             return f"layer {i}: the dense MLP is {type(getattr(layer, 'mlp', None)).__name__}"
     if not _plain(model.lm_head):
         return "lm_head is not a plain bias-free nn.Linear"
-    return packed_mm.unavailable()
+    return cpu_kernels.unavailable()
 
 
 class PreparedAct:
@@ -122,9 +122,9 @@ def _t(v: float) -> torch.Tensor:
     return torch.tensor(float(v), dtype=torch.float32)
 
 
-def norm_const(norm, dim: int) -> torch.Tensor:
-    """The RMSNorm in the form (Σx² + D·eps)^(-1/2) (√D goes into the weights): D·eps as a constant."""
-    return _t(dim * norm.eps)
+def norm_const(norm, dim: int) -> float:
+    """The RMSNorm in the form (Σx² + D·eps)^(-1/2) (√D goes into the weights): D·eps."""
+    return float(dim * norm.eps)
 
 
 def _stack_t(*ws: torch.Tensor) -> PackedMatrix:
@@ -144,9 +144,9 @@ class PreparedKDA:
         P = nh * d
         H = a.hidden_size
         self.nh, self.d, self.P = nh, d, P
-        self.c_in, self.c_o, self.c_qk = norm_const(norm, H), norm_const(a.o_norm, d), _t(1e-6)
+        self.c_in, self.c_o, self.c_qk = norm_const(norm, H), norm_const(a.o_norm, d), 1e-6
         self.full_gate, self.lb = a.use_full_rank_gate, a.gate_lower_bound
-        self.lb_t = None if self.lb is None else _t(self.lb)
+        self.neg_a = None
         g_in = a.g_proj if a.use_full_rank_gate else a.g_a_proj
         ins = (a.q_proj, a.k_proj, a.v_proj, a.f_a_proj, a.b_proj, g_in)
         gamma = norm.weight.detach() * H ** 0.5
@@ -160,7 +160,7 @@ class PreparedKDA:
         else:                     # −a·softplus(f + dt)
             self.w_f, self.f_bias, self.neg_a = _packed_t(a.f_b_proj.weight), dt, -dec
         self.w_gb = None if self.full_gate else _packed_t(a.g_b_proj.weight)
-        self.qk_scale = torch.tensor([d ** -0.5, 1.0]).view(1, 2, 1, 1)       # q also gets 1/√d
+        self.q_scale = d ** -0.5                                                # q also gets 1/√d
         self.w_o = _packed_t(a.o_proj.weight.detach() * (a.o_norm.weight.detach().repeat(nh) * d ** 0.5))
 
 
@@ -170,7 +170,7 @@ class PreparedMLA:
         nh, n, p, r, vd = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
         H = a.hidden_size
         self.nh, self.r, self.p, self.vd, self.c_in = nh, r, p, vd, norm_const(norm, H)
-        self.c_kv, self.kv_w = norm_const(a.kv_a_layernorm, r), a.kv_a_layernorm.weight.detach() * r ** 0.5
+        self.c_kv, self.kv_w = _t(norm_const(a.kv_a_layernorm, r)), a.kv_a_layernorm.weight.detach() * r ** 0.5
         self.gated, self.lora = a.use_output_gate, a.q_lora_rank is not None
         w = a.kv_b_proj.weight.detach().view(nh, n + vd, r)
         w_uk = w[:, :n]                                                        # [nh, n, r]
@@ -204,6 +204,7 @@ class PreparedMoE:
     def __init__(self, moe: LatentMoE, norm, act: PreparedAct):
         gamma, g = norm.weight.detach() * moe.hidden_size ** 0.5, moe.gate
         self.c_in, self.act, self.k, self.E = norm_const(norm, moe.hidden_size), act, moe.top_k, moe.num_experts
+        self.c_in_t = _t(self.c_in)
         self.tiny = _t(1e-20)
         self.activation, self.renormalize = g.activation, g.renormalize
         self.bias = g.e_score_correction_bias                                  # live buffer (QB updates it)
@@ -226,7 +227,7 @@ class PreparedMoE:
         self.w13, self.w2 = PackedMatrix(w13.transpose(1, 2)), PackedMatrix(w2.transpose(1, 2))  # x @ w[e]
         norm_u = getattr(moe, "routed_expert_norm", None)
         ell = ex.w1.shape[2]
-        self.c_u = None if norm_u is None else norm_const(norm_u, ell)
+        self.c_u = None if norm_u is None else _t(norm_const(norm_u, ell))
         outs = []
         if self.latent:
             up = moe.routed_expert_up_proj.weight.detach()

@@ -170,8 +170,9 @@ class DecodeStep:
                 logits, convs, Ss, cs, pes = decode_forward(self.model, tokens, lengths,
                                                             [s.conv for s in kda], [s.recurrent for s in kda],
                                                             [s._c for s in mla], [s._k_pe for s in mla])
-        for s, conv, S in zip(kda, convs, Ss):
-            s.conv, s.recurrent = conv.clone(), S.clone()
+        for s, conv, S in zip(kda, convs, Ss):  # the C step's outputs are ordinary tensors already
+            s.conv = conv.clone() if conv.is_inference() else conv
+            s.recurrent = S.clone() if S.is_inference() else S
         for s, c, pe in zip(mla, cs, pes):
             s.append(c[:, None], pe[:, None])
         cache.seq_lens = cache.seq_lens + 1

@@ -16,15 +16,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#include "k3_vec.h"
+
 enum { NR = 32, MR = 8, AHEAD = 32 };
 
-static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-/* y[m][0:nc] (+)= x[m] @ panel for m < mr; x[m], y[m]: row pointers. */
+/* y[m][0:nc] (+)= s[m] * (x[m] @ panel) for m < mr; x[m], y[m]: row pointers; s[m]: row scales. */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *const *x, const float *panel,
-                                                       int64_t K, float *const *y, int64_t nc, int acc) {
+                                                       int64_t K, float *const *y, const float *s, int64_t nc,
+                                                       int acc) {
     v16 a0[MR], a1[MR];
     for (int m = 0; m < mr; m++) { a0[m] = (v16){0}; a1[m] = (v16){0}; }
     for (int64_t k = 0; k < K; k++) {
@@ -43,28 +42,30 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
         store16(t, a0[m]);
         store16(t + 16, a1[m]);
         float *o = y[m];
-        if (acc) for (int64_t j = 0; j < nc; j++) o[j] += t[j];
-        else memcpy(o, t, (size_t)nc * sizeof(float));
+        const float sm = s[m];
+        if (acc) for (int64_t j = 0; j < nc; j++) o[j] += sm * t[j];
+        else for (int64_t j = 0; j < nc; j++) o[j] = sm * t[j];
     }
 }
 
-static void tile_any(int mr, const float *const *x, const float *panel, int64_t K, float *const *y, int64_t nc,
-                     int acc) {
+static void tile_any(int mr, const float *const *x, const float *panel, int64_t K, float *const *y, const float *s,
+                     int64_t nc, int acc) {
     switch (mr) {  /* one specialisation per row count: the accumulators stay in registers */
-    case 1: tile(1, x, panel, K, y, nc, acc); break;
-    case 2: tile(2, x, panel, K, y, nc, acc); break;
-    case 3: tile(3, x, panel, K, y, nc, acc); break;
-    case 4: tile(4, x, panel, K, y, nc, acc); break;
-    case 5: tile(5, x, panel, K, y, nc, acc); break;
-    case 6: tile(6, x, panel, K, y, nc, acc); break;
-    case 7: tile(7, x, panel, K, y, nc, acc); break;
-    default: tile(MR, x, panel, K, y, nc, acc); break;
+    case 1: tile(1, x, panel, K, y, s, nc, acc); break;
+    case 2: tile(2, x, panel, K, y, s, nc, acc); break;
+    case 3: tile(3, x, panel, K, y, s, nc, acc); break;
+    case 4: tile(4, x, panel, K, y, s, nc, acc); break;
+    case 5: tile(5, x, panel, K, y, s, nc, acc); break;
+    case 6: tile(6, x, panel, K, y, s, nc, acc); break;
+    case 7: tile(7, x, panel, K, y, s, nc, acc); break;
+    default: tile(MR, x, panel, K, y, s, nc, acc); break;
     }
 }
 
 /* The work: row chunk c (rows first[c] .. first[c]+len[c]-1 of the row lists, of matrix mat[c]) times
- * panel p, for each item (chunk[i], panel[i]). */
-static void run(const float *const *xrows, float *const *yrows, const int64_t *first, const int64_t *len,
+ * panel p, for each item (chunk[i], panel[i]); scale: one factor per row of the lists, or NULL. */
+static void run(const float *const *xrows, float *const *yrows, const float *scale, const int64_t *first,
+                const int64_t *len,
                 const int64_t *mat, int64_t items, const int64_t *chunk, const int64_t *panel, int64_t K,
                 const float *W, int64_t N, int acc, int nthreads) {
     const int64_t msize = (N + NR - 1) / NR * K * NR;
@@ -73,13 +74,22 @@ static void run(const float *const *xrows, float *const *yrows, const int64_t *f
         const int64_t c = chunk[i], p = panel[i];
         const int64_t nc = N - p * NR < NR ? N - p * NR : NR;
         const float *xs[MR];
-        float *ys[MR];
+        float *ys[MR], ss[MR];
         for (int64_t m = 0; m < len[c]; m++) {
             xs[m] = xrows[first[c] + m];
             ys[m] = yrows[first[c] + m] + p * NR;
+            ss[m] = scale ? scale[first[c] + m] : 1.0f;
         }
-        tile_any((int)len[c], xs, W + mat[c] * msize + p * K * NR, K, ys, nc, acc);
+        tile_any((int)len[c], xs, W + mat[c] * msize + p * K * NR, K, ys, ss, nc, acc);
     }
+}
+
+/* out[m] = 1 / sqrt(sum_k x[m][k]^2 + c) for M rows of K (row stride ldx). */
+int k3_row_inv_norm(const float *x, int64_t ldx, int64_t M, int64_t K, float c, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        out[m] = 1.0f / sqrtf(sumsq_f(x + m * ldx, K) + c);
+    }
+    return 0;
 }
 
 /* Items in matrix order, then panel, then the matrix's chunks (a panel's chunks run back to back on
@@ -96,17 +106,24 @@ static int64_t order_items(int64_t nchunks, const int64_t *mat, int64_t np, int6
     return i;
 }
 
-/* y [M, N] (row stride ldy) (+)= x [M, K] (row stride ldx) @ W; W: one packed matrix.
+/* y [M, N] (row stride ldy) (+)= n(x) @ W, x [M, K] (row stride ldx), W one packed matrix; with
+ * norm_c >= 0, n(x_m) = x_m / sqrt(sum_k x_mk^2 + norm_c) (the RMSNorm of the decode step, whose
+ * weight and sqrt(K) are in W), applied to the product; else n(x) = x.
  * Returns -1 when memory for the work lists is not there. */
 int k3_packed_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *W, int64_t N, float *y,
-                 int64_t ldy, int acc, int nthreads) {
+                 int64_t ldy, int acc, float norm_c, int nthreads) {
     if (M <= 0) return 0;
     const int64_t nchunks = (M + MR - 1) / MR, np = (N + NR - 1) / NR;
     const float **xr = malloc(sizeof *xr * M);
     float **yr = malloc(sizeof *yr * M);
+    float *scale = norm_c >= 0 ? malloc(sizeof *scale * M) : NULL;
     int64_t *meta = malloc(sizeof *meta * (3 * nchunks + 2 * nchunks * np));
-    if (!xr || !yr || !meta) { free(xr); free(yr); free(meta); return -1; }
+    if (!xr || !yr || !meta || (norm_c >= 0 && !scale)) {
+        free(xr); free(yr); free(meta); free(scale);
+        return -1;
+    }
     for (int64_t m = 0; m < M; m++) { xr[m] = x + m * ldx; yr[m] = y + m * ldy; }
+    if (scale) k3_row_inv_norm(x, ldx, M, K, norm_c, scale);
     int64_t *first = meta, *len = meta + nchunks, *mat = meta + 2 * nchunks;
     int64_t *chunk = meta + 3 * nchunks, *panel = chunk + nchunks * np;
     for (int64_t c = 0; c < nchunks; c++) {
@@ -115,8 +132,8 @@ int k3_packed_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const float 
         mat[c] = 0;
     }
     int64_t items = order_items(nchunks, mat, np, chunk, panel);
-    run(xr, yr, first, len, mat, items, chunk, panel, K, W, N, acc, nthreads);
-    free(xr); free(yr); free(meta);
+    run(xr, yr, scale, first, len, mat, items, chunk, panel, K, W, N, acc, nthreads);
+    free(xr); free(yr); free(meta); free(scale);
     return 0;
 }
 
@@ -151,7 +168,7 @@ int k3_packed_rows_mm(const float *x, int64_t ldx, int64_t R, const int64_t *row
             mat[nchunks++] = e;
         }
     int64_t items = order_items(nchunks, mat, np, chunk, panel);
-    run(xr, yr, first, len, mat, items, chunk, panel, K, W, N, 0, nthreads);
+    run(xr, yr, NULL, first, len, mat, items, chunk, panel, K, W, N, 0, nthreads);
     free(count); free(xr); free(yr); free(meta);
     return 0;
 }

@@ -1,0 +1,141 @@
+"""The project's C kernels for the CPU decode step, built on first use for this machine.
+
+The sources beside this file (``packed_mm.c``: matmul over packed weights; ``decode_rows.c``: the
+per-row math of a decode step; ``k3_vec.h``: their vector helpers) are compiled together with ``cc -O3 -march=native -fopenmp`` into
+one shared object under ``$K3_KERNEL_CACHE`` (default ``~/.cache/k3/kernels``), named by a hash of
+the sources, the flags, the compiler's version and the CPU's flags, and loaded with ctypes. The
+OpenMP loops run on the libgomp torch has loaded (its soname is the system's; a second runtime in
+the process is refused). ``unavailable()`` says why the kernels cannot run here (no compiler, a
+failed build); the decode step then runs over the modules instead (``prepare_unsupported``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+__all__ = ["library", "unavailable", "kernel_path", "SOURCES", "HEADERS"]
+
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("packed_mm.c", "decode_rows.c"))
+HEADERS = (Path(__file__).with_name("k3_vec.h"),)
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_WHY: str | None = None
+_PATH: Path | None = None
+
+_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "k3_packed_mm": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT],
+    "k3_packed_rows_mm": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT],
+    "k3_map": [_INT, _PTR, _I64],
+    "k3_attn_res_mix": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR],
+    "k3_kda_step": [_I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _F32, _PTR,
+                    _PTR, _I64, _PTR, _I64, _PTR, _PTR, _F32, _F32, _F32, _PTR, _INT],
+}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("K3_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "k3" / "kernels"
+
+
+def _compiler() -> tuple[str, str]:
+    cc = os.environ.get("CC", "cc")
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise OSError(f"{cc} --version exited {out.returncode}")
+    return cc, out.stdout
+
+
+def _build() -> Path:
+    cc, version = _compiler()
+    parts = [src.read_bytes() for src in SOURCES + HEADERS] + [" ".join(_FLAGS).encode(), version.encode(),
+                                                      _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    try:
+        d = _cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        d = Path(tempfile.mkdtemp(prefix="k3-kernels-"))
+    path = d / f"k3_cpu-{key}.so"
+    if path.exists():
+        return path
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".so")
+    os.close(fd)
+    try:
+        out = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
+                             timeout=300)
+        if out.returncode != 0:
+            raise OSError(f"{cc} failed: {out.stderr.strip().splitlines()[-1:]}")
+        os.replace(tmp, path)   # atomic: a concurrent build leaves one whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _libgomps() -> set[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            return {line.split()[-1] for line in f if "/libgomp" in line}
+    except OSError:
+        return set()
+
+
+def _load() -> ctypes.CDLL | None:
+    global _LIB, _WHY, _PATH
+    if _LIB is not None or _WHY is not None:
+        return _LIB
+    import torch  # noqa: F401  - torch's libgomp must be the one the kernels bind to
+    with _LOCK:
+        if _LIB is None and _WHY is None:
+            try:
+                path = _build()
+                lib = ctypes.CDLL(str(path))
+                gomp = _libgomps()
+                if len(gomp) > 1:
+                    raise OSError(f"two OpenMP runtimes in this process: {sorted(gomp)}")
+                for name, argtypes in _SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                _LIB, _PATH = lib, path
+            except (OSError, subprocess.SubprocessError, AttributeError) as e:
+                _WHY = f"the CPU kernels cannot be built or loaded: {e}"
+    return _LIB
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (RuntimeError with ``unavailable()``'s reason where they cannot run)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(_WHY)
+    return lib
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run in this process (None when they can; builds them on first call)."""
+    _load()
+    return _WHY
+
+
+def kernel_path() -> Path | None:
+    """The shared object in use (None when ``unavailable()``)."""
+    _load()
+    return _PATH

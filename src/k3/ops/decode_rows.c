@@ -1,0 +1,135 @@
+/* The per-row math of a CPU decode step (k3.ops.decode_rows), each sublayer part one call instead of
+ * a few dozen tensor ops. The formulas are those of k3.infer.decode_fast; the module path
+ * (decode_math) is the reference the tests hold these to.
+ *
+ * A row's result never depends on the other rows: every sum runs in one fixed order.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3_vec.h"
+
+/* AttnRes mix of n sources, each B rows of H (source i: row b at src[i] + b * ld[i]):
+ * logit_i = <q, v_i> / sqrt(|v_i|^2 + c), alpha = softmax_i(logit), out[b] = sum_i alpha_i v_i
+ * (out: [B, H] contiguous). */
+int k3_attn_res_mix(int64_t n, const float *const *src, const int64_t *ld, int64_t B, int64_t H, const float *q,
+                    float c, float *out) {
+    if (n <= 0 || n > 64) return 1;
+    for (int64_t b = 0; b < B; b++) {
+        float logit[64], mx = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = src[i] + b * ld[i];
+            logit[i] = dot_f(q, v, H) / sqrtf(sumsq_f(v, H) + c);
+            mx = logit[i] > mx ? logit[i] : mx;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            logit[i] = expf(logit[i] - mx);
+            total += logit[i];
+        }
+        float *o = out + b * H;
+        const float a0 = logit[0] / total;
+        const float *v0 = src[0] + b * ld[0];
+        for (int64_t j = 0; j < H; j++) o[j] = a0 * v0[j];
+        for (int64_t i = 1; i < n; i++) {
+            const float a = logit[i] / total;
+            const float *v = src[i] + b * ld[i];
+            for (int64_t j = 0; j < H; j++) o[j] += a * v[j];
+        }
+    }
+    return 0;
+}
+
+enum { KDA_MAX_D = 256 };
+
+/* One KDA recurrent step after the input projections, for B rows of nh heads of size d (P = nh d):
+ *
+ *   h = SiLU(sum_t conv_w[c, t] [conv[b, c, :] | qkv[b, c]]_t)    c < 3P  (conv_out: the last Kc-1 inputs)
+ *   q = h_q / sqrt(|h_q|^2 + c_qk) * q_scale,  k = h_k / sqrt(|h_k|^2 + c_qk),  v = h_v   (per head)
+ *   e = exp(lb * sigmoid(g))             (mode 0)   or   exp(neg_a * softplus(g))   (mode 1), g = dec_in
+ *   S' = diag(e) S;  u = sigmoid(beta_in) (v - k^T S');  S_out = S' + k u^T;  o = q^T S_out
+ *   o_out = o / sqrt(|o|^2 + c_o) * sigmoid(gate)
+ *
+ * qkv [B, 3P], dec_in [B, P], beta_in [B, nh], gate [B, P]: rows of strides ld_*, unit column stride;
+ * conv, conv_out [B, 3P, Kc-1], S, S_out [B, nh, d, d], o_out [B, P], conv_w [3P, Kc]: contiguous.
+ * Returns 1 when d > KDA_MAX_D or Kc < 2. */
+int k3_kda_step(int64_t B, int64_t nh, int64_t d, int64_t Kc, const float *qkv, int64_t ld_qkv, const float *conv,
+                float *conv_out, const float *conv_w, const float *dec_in, int64_t ld_dec, int mode, float lb,
+                const float *neg_a, const float *beta_in, int64_t ld_beta, const float *gate, int64_t ld_gate,
+                const float *S, float *S_out, float c_qk, float q_scale, float c_o, float *o_out, int nthreads) {
+    if (d > KDA_MAX_D || Kc < 2) return 1;
+    const int64_t P = nh * d, T = Kc - 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t item = 0; item < B * nh; item++) {
+        const int64_t b = item / nh, h = item % nh;
+        float hq[3 * KDA_MAX_D], e[KDA_MAX_D], ks[KDA_MAX_D], u[KDA_MAX_D], o[KDA_MAX_D], g[KDA_MAX_D];
+        for (int64_t part = 0; part < 3; part++)
+            for (int64_t j = 0; j < d; j++) {
+                const int64_t ch = part * P + h * d + j;
+                const float *cs = conv + (b * 3 * P + ch) * T, *w = conv_w + ch * Kc;
+                const float x = qkv[b * ld_qkv + ch];
+                float acc = 0.0f;
+                for (int64_t t = 0; t < T; t++) acc += w[t] * cs[t];
+                hq[part * d + j] = acc + w[T] * x;
+                float *co = conv_out + (b * 3 * P + ch) * T;
+                for (int64_t t = 0; t + 1 < T; t++) co[t] = cs[t + 1];
+                co[T - 1] = x;
+            }
+        map_silu(hq, 3 * d);
+        float *q = hq, *k = hq + d, *v = hq + 2 * d;
+        const float sq = q_scale / sqrtf(sumsq_f(q, d) + c_qk), sk = 1.0f / sqrtf(sumsq_f(k, d) + c_qk);
+        for (int64_t j = 0; j < d; j++) { q[j] *= sq; k[j] *= sk; }
+        const float *gi = dec_in + b * ld_dec + h * d;
+        if (mode == 0) {
+            for (int64_t i = 0; i < d; i++) e[i] = gi[i];
+            map_sigmoid(e, d);
+            for (int64_t i = 0; i < d; i++) e[i] *= lb;
+        } else {
+            for (int64_t i = 0; i < d; i++) {
+                const float x = gi[i];
+                e[i] = neg_a[h * d + i] * (x > 20.0f ? x : log1pf(expf(x)));
+            }
+        }
+        map_exp(e, d);
+        const float beta = 1.0f / (1.0f + expf(-beta_in[b * ld_beta + h]));
+        const float *Si = S + item * d * d;
+        float *So = S_out + item * d * d;
+        for (int64_t j = 0; j < d; j++) ks[j] = 0.0f;
+        for (int64_t i = 0; i < d; i++) {
+            const float ei = e[i], ki = k[i];
+            for (int64_t j = 0; j < d; j++) {
+                const float s = Si[i * d + j] * ei;
+                So[i * d + j] = s;
+                ks[j] += ki * s;
+            }
+        }
+        for (int64_t j = 0; j < d; j++) { u[j] = beta * (v[j] - ks[j]); o[j] = 0.0f; }
+        for (int64_t i = 0; i < d; i++) {
+            const float ki = k[i], qi = q[i];
+            for (int64_t j = 0; j < d; j++) {
+                const float s = So[i * d + j] + ki * u[j];
+                So[i * d + j] = s;
+                o[j] += qi * s;
+            }
+        }
+        const float so = 1.0f / sqrtf(sumsq_f(o, d) + c_o);
+        const float *gg = gate + b * ld_gate + h * d;
+        for (int64_t j = 0; j < d; j++) g[j] = gg[j];
+        map_sigmoid(g, d);
+        float *out = o_out + b * P + h * d;
+        for (int64_t j = 0; j < d; j++) out[j] = o[j] * so * g[j];
+    }
+    return 0;
+}
+
+/* x[i] = f(x[i]) for i < n: kind 0 exp, 1 sigmoid, 2 tanh, 3 silu (the helpers every kernel here uses).
+ * Returns 1 for an unknown kind. */
+int k3_map(int kind, float *x, int64_t n) {
+    switch (kind) {
+    case 0: map_exp(x, n); return 0;
+    case 1: map_sigmoid(x, n); return 0;
+    case 2: map_tanh(x, n); return 0;
+    case 3: map_silu(x, n); return 0;
+    default: return 1;
+    }
+}

@@ -1,0 +1,89 @@
+"""The per-row math of the CPU decode step in one C call per sublayer part (``decode_rows.c``, built
+by ``k3.ops.cpu_kernels``): the AttnRes mix of n sources and the KDA recurrent step after the input
+projections. The formulas are ``k3.infer.decode_fast``'s; the tests hold them to the modules' own
+decode math and to ``attn_res_mix``."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from k3.ops import cpu_kernels
+
+__all__ = ["attn_res_mix_c", "kda_step_c", "map_c", "MAP_KINDS"]
+
+MAP_KINDS = ("exp", "sigmoid", "tanh", "silu")
+
+
+def _rows(x: torch.Tensor, B: int, width: int, what: str) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or tuple(x.shape) != (B, width) or \
+            (x.stride(1) != 1 and width > 1) or x.device.type != "cpu":
+        raise ValueError(f"{what}: expected fp32 CPU rows [{B}, {width}] with unit column stride, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
+
+
+def _dense(x: torch.Tensor, shape: tuple, what: str) -> None:
+    if x.dtype != torch.float32 or tuple(x.shape) != shape or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"{what}: expected a contiguous fp32 CPU tensor {list(shape)}, got "
+                         f"{x.dtype} {tuple(x.shape)} contiguous={x.is_contiguous()}")
+
+
+def map_c(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` (fp32) with ``kind`` (one of ``MAP_KINDS``) applied by the kernels' own vector
+    functions, which every kernel here uses (so the tests can hold them to float64)."""
+    if kind not in MAP_KINDS:
+        raise ValueError(f"map_c: kind must be one of {MAP_KINDS}, got {kind!r}")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"map_c: expected an fp32 CPU tensor, got {x.dtype} on {x.device.type}")
+    y = x.contiguous().clone()
+    cpu_kernels.library().k3_map(MAP_KINDS.index(kind), y.data_ptr(), y.numel())
+    return y
+
+
+def attn_res_mix_c(q: torch.Tensor, c: float, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``attn_res_mix_folded(q, c, sources)``: n rows [B, H] -> [B, H]; logit_i = <q, v_i> ·
+    (Σv_i² + c)^(-1/2), α = softmax_i, out = Σ_i α_i v_i (one call, no stacked copy)."""
+    n = len(sources)
+    if n == 1:
+        return sources[0]
+    B, H = sources[0].shape
+    for i, v in enumerate(sources):
+        _rows(v, B, H, f"attn_res_mix_c: source {i}")
+    _dense(q, (H,), "attn_res_mix_c: q")
+    out = torch.empty(B, H)
+    ptrs = (ctypes.c_void_p * n)(*[v.data_ptr() for v in sources])
+    lds = (ctypes.c_int64 * n)(*[v.stride(0) for v in sources])
+    if cpu_kernels.library().k3_attn_res_mix(n, ptrs, lds, B, H, q.data_ptr(), c, out.data_ptr()):
+        raise ValueError(f"attn_res_mix_c: {n} sources, at most 64")
+    return out
+
+
+def kda_step_c(qkv, conv, conv_w, dec_in, lb, neg_a, beta_in, gate, S, c_qk: float, q_scale: float, c_o: float):
+    """One KDA recurrent step after the projections (the math of ``decode_rows.c``'s ``k3_kda_step``):
+    qkv [B, 3P], conv [B, 3P, K−1], conv_w [3P, K], dec_in [B, P] (the decay's pre-activation),
+    ``lb`` (exp(lb·σ(g)); None: exp(neg_a·softplus(g)), neg_a [P]), beta_in [B, nh], gate [B, P],
+    S [B, nh, d, d] -> (o [B, P] normed and gated, conv' [B, 3P, K−1], S' [B, nh, d, d]).
+    The outputs are ordinary tensors even under inference mode (the cache keeps them)."""
+    B, nh, d, _ = S.shape
+    P, K = nh * d, conv_w.shape[1]
+    _rows(qkv, B, 3 * P, "kda_step_c: qkv")
+    _rows(dec_in, B, P, "kda_step_c: dec_in")
+    _rows(beta_in, B, nh, "kda_step_c: beta_in")
+    _rows(gate, B, P, "kda_step_c: gate")
+    _dense(conv, (B, 3 * P, K - 1), "kda_step_c: conv")
+    _dense(conv_w, (3 * P, K), "kda_step_c: conv_w")
+    _dense(S, (B, nh, d, d), "kda_step_c: S")
+    if lb is None:
+        _dense(neg_a, (P,), "kda_step_c: neg_a")
+    with torch.inference_mode(False):
+        o, conv_out, S_out = torch.empty(B, P), torch.empty_like(conv), torch.empty_like(S)
+    rc = cpu_kernels.library().k3_kda_step(
+        B, nh, d, K, qkv.data_ptr(), qkv.stride(0), conv.data_ptr(), conv_out.data_ptr(), conv_w.data_ptr(),
+        dec_in.data_ptr(), dec_in.stride(0), 0 if lb is not None else 1, 0.0 if lb is None else lb,
+        None if lb is not None else neg_a.data_ptr(), beta_in.data_ptr(), beta_in.stride(0), gate.data_ptr(),
+        gate.stride(0), S.data_ptr(), S_out.data_ptr(), c_qk, q_scale, c_o, o.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise ValueError(f"kda_step_c: head_dim {d} above 256 or conv kernel {K} below 2")
+    return o, conv_out, S_out

@@ -1,0 +1,97 @@
+/* Vector helpers shared by the CPU kernels (k3.ops.cpu_kernels): 16-float vectors in GCC's vector
+ * extension (one AVX-512 register, or two AVX2 ones), fixed-order reductions, and exp / sigmoid /
+ * tanh / silu accurate to a few ulp (Cody-Waite range reduction and a degree-6 polynomial for
+ * exp). Every function gives the same bits for the same inputs wherever it is called. */
+#ifndef K3_VEC_H
+#define K3_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
+
+static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline v16 splat16(float a) { return (v16){0} + a; }
+
+static inline float hsum16(v16 v) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* sum of a[k] * b[k], k < n, in 16 lanes then a tail: one fixed order per n. */
+static inline float dot_f(const float *a, const float *b, int64_t n) {
+    v16 acc = {0};
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) acc += load16(a + k) * load16(b + k);
+    float s = hsum16(acc);
+    for (; k < n; k++) s += a[k] * b[k];
+    return s;
+}
+
+static inline float sumsq_f(const float *a, int64_t n) { return dot_f(a, a, n); }
+
+/* m ? a : b lane by lane (m: all ones or all zeros per lane, as comparisons give). */
+static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
+
+/* exp(x), x clamped to [-87.3, 88.7] (exp's fp32 range; below it, 0 is returned). */
+static inline v16 vexp(v16 x) {
+    const v16 hi = splat16(88.7f), lo = splat16(-87.3f);
+    const i16v under = x < lo;
+    x = select16(x > hi, hi, x);
+    x = select16(under, lo, x);
+    const v16 magic = splat16(12582912.0f);               /* 1.5 * 2^23: round to nearest */
+    v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f;                          /* ln 2 = 0.693359375 - 2.12194440e-4 */
+    r = r + n * 2.12194440e-4f;
+    v16 p = splat16(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+    v16 two_n;
+    memcpy(&two_n, &e, sizeof e);
+    return select16(under, splat16(0.0f), p * two_n);
+}
+
+static inline v16 vsigmoid(v16 x) { return 1.0f / (1.0f + vexp(-x)); }
+static inline v16 vsilu(v16 x) { return x / (1.0f + vexp(-x)); }
+static inline v16 vtanh(v16 x) {
+    /* |x| < 0.625: x + x^3 P(x^2) (Cephes' tanhf); else sign(x) (1 - 2 / (exp(2|x|) + 1)) */
+    const i16v neg = x < 0.0f;
+    const v16 a = select16(neg, -x, x);
+    v16 t = 1.0f - 2.0f / (vexp(2.0f * a) + 1.0f);
+    t = select16(neg, -t, t);
+    const v16 z = x * x;
+    v16 p = splat16(-5.70498872745e-3f);
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    return select16(a < 0.625f, p * z * x + x, t);
+}
+
+/* f applied to n floats in place (16 at a time, the tail through a padded vector). */
+#define K3_MAP(name, f)                                                    \
+    static inline void name(float *x, int64_t n) {                        \
+        int64_t i = 0;                                                     \
+        for (; i + 16 <= n; i += 16) store16(x + i, f(load16(x + i)));     \
+        if (i < n) {                                                       \
+            float t[16] = {0};                                             \
+            memcpy(t, x + i, (size_t)(n - i) * sizeof(float));            \
+            store16(t, f(load16(t)));                                      \
+            memcpy(x + i, t, (size_t)(n - i) * sizeof(float));             \
+        }                                                                  \
+    }
+K3_MAP(map_exp, vexp)
+K3_MAP(map_sigmoid, vsigmoid)
+K3_MAP(map_silu, vsilu)
+K3_MAP(map_tanh, vtanh)
+
+#endif

@@ -1,0 +1,132 @@
+"""The decode step's C row math (``k3.ops.decode_rows``) on its own: the vector exp / sigmoid / tanh /
+SiLU against float64 over fp32's range; the KDA step against a per-head loop in float64 (both gate
+forms), a row's result independent of its batch, ordinary outputs under inference mode; the AttnRes
+mix against the training mix; bad shapes refused next to the same call working."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3.ops.attn_res import attn_res_mix
+from k3.ops.decode_rows import MAP_KINDS, attn_res_mix_c, kda_step_c, map_c
+
+_F64 = {"exp": torch.exp, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": torch.nn.functional.silu}
+
+
+@pytest.mark.parametrize("kind", MAP_KINDS)
+def test_vector_functions_are_within_a_few_ulp_of_float64(kind):
+    x = torch.cat([torch.linspace(-87, 88, 200_001), torch.linspace(-1e-3, 1e-3, 2001),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 0.6249, 0.6251, -0.625])])
+    if kind != "exp":
+        x = torch.cat([x, torch.tensor([-200.0, 200.0, -1e4, 1e4])])
+    got = map_c(kind, x).double()
+    want = _F64[kind](x.double())
+    tiny = want.abs() < 1e-30   # flushed to 0 where float64 is below fp32's normal range
+    rel = ((got - want).abs() / want.abs().clamp_min(1e-38))[~tiny]
+    assert float(rel.max()) < 4 * 2 ** -23, (kind, float(rel.max()))
+    assert torch.all(got[tiny].abs() < 1e-30)
+    assert torch.isfinite(got).all()
+
+
+def test_map_refuses_unknown_kinds_and_dtypes():
+    assert torch.equal(map_c("exp", torch.zeros(3)), torch.ones(3))   # the control
+    with pytest.raises(ValueError, match="kind must be one of"):
+        map_c("gelu", torch.zeros(3))
+    with pytest.raises(ValueError, match="fp32"):
+        map_c("exp", torch.zeros(3, dtype=torch.float64))
+
+
+def _kda_reference(qkv, conv, conv_w, dec_in, lb, neg_a, beta_in, gate, S, c_qk, q_scale, c_o):
+    """The step head by head in float64, with explicit loops over the state (independent of the C)."""
+    B, nh, d, _ = S.shape
+    P = nh * d
+    qkv, conv, conv_w, dec_in, beta_in, gate, S = (t.double() for t in (qkv, conv, conv_w, dec_in, beta_in, gate, S))
+    xp = torch.cat([conv, qkv[:, :, None]], 2)
+    h = torch.nn.functional.silu((xp * conv_w).sum(-1))
+    o_all = torch.zeros(B, P, dtype=torch.float64)
+    S_new = torch.zeros_like(S)
+    for b in range(B):
+        for hd in range(nh):
+            sl = slice(hd * d, (hd + 1) * d)
+            q, k, v = h[b, sl], h[b, P:2 * P][sl], h[b, 2 * P:][sl]
+            q = q / math.sqrt(float(q @ q) + c_qk) * q_scale
+            k = k / math.sqrt(float(k @ k) + c_qk)
+            g = dec_in[b, sl]
+            e = torch.exp(lb * torch.sigmoid(g)) if lb is not None else torch.exp(neg_a[sl].double() *
+                                                                                   torch.nn.functional.softplus(g))
+            beta = 1 / (1 + math.exp(-float(beta_in[b, hd])))
+            Sd = S[b, hd] * e[:, None]
+            u = beta * (v - k @ Sd)
+            Sn = Sd + torch.outer(k, u)
+            o = q @ Sn
+            o = o / math.sqrt(float(o @ o) + c_o) * torch.sigmoid(gate[b, sl])
+            o_all[b, sl], S_new[b, hd] = o, Sn
+    return o_all, xp[:, :, 1:], S_new
+
+
+def _kda_inputs(B, nh, d, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    P = nh * d
+    wide = torch.randn(B, 3 * P + 2 * P + nh + 7, generator=g)     # the inputs as column slices of one row
+    qkv, dec_in, gate, beta_in = wide[:, :3 * P], wide[:, 3 * P:4 * P], wide[:, 4 * P:5 * P], wide[:, 5 * P:5 * P + nh]
+    conv = torch.randn(B, 3 * P, K - 1, generator=g)
+    conv_w = torch.randn(3 * P, K, generator=g) * 0.5
+    S = torch.randn(B, nh, d, d, generator=g) * 0.3
+    neg_a = -torch.rand(P, generator=g) * 2
+    return qkv, conv, conv_w, dec_in, neg_a, beta_in, gate, S
+
+
+@pytest.mark.parametrize("lb", [-5.0, None])        # K3's lower-bounded gate, Kimi-Linear's softplus gate
+@pytest.mark.parametrize("B,nh,d,K", [(1, 2, 32, 4), (3, 4, 64, 4), (2, 1, 20, 2)])
+def test_kda_step_equals_a_float64_loop(lb, B, nh, d, K):
+    qkv, conv, conv_w, dec_in, neg_a, beta_in, gate, S = _kda_inputs(B, nh, d, K, B + d)
+    args = (qkv, conv, conv_w, dec_in, lb, neg_a, beta_in, gate, S, 1e-6, d ** -0.5, d * 1e-5)
+    o, conv2, S2 = kda_step_c(*args)
+    wo, wconv, wS = _kda_reference(*args)
+    for got, want in ((o, wo), (S2, wS)):
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+    assert torch.equal(conv2, wconv.float())        # the shifted window is a copy
+
+
+def test_kda_step_rows_are_batch_invariant_and_outputs_ordinary():
+    qkv, conv, conv_w, dec_in, neg_a, beta_in, gate, S = _kda_inputs(5, 4, 64, 4, 0)
+    with torch.inference_mode():
+        o, conv2, S2 = kda_step_c(qkv, conv, conv_w, dec_in, -5.0, neg_a, beta_in, gate, S, 1e-6, 0.125, 6.4e-4)
+        plain = torch.mul(S2, 1)
+    assert not conv2.is_inference() and not S2.is_inference()
+    assert plain.is_inference()                      # the control: a torch op there makes one
+    for b in range(5):
+        one = kda_step_c(qkv[b:b + 1], conv[b:b + 1].contiguous(), conv_w, dec_in[b:b + 1], -5.0, neg_a,
+                         beta_in[b:b + 1], gate[b:b + 1], S[b:b + 1].contiguous(), 1e-6, 0.125, 6.4e-4)
+        assert torch.equal(one[0], o[b:b + 1]) and torch.equal(one[2], S2[b:b + 1])
+
+
+def test_kda_step_refuses_wrong_shapes():
+    qkv, conv, conv_w, dec_in, neg_a, beta_in, gate, S = _kda_inputs(2, 2, 32, 4, 1)
+    ok = kda_step_c(qkv, conv, conv_w, dec_in, None, neg_a, beta_in, gate, S, 1e-6, 0.17, 3e-4)
+    assert ok[0].shape == (2, 64)                    # the control
+    with pytest.raises(ValueError, match=r"qkv: expected fp32 CPU rows \[2, 192\]"):
+        kda_step_c(qkv[:, 1:], conv, conv_w, dec_in, None, neg_a, beta_in, gate, S, 1e-6, 0.17, 3e-4)
+    with pytest.raises(ValueError, match="S: expected a contiguous"):
+        kda_step_c(qkv, conv, conv_w, dec_in, None, neg_a, beta_in, gate, S.transpose(2, 3), 1e-6, 0.17, 3e-4)
+    with pytest.raises(ValueError, match="neg_a"):
+        kda_step_c(qkv, conv, conv_w, dec_in, None, neg_a[:5], beta_in, gate, S, 1e-6, 0.17, 3e-4)
+    with pytest.raises(ValueError, match="conv: expected"):
+        kda_step_c(qkv, conv.double(), conv_w, dec_in, None, neg_a, beta_in, gate, S, 1e-6, 0.17, 3e-4)
+
+
+@pytest.mark.parametrize("n", [2, 3, 6])
+def test_attn_res_mix_equals_the_training_mix(n):
+    g = torch.Generator().manual_seed(n)
+    H = 48
+    srcs = [torch.randn(4, H, generator=g) * (i + 1) for i in range(n)]
+    w, gamma = torch.randn(H, generator=g), 1 + 0.2 * torch.randn(H, generator=g)
+    want = attn_res_mix(srcs, w, gamma, 1e-5)
+    got = attn_res_mix_c(gamma * w * H ** 0.5, H * 1e-5, srcs)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+    assert attn_res_mix_c(gamma * w, 1e-5, srcs[:1]) is srcs[0]
+    with pytest.raises(ValueError, match=r"source 1: expected fp32 CPU rows \[4, 48\]"):
+        attn_res_mix_c(gamma * w, 1e-5, [srcs[0], srcs[1][:, :40]])
