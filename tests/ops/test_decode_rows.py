@@ -1,7 +1,8 @@
 """The decode step's C row math (``k3.ops.decode_rows``) on its own: the vector exp / sigmoid / tanh /
 SiLU against float64 over fp32's range; the KDA step against a per-head loop in float64 (both gate
 forms), a row's result independent of its batch, ordinary outputs under inference mode; the AttnRes
-mix against the training mix; bad shapes refused next to the same call working."""
+mix against the training mix; the gated activation against its formula; the router against an exact
+ranking with ties; bad shapes refused next to the same call working."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from k3.ops.attn_res import attn_res_mix
-from k3.ops.decode_rows import MAP_KINDS, attn_res_mix_c, kda_step_c, map_c
+from k3.ops.decode_rows import MAP_KINDS, attn_res_mix_c, gated_act_c, kda_step_c, map_c, route_c
 
 _F64 = {"exp": torch.exp, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": torch.nn.functional.silu}
 
@@ -130,3 +131,59 @@ def test_attn_res_mix_equals_the_training_mix(n):
     assert attn_res_mix_c(gamma * w, 1e-5, srcs[:1]) is srcs[0]
     with pytest.raises(ValueError, match=r"source 1: expected fp32 CPU rows \[4, 48\]"):
         attn_res_mix_c(gamma * w, 1e-5, [srcs[0], srcs[1][:, :40]])
+
+
+@pytest.mark.parametrize("silu,tanh_up", [(True, False), (False, True), (False, False)])
+def test_gated_act_equals_the_formula_in_float64(silu, tanh_up):
+    g = torch.Generator().manual_seed(int(silu) + 2 * int(tanh_up))
+    wide = torch.randn(5, 2 * 37, generator=g) * 4          # g and u as column halves of one row (F not 16k)
+    gate, up = wide[:, :37], wide[:, 37:]
+    row_w = torch.rand(5, generator=g)
+    got = gated_act_c(gate, up, silu, 0.7, tanh_up, row_w).double()
+    G, U = gate.double(), up.double()
+    if silu:
+        want = torch.nn.functional.silu(G) * U
+    else:
+        want = torch.tanh(G * 0.7) * torch.sigmoid(G) * (torch.tanh(U) if tanh_up else U)
+    want = want * row_w.double()[:, None]
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-6
+    assert torch.equal(gated_act_c(gate, up, silu, 0.7, tanh_up), gated_act_c(gate, up, silu, 0.7, tanh_up,
+                                                                             torch.ones(5)))
+
+
+def _route_reference(logits, bias, k, softmax, renorm, tiny):
+    """Exact enumeration: experts ranked by (score + bias descending, index ascending)."""
+    idx, ws = [], []
+    for z in logits.double():
+        s = z.softmax(0) if softmax else torch.sigmoid(z)
+        key = s + bias.double()
+        order = sorted(range(len(z)), key=lambda e: (-float(key[e]), e))[:k]
+        w = s[order]
+        idx.append(order), ws.append(w / (w.sum() + tiny) if renorm else w)
+    return torch.tensor(idx), torch.stack(ws)
+
+
+@pytest.mark.parametrize("softmax,renorm", [(False, True), (True, False)])
+def test_route_equals_an_exact_ranking_with_ties(softmax, renorm):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 16, generator=g)
+    logits[1] = 0.25                                         # a row of ties: the lowest indices win
+    logits[2, [3, 9, 12]] = 5.0                              # a tie inside the top k
+    bias = torch.zeros(16)
+    bias[5] = 0.01
+    idx, w = route_c(logits, bias, 4, softmax, renorm, 1e-20)
+    widx, ww = _route_reference(logits, bias, 4, softmax, renorm, 1e-20)
+    assert torch.equal(idx, widx)
+    assert float((w.double() - ww).abs().max()) < 1e-6
+    assert idx[1].tolist() == [5, 0, 1, 2]                   # the bias breaks the tie for expert 5
+
+
+def test_route_and_act_refuse_bad_shapes():
+    logits, bias = torch.randn(2, 8), torch.zeros(8)
+    assert route_c(logits, bias, 8, False, True, 1e-20)[0].shape == (2, 8)      # the control: k = E works
+    with pytest.raises(ValueError, match=r"top-k 9 must be in \[1, 8\]"):
+        route_c(logits, bias, 9, False, True, 1e-20)
+    with pytest.raises(ValueError, match=r"bias: expected a contiguous fp32 CPU tensor \[8\]"):
+        route_c(logits, torch.zeros(7), 2, False, True, 1e-20)
+    with pytest.raises(ValueError, match=r"u: expected fp32 CPU rows \[2, 8\]"):
+        gated_act_c(logits, logits[:, :7], True, 1.0, False)

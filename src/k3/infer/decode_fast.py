@@ -12,7 +12,7 @@ written as its shortest op list (B rows, H hidden; n(x) = x / rms(x), the norm w
     MoE   [logits | z | g_s | u_s] = n(x) W_in;  top-k of σ(logits) + bias, p renormalized
           all N·k slots at once: h = act(z_slot [w1|w3]_e) · p (one packed rows_mm), then
           h w2_e (a second), summed over each token's k slots
-          out = res + [n(u) | act(g_s, u_s)] [W_up; W_sd]                   (one addmm)
+          out = res + n(u) W_up + act(g_s, u_s) W_sd           (routing and act: one C call each)
     AttnRes mix of n sources: α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v   (one C call)
 
 Every matrix product with a weight is one call of the packed kernel (``k3.ops.packed_mm``), so a
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from k3.infer.decode_prep import (PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE,
                                   norm_const)
 from k3.model.moe import LatentMoE
-from k3.ops.decode_rows import attn_res_mix_c, kda_step_c
+from k3.ops.decode_rows import attn_res_mix_c, kda_step_c, route_c
 from k3.ops.norm import inv_sumsq
 from k3.ops.packed_mm import PackedMatrix
 
@@ -97,7 +97,7 @@ def _experts(p: PreparedMoE, z, w, idx):
     N, k = idx.shape
     experts = idx.reshape(-1)
     h13 = p.w13.rows_mm(z, _token_rows(N, k), experts)                         # [N·k, 2F]
-    h = p.act(*h13.chunk(2, 1)).mul_(w.view(-1, 1))
+    h = p.act(*h13.chunk(2, 1), w)
     return p.w2.rows_mm(h, _slot_rows(N * k), experts).view(N, k, -1).sum(1)
 
 
@@ -121,20 +121,14 @@ def moe_step(p: PreparedMoE, x, res):
     xn = None if p.latent else _normed(x, p.c_in_t)
     parts = list((p.w_in.mm(x, norm_c=p.c_in) if p.latent else p.w_in.mm(xn)).split_with_sizes(p.sizes, 1))
     logits = parts.pop(0)
-    scores = torch.sigmoid(logits) if p.activation == "sigmoid" else logits.softmax(-1)
-    idx = torch.topk(scores + p.bias, p.k).indices
-    w = scores.gather(1, idx)
-    if p.renormalize:
-        w.div_(w.sum(-1, keepdim=True).add_(p.tiny))
+    idx, w = route_c(logits, p.bias, p.k, p.activation != "sigmoid", p.renormalize, p.tiny)
     z = parts.pop(0) if p.latent else xn * p.gamma
     u = _experts(p, z, w, idx)
-    if not p.latent:
+    if p.latent:   # res + n(u) W_up (+ act(g_s, u_s) W_sd)
+        out = p.w_up.mm(u, res, norm_c=p.c_u)
+    else:
         out = u if res is None else res + u
-        return p.w_out.mm(p.act(*parts), out) if p.shared else out
-    if p.c_u is not None:
-        u.mul_(inv_sumsq(u, p.c_u))
-    a = torch.cat([u, p.act(*parts)], 1) if p.shared else u
-    return _out(res, a, p.w_out)
+    return p.w_sd.mm(p.act(*parts), out) if p.shared else out
 
 
 class _Layer:

@@ -28,6 +28,7 @@ from torch import nn
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
 from k3.ops import cpu_kernels
+from k3.ops.decode_rows import gated_act_c
 from k3.ops.packed_mm import PackedMatrix
 
 __all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "norm_const",
@@ -105,16 +106,14 @@ class PreparedAct:
     def __init__(self, config):
         self.silu = config.hidden_act == "silu"
         beta, lin = config.activation_situ_beta, config.activation_situ_linear_beta
-        self.inv_beta = _t(1.0 if self.silu else 1.0 / beta)
+        self.inv_beta = 1.0 if self.silu else 1.0 / beta
         self.tanh_up = not self.silu and lin is not None
         self.up_scale = 1.0 / lin if self.tanh_up else 1.0
         self.down_scale = 1.0 if self.silu else beta * (lin if self.tanh_up else 1.0)
 
-    def __call__(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        if self.silu:
-            return torch.nn.functional.silu(g).mul_(u)
-        h = torch.mul(g, self.inv_beta).tanh_().mul_(torch.sigmoid(g))     # tanh(g/β)·σ(g)
-        return h.mul_(u.tanh() if self.tanh_up else u)                      # · tanh(u/β_lin)
+    def __call__(self, g: torch.Tensor, u: torch.Tensor, row_w: torch.Tensor | None = None) -> torch.Tensor:
+        """act(g, u) / down_scale (· row_w per row): one C call (``k3.ops.decode_rows.gated_act_c``)."""
+        return gated_act_c(g, u, self.silu, self.inv_beta, self.tanh_up, row_w)
 
 
 def _t(v: float) -> torch.Tensor:
@@ -205,7 +204,7 @@ class PreparedMoE:
         gamma, g = norm.weight.detach() * moe.hidden_size ** 0.5, moe.gate
         self.c_in, self.act, self.k, self.E = norm_const(norm, moe.hidden_size), act, moe.top_k, moe.num_experts
         self.c_in_t = _t(self.c_in)
-        self.tiny = _t(1e-20)
+        self.tiny = 1e-20
         self.activation, self.renormalize = g.activation, g.renormalize
         self.bias = g.e_score_correction_bias                                  # live buffer (QB updates it)
         self.latent = moe.latent
@@ -227,11 +226,9 @@ class PreparedMoE:
         self.w13, self.w2 = PackedMatrix(w13.transpose(1, 2)), PackedMatrix(w2.transpose(1, 2))  # x @ w[e]
         norm_u = getattr(moe, "routed_expert_norm", None)
         ell = ex.w1.shape[2]
-        self.c_u = None if norm_u is None else _t(norm_const(norm_u, ell))
-        outs = []
+        self.c_u = None if norm_u is None else norm_const(norm_u, ell)
+        self.w_up = None                                                          # [ℓ, H]: n(u) @ it
         if self.latent:
             up = moe.routed_expert_up_proj.weight.detach()
-            outs.append(up if norm_u is None else up * (norm_u.weight.detach() * ell ** 0.5))
-        if shared is not None:
-            outs.append(shared.down_proj.weight.detach() * act.down_scale)
-        self.w_out = PackedMatrix(torch.cat(outs, 1).t()) if outs else None       # [ℓ(+Fs), H]
+            self.w_up = _packed_t(up if norm_u is None else up * (norm_u.weight.detach() * ell ** 0.5))
+        self.w_sd = _packed_t(shared.down_proj.weight.detach() * act.down_scale) if shared is not None else None

@@ -133,3 +133,67 @@ int k3_map(int kind, float *x, int64_t n) {
     default: return 1;
     }
 }
+
+/* The gated activation of an expert or MLP row, times an optional per-row weight:
+ *   silu:  out = SiLU(g) * u;   else (SiTU):  out = tanh(g * inv_beta) * sigmoid(g) * (tanh(u) if tanh_up else u)
+ * g, u: rows of strides ldg, ldu (unit column stride); row_w: NULL or [rows]; out [rows, F] contiguous. */
+int k3_gated_act(int64_t rows, int64_t F, const float *g, int64_t ldg, const float *u, int64_t ldu, int silu,
+                 float inv_beta, int tanh_up, const float *row_w, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gr = g + r * ldg, *ur = u + r * ldu;
+        float *o = out + r * F;
+        const float w = row_w ? row_w[r] : 1.0f;
+        for (int64_t j = 0; j < F; j += 16) {
+            const int64_t n = F - j < 16 ? F - j : 16;
+            float tg[16] = {0}, tu[16] = {0};
+            memcpy(tg, gr + j, (size_t)n * sizeof(float));
+            memcpy(tu, ur + j, (size_t)n * sizeof(float));
+            const v16 gv = load16(tg), uv = load16(tu);
+            v16 y;
+            if (silu) y = vsilu(gv) * uv;
+            else y = vtanh(gv * inv_beta) * vsigmoid(gv) * (tanh_up ? vtanh(uv) : uv);
+            store16(tg, y * w);
+            memcpy(o + j, tg, (size_t)n * sizeof(float));
+        }
+    }
+    return 0;
+}
+
+/* Router of N tokens over E experts: s = sigmoid(logits) (or softmax over E), the k experts of
+ * largest s + bias (descending; ties to the lower index; NaN above every number), their weights s (divided by their sum +
+ * tiny when renorm). logits: rows of stride ld; idx [N, k] int64, w [N, k] fp32.
+ * Returns 1 when k is not in [1, E] or E > 4096. */
+int k3_route(int64_t N, int64_t E, const float *logits, int64_t ld, const float *bias, int64_t k, int softmax,
+             int renorm, float tiny, int64_t *idx, float *w) {
+    enum { EMAX = 4096 };
+    if (k < 1 || k > E || E > EMAX) return 1;
+    for (int64_t t = 0; t < N; t++) {
+        float s[EMAX], key[EMAX];
+        const float *z = logits + t * ld;
+        if (softmax) {
+            float mx = -INFINITY, total = 0.0f;
+            for (int64_t e = 0; e < E; e++) mx = z[e] > mx ? z[e] : mx;
+            for (int64_t e = 0; e < E; e++) { s[e] = expf(z[e] - mx); total += s[e]; }
+            for (int64_t e = 0; e < E; e++) s[e] /= total;
+        } else {
+            for (int64_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-z[e]));
+        }
+        unsigned char taken[EMAX];
+        for (int64_t e = 0; e < E; e++) { key[e] = s[e] + bias[e]; taken[e] = 0; }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {   /* NaN ranks above every number, as in torch.topk */
+                if (taken[e]) continue;
+                if (best < 0 || key[e] > key[best] || (isnan(key[e]) && !isnan(key[best]))) best = e;
+            }
+            taken[best] = 1;
+            idx[t * k + j] = best;
+            w[t * k + j] = s[best];
+            sum += s[best];
+        }
+        if (renorm)
+            for (int64_t j = 0; j < k; j++) w[t * k + j] /= sum + tiny;
+    }
+    return 0;
+}

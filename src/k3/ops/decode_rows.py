@@ -12,7 +12,7 @@ import torch
 
 from k3.ops import cpu_kernels
 
-__all__ = ["attn_res_mix_c", "kda_step_c", "map_c", "MAP_KINDS"]
+__all__ = ["attn_res_mix_c", "kda_step_c", "gated_act_c", "route_c", "map_c", "MAP_KINDS"]
 
 MAP_KINDS = ("exp", "sigmoid", "tanh", "silu")
 
@@ -87,3 +87,35 @@ def kda_step_c(qkv, conv, conv_w, dec_in, lb, neg_a, beta_in, gate, S, c_qk: flo
     if rc:
         raise ValueError(f"kda_step_c: head_dim {d} above 256 or conv kernel {K} below 2")
     return o, conv_out, S_out
+
+
+def gated_act_c(g: torch.Tensor, u: torch.Tensor, silu: bool, inv_beta: float, tanh_up: bool,
+                row_w: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, F] rows g, u -> act(g, u) (· row_w[r] per row when given): SiLU(g)·u, or SiTU's
+    tanh(g·inv_beta)·σ(g)·(tanh(u) if tanh_up else u)."""
+    R, F = g.shape
+    _rows(g, R, F, "gated_act_c: g")
+    _rows(u, R, F, "gated_act_c: u")
+    if row_w is not None:
+        row_w = row_w.reshape(-1)
+        _dense(row_w, (R,), "gated_act_c: row_w")
+    out = torch.empty(R, F)
+    cpu_kernels.library().k3_gated_act(R, F, g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), int(silu),
+                                       inv_beta, int(tanh_up), None if row_w is None else row_w.data_ptr(),
+                                       out.data_ptr())
+    return out
+
+
+def route_c(logits: torch.Tensor, bias: torch.Tensor, k: int, softmax: bool, renorm: bool,
+            tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router of N tokens: logits [N, E], bias [E] -> (idx [N, k] int64, w [N, k]): the k experts of
+    largest score + bias (score σ(logit), or the softmax over E), descending, ties to the lower index;
+    w their scores (over their sum + tiny when ``renorm``)."""
+    N, E = logits.shape
+    _rows(logits, N, E, "route_c: logits")
+    _dense(bias, (E,), "route_c: bias")
+    idx, w = torch.empty(N, k, dtype=torch.int64), torch.empty(N, k)
+    if cpu_kernels.library().k3_route(N, E, logits.data_ptr(), logits.stride(0), bias.data_ptr(), k, int(softmax),
+                                      int(renorm), tiny, idx.data_ptr(), w.data_ptr()):
+        raise ValueError(f"route_c: top-k {k} must be in [1, {E}] and E at most 4096")
+    return idx, w
