@@ -243,8 +243,10 @@ def test_unbounded_diagonal_blocks_survive_steep_gates():
 
 
 @pytest.mark.parametrize("bound", [-5.0, None])
-def test_inference_forward_is_bitwise_the_training_forward(bound):
-    # Under no_grad chunk_kda writes its block matrices in place; the values must not move by a bit.
+def test_chunked_inference_forward_is_bitwise_the_training_forward(bound, monkeypatch):
+    # Where the C kernels are unavailable, no_grad runs the chunked form, writing its block matrices
+    # in place; the values must not move by a bit against the training forward.
+    monkeypatch.setattr(kda.cpu_kernels, "unavailable", lambda: "forced off by the test")
     q, k, v, g, beta, s0 = make_inputs(T=150, dtype=torch.float32, seed=4)
     with torch.no_grad():
         o_inf, s_inf = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, g_lower_bound=bound)
@@ -252,6 +254,61 @@ def test_inference_forward_is_bitwise_the_training_forward(bound):
     o_tr, s_tr = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True, g_lower_bound=bound)
     assert o_tr.requires_grad
     assert torch.equal(o_inf, o_tr.detach()) and torch.equal(s_inf, s_tr.detach())
+
+
+def _loop64(q, k, v, g, beta, s0):
+    """The rule token by token in float64 (recurrent_kda computes in fp32)."""
+    B, T, H, K = q.shape
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if s0 is None else s0.double().clone()
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * K ** -0.5, S))
+    return torch.stack(outs, 1), S
+
+
+@pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 3.0)])
+def test_inference_scan_equals_the_float64_recurrence_and_the_training_forward(gate, A_log):
+    # No grad on the CPU: the C recurrence (kda_scan.c). Held to the float64 per-token loop, and to
+    # the chunked training forward within fp32 rounding.
+    q, k, v, g, beta, s0 = make_inputs(B=2, T=150, H=3, K=64, V=48, gate=gate, A_log=A_log, seed=6)
+    o64, s64 = _loop64(q, k, v, g, beta, s0)
+    ref = recurrent_kda(q, k, v, g, beta, initial_state=s0)[0]      # the reference loop agrees with the module's
+    torch.testing.assert_close(ref.double(), o64, atol=2e-5, rtol=1e-4)
+    xs = [x.float() for x in (q, k, v, g, beta, s0)]
+    with torch.no_grad():
+        o, s = chunk_kda(*xs[:5], initial_state=xs[5], output_final_state=True)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    torch.testing.assert_close(o.double(), o64, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s.double(), s64, atol=2e-5, rtol=1e-4)
+    o_tr, s_tr = chunk_kda(*[x.clone().requires_grad_(True) for x in xs[:5]], initial_state=xs[5],
+                           output_final_state=True)
+    torch.testing.assert_close(o, o_tr.detach(), atol=2e-5, rtol=1e-4)
+    with torch.no_grad():                            # no initial state, no final state
+        o0, none = chunk_kda(*xs[:5])
+    o0_64, _ = _loop64(q, k, v, g, beta, None)
+    assert none is None
+    torch.testing.assert_close(o0.double(), o0_64, atol=2e-5, rtol=1e-4)
+
+
+def test_inference_scan_does_not_depend_on_how_the_sequence_is_split():
+    # Prefill in pieces (the state handed on) gives the bits of one pass, and a head's output does
+    # not depend on the other heads or batch rows beside it.
+    q, k, v, g, beta, s0 = make_inputs(B=2, T=90, H=3, K=32, V=32, dtype=torch.float32, seed=8)
+    with torch.no_grad():
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+        state, pieces = s0, []
+        for a, b in ((0, 7), (7, 71), (71, 90)):
+            oi, state = chunk_kda(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                  initial_state=state, output_final_state=True)
+            pieces.append(oi)
+        one = chunk_kda(q[1:, :, 2:], k[1:, :, 2:], v[1:, :, 2:], g[1:, :, 2:], beta[1:, :, 2:],
+                        initial_state=s0[1:, 2:])[0]
+    assert torch.equal(torch.cat(pieces, 1), o) and torch.equal(state, s)
+    assert torch.equal(one, o[1:, :, 2:])
 
 
 # --- gradients -----------------------------------------------------------------------------------
@@ -317,22 +374,3 @@ def test_recurrence_stays_fp32_under_bf16_autocast():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), fn.__name__
 
 
-@pytest.mark.parametrize("bound", [-5.0, None])
-def test_inference_forward_in_chunk_groups_equals_the_whole_and_the_recurrence(bound, monkeypatch):
-    # Under no_grad the chunks go in groups of _group_size; a group of every chunk (one pass, as
-    # in training) and groups of one or three chunks must give the same bits, and the per-token
-    # recurrence (the independent reference) the same values.
-    q, k, v, g, beta, s0 = make_inputs(T=7 * 16 + 5, dtype=torch.float32, seed=5)   # 8 chunks of 16
-    B, _, H, K = q.shape
-    chunk_bytes = B * H * 16 * max(K, v.shape[-1]) * 4
-    outs = []
-    for group_bytes in (1 << 40, 1, 3 * chunk_bytes):          # all 8, 1 chunk, 3 + 3 + 2 chunks
-        monkeypatch.setattr(kda, "_GROUP_BYTES", group_bytes)
-        with torch.no_grad():
-            outs.append(chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                  chunk_size=16, g_lower_bound=bound))
-    for o, s in outs[1:]:
-        assert torch.equal(o, outs[0][0]) and torch.equal(s, outs[0][1])
-    o_ref, s_ref = recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
-    torch.testing.assert_close(outs[1][0], o_ref, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(outs[1][1], s_ref, atol=2e-5, rtol=1e-4)

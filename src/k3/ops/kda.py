@@ -18,8 +18,10 @@ pseudo-values u_i = β_i (v_i − S'_iᵀ k_i) (S'_i: state after token i's deca
     S_C = diag(e^{G_C}) S_0 + (K ⊙ e^{G_C − G})ᵀ U
 
 Everything except the S_0 terms is independent of the state, so all chunks are solved at once and
-only S_{n+1} = M_n S_n + Z_n is scanned (T/C small matmuls). Without autograd (prefill) the chunks
-go in cache-sized groups, each group's terms computed and then scanned (`_group_size`).
+only S_{n+1} = M_n S_n + Z_n is scanned (T/C small matmuls). Without autograd on the CPU
+(prefill, evaluation) `chunk_kda` runs the recurrence itself in C instead (`_scan_c`): about
+4·K·V multiply-adds per token and head, with the state in the cache, which beats the chunked
+form's many small matmuls there.
 
 Decay factors e^{G_i − G_j} are never materialised as a [C, C, K] tensor for off-diagonal
 sub-chunk blocks: they factorise as e^{G_i − G_r} e^{G_r − G_j} around a row r with j < r ≤ i, so
@@ -47,6 +49,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from k3.ops import cpu_kernels
 from k3.ops.norm import l2_normalize  # noqa: F401  (re-exported: q, k are normalized with it)
 
 __all__ = ["l2_normalize", "kda_gate", "recurrent_kda", "chunk_kda"]
@@ -289,19 +292,6 @@ def _unit_lower_solve(diag_a: torch.Tensor, off_a: list[torch.Tensor], beta: tor
     return torch.cat(xs, dim=-2)
 
 
-_GROUP_BYTES = 1 << 20   # inference: chunks per group so that one [n, BH, C, D] fp32 term is ~1 MiB
-
-
-def _group_size(chunk_bytes: int, N: int) -> int:
-    """Chunks processed together by the inference forward: enough for ~``_GROUP_BYTES`` per term
-    tensor, at least 1, at most N. Each of the terms' ~30 elementwise passes then runs in cache
-    instead of memory: on the 2-core CPU, T=4096 H4 D64 in 32-35 ms instead of 55-61 (K3 gates;
-    interleaved, bit-identical); groups of 128 KiB lose to per-op overhead. The training forward
-    keeps all chunks in one pass: grouped there, fwd+bwd was no faster (autograd keeps every
-    term), so it is not split."""
-    return max(1, min(N, -(-_GROUP_BYTES // chunk_bytes)))
-
-
 def _chunk_terms(qc, kc, vc, gc, bc, sub: int, factor_diag: bool):
     """Everything of a chunk that does not depend on the state entering it, for n chunks at once.
 
@@ -340,6 +330,11 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               g_lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA (training / prefill); same signature and result as `recurrent_kda`.
 
+    Without autograd on the CPU (prefill, evaluation) the sequence goes through the C recurrence
+    (``kda_scan.c``: the per-token rule, one pass per token over a cached [K, V] state, heads in
+    parallel); with autograd, or where the CPU kernels cannot be built, the chunked form below.
+    The two agree to fp32 rounding (tested against the float64 recurrence).
+
     Any T (padded internally with k = 0, g = 0, β = 0 tokens, which leave the state unchanged).
     Differentiable w.r.t. q, k, v, g, beta and initial_state. g must be ≤ 0 (a log-decay).
     ``g_lower_bound``: a bound the caller guarantees (g ≥ it; KDA's ``gate_lower_bound``). It only
@@ -354,6 +349,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
+    if not torch.is_grad_enabled() and q.device.type == "cpu" and cpu_kernels.unavailable() is None:
+        return _scan_c(q, k, v, g, beta, scale, initial_state, output_final_state)
     C = chunk_size
     sub = 16 if C % 16 == 0 else C
     N = max(1, -(-T // C))
@@ -370,31 +367,17 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         S = qc.new_zeros(B * H, K, V)
     else:
         S = initial_state.float().reshape(B * H, K, V)
-    if torch.is_grad_enabled():
-        o_intra, q_eff, Z, M = _chunk_terms(qc, kc, vc, gc, bc, sub, factor_diag)
-        # unbind, not Z[n] / M[n]: each indexed view's backward would allocate a full-size zero
-        # gradient (quadratic in N); unbind's backward stacks the N slice gradients once.
-        states = []
-        for Zn, Mn in zip(Z.unbind(0), M.unbind(0)):
-            states.append(S)
-            S = torch.baddbmm(Zn, Mn, S)
-        states = torch.stack(states)
-        # O = o_intra + q_eff S_n, one fused batched multiply-add over all chunks.
-        o = torch.baddbmm(o_intra.reshape(N * B * H, C, V), q_eff.reshape(N * B * H, C, K),
-                          states.reshape(N * B * H, K, V))
-    else:   # inference: the same terms, a cache-sized group of chunks at a time (see _group_size)
-        o = qc.new_empty(N, B * H, C, V)
-        n_grp = _group_size(B * H * C * max(K, V) * 4, N)
-        for n0 in range(0, N, n_grp):
-            sl = slice(n0, n0 + n_grp)
-            o_intra, q_eff, Z, M = _chunk_terms(qc[sl], kc[sl], vc[sl], gc[sl], bc[sl], sub, factor_diag)
-            n = Z.shape[0]
-            states = S.new_empty(n, B * H, K, V)           # the state entering each chunk of the group
-            states[0].copy_(S)
-            for i, (Zi, Mi) in enumerate(zip(Z.unbind(0), M.unbind(0))):
-                S = torch.baddbmm(Zi, Mi, states[i], out=states[i + 1] if i + 1 < n else None)
-            torch.baddbmm(o_intra.reshape(n * B * H, C, V), q_eff.reshape(n * B * H, C, K),
-                          states.reshape(n * B * H, K, V), out=o[sl].view(n * B * H, C, V))
+    o_intra, q_eff, Z, M = _chunk_terms(qc, kc, vc, gc, bc, sub, factor_diag)
+    # unbind, not Z[n] / M[n]: each indexed view's backward would allocate a full-size zero
+    # gradient (quadratic in N); unbind's backward stacks the N slice gradients once.
+    states = []
+    for Zn, Mn in zip(Z.unbind(0), M.unbind(0)):
+        states.append(S)
+        S = torch.baddbmm(Zn, Mn, S)
+    states = torch.stack(states)
+    # O = o_intra + q_eff S_n, one fused batched multiply-add over all chunks.
+    o = torch.baddbmm(o_intra.reshape(N * B * H, C, V), q_eff.reshape(N * B * H, C, K),
+                      states.reshape(N * B * H, K, V))
     o = o.reshape(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T].to(v.dtype)
     return o, (S.reshape(B, H, K, V) if output_final_state else None)
 
@@ -408,6 +391,23 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 # state_v_first=False). fla's chunk size is its own (64); the result does not depend on it. fla
 # returns o in q's dtype, so it is cast to v's dtype here like the torch path.
 _FLA: object | None = None
+
+
+def _scan_c(q, k, v, g, beta, scale, initial_state, output_final_state):
+    """The no-grad CPU forward: the recurrence over the whole sequence in one C call."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    qf, kf, vf, gf, bf = (x.float().contiguous() for x in (q, k, v, g, beta))
+    S0 = None if initial_state is None else initial_state.float().contiguous()
+    o = torch.empty(B, T, H, V)
+    S = torch.empty(B, H, K, V) if output_final_state else None
+    rc = cpu_kernels.library().k3_kda_scan(
+        B, T, H, K, V, qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(), scale,
+        None if S0 is None else S0.data_ptr(), o.data_ptr(), None if S is None else S.data_ptr(),
+        torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"chunk_kda: no memory for a [{K}, {V}] state")
+    return o.to(v.dtype), S
 
 
 def _fla_available() -> bool:
