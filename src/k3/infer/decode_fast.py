@@ -1,23 +1,24 @@
 """The decode step over prepared weights (``k3.infer.decode_prep``): the math of
-``k3.infer.decode_step.decode_forward`` (same inputs, same outputs) in few, mostly in-place ops.
+``k3.infer.decode_step.decode_forward`` (same inputs, same outputs) in few calls.
 
-On CPU a decode step is bound by per-op dispatch, not by the weight reads, so each sublayer is
-written as its shortest op list (B rows, H hidden; n(x) = x / rms(x), the norm weight being in W):
+On CPU a decode step at small batch is bound by per-call overhead and by reading the weights, so
+each sublayer is as few calls as it can be (B rows, H hidden; n(x) = x / rms(x), the norm weight
+being in W):
 
-    KDA   y = n(x) W_in;  h = SiLU(Σ_k w_k [conv | qkv]_k);  q, k = l2(h_q)/√d, l2(h_k)
-          e = exp(lb·σ(addmm(a·dt, f_a, a·W_fb)));  S' = e ⊙ S;  u = β (v − kᵀS');  S = S' + k uᵀ
-          out = res + (o·rms⁻¹(o) ⊙ σ(gate)) W_o                        (o = qᵀS, one addmm)
+    KDA   one C call (``k3.ops.decode_layers``): y = n(x) W_in;  h = SiLU(Σ_k w_k [conv | qkv]_k);
+          q, k = l2(h_q)/√d, l2(h_k);  e = exp(lb·σ(a·dt + f_a a·W_fb));  S' = e ⊙ S;
+          u = β (v − kᵀS');  S = S' + k uᵀ;  out = res + (o·rms⁻¹(o) ⊙ σ(gate)) W_o   (o = qᵀS)
     MLA   y = n(x) W_in;  [q_lat | q_pe] = n(q_a) W_q  (W_UK and the scale absorbed)
           s = [q_lat cᵀ + q_pe k_peᵀ (+ mask) | self];  o = (softmax(s) [c; c_new]) W_UV ⊙ σ(g)
-    MoE   [logits | z | g_s | u_s] = n(x) W_in;  top-k of σ(logits) + bias, p renormalized
-          all N·k slots at once: h = act(z_slot [w1|w3]_e) · p (one packed rows_mm), then
-          h w2_e (a second), summed over each token's k slots
-          out = res + n(u) W_up + act(g_s, u_s) W_sd           (routing and act: one C call each)
+    MoE   one C call: [logits | z | g_s | u_s] = n(x) W_in;  top-k of σ(logits) + bias, p
+          renormalized;  all N·k slots at once: h = act(z_slot [w1|w3]_e) · p, then h w2_e, summed
+          over each token's k slots;  out = res + n(u) W_up + act(g_s, u_s) W_sd
     AttnRes mix of n sources: α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v   (one C call)
 
 Every matrix product with a weight is one call of the packed kernel (``k3.ops.packed_mm``), so a
-row's result does not depend on the rows beside it. Nothing here writes the cache (the caller appends the MLA latents and stores the KDA tensors).
-Equal to the module path within float rounding: ``tests/infer/test_decode_fast.py``.
+row's result does not depend on the rows beside it. Nothing here writes the cache (the caller
+appends the MLA latents and stores the KDA tensors). Equal to the module path within float
+rounding: ``tests/infer/test_decode_fast.py``.
 """
 
 from __future__ import annotations
@@ -28,16 +29,12 @@ import torch.nn.functional as F
 from k3.infer.decode_prep import (PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE,
                                   norm_const)
 from k3.model.moe import LatentMoE
-from k3.ops.decode_rows import attn_res_mix_c, kda_step_c, route_c
+from k3.ops.decode_layers import kda_layer_step, moe_layer_step
+from k3.ops.decode_rows import attn_res_mix_c
 from k3.ops.norm import inv_sumsq
 from k3.ops.packed_mm import PackedMatrix
 
 __all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step", "length_mask"]
-
-
-def _normed(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """x · (Σx² + D·eps)^(-1/2): the RMSNorm without its weight and its √D (both folded into W)."""
-    return x * inv_sumsq(x, c)
 
 
 def _out(res: torch.Tensor | None, a: torch.Tensor, w: PackedMatrix) -> torch.Tensor:
@@ -47,12 +44,8 @@ def _out(res: torch.Tensor | None, a: torch.Tensor, w: PackedMatrix) -> torch.Te
 
 def kda_step(p: PreparedKDA, x, res, conv, S):
     """x [B,H] (pre-norm), res [B,H] | None, conv [B,3P,K−1], S [B,nh,d,d] fp32 ->
-    (res + out [B,H], conv', S')."""
-    qkv, fa, b, g = p.w_in.mm(x, norm_c=p.c_in).split_with_sizes(p.sizes, 1)
-    dec = p.w_f.mm(fa, p.f_bias)                                                 # the decay's pre-activation
-    gate = g if p.full_gate else p.w_gb.mm(g)
-    o, conv, S = kda_step_c(qkv, conv, p.conv_w, dec, p.lb, p.neg_a, b, gate, S, p.c_qk, p.q_scale, p.c_o)
-    return _out(res, o, p.w_o), conv, S
+    (res + out [B,H], conv', S'): one C call (``k3.ops.decode_layers``)."""
+    return kda_layer_step(p.c, x, res, conv, S)
 
 
 def length_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
@@ -92,43 +85,9 @@ def mlp_step(p: PreparedMLP, x, res):
     return _out(res, h, p.w_down)
 
 
-def _experts(p: PreparedMoE, z, w, idx):
-    """Σ_j p_j expert_j(z) over each row's k slots: z [N, ℓ], w, idx [N, k] -> [N, ℓ]."""
-    N, k = idx.shape
-    experts = idx.reshape(-1)
-    h13 = p.w13.rows_mm(z, _token_rows(N, k), experts)                         # [N·k, 2F]
-    h = p.act(*h13.chunk(2, 1), w)
-    return p.w2.rows_mm(h, _slot_rows(N * k), experts).view(N, k, -1).sum(1)
-
-
-_ROWS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _token_rows(N: int, k: int) -> torch.Tensor:
-    """[N·k] int64: slot s reads token s // k (kept per (N, k); a decode batch has few shapes)."""
-    t = _ROWS.get((N, k))
-    if t is None:
-        t = _ROWS[(N, k)] = torch.arange(N).repeat_interleave(k)
-    return t
-
-
-def _slot_rows(S: int) -> torch.Tensor:
-    return _token_rows(S, 1)
-
-
 def moe_step(p: PreparedMoE, x, res):
-    """x [N,H] (pre-norm), res [N,H] -> res + LatentMoE(norm(x))."""
-    xn = None if p.latent else _normed(x, p.c_in_t)
-    parts = list((p.w_in.mm(x, norm_c=p.c_in) if p.latent else p.w_in.mm(xn)).split_with_sizes(p.sizes, 1))
-    logits = parts.pop(0)
-    idx, w = route_c(logits, p.bias, p.k, p.activation != "sigmoid", p.renormalize, p.tiny)
-    z = parts.pop(0) if p.latent else xn * p.gamma
-    u = _experts(p, z, w, idx)
-    if p.latent:   # res + n(u) W_up (+ act(g_s, u_s) W_sd)
-        out = p.w_up.mm(u, res, norm_c=p.c_u)
-    else:
-        out = u if res is None else res + u
-    return p.w_sd.mm(p.act(*parts), out) if p.shared else out
+    """x [N,H] (pre-norm), res [N,H] | None -> res + LatentMoE(norm(x)): one C call."""
+    return moe_layer_step(p.c, x, res)
 
 
 class _Layer:

@@ -28,6 +28,7 @@ from torch import nn
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
 from k3.ops import cpu_kernels
+from k3.ops.decode_layers import KDALayer, MoELayer, mat, ptr
 from k3.ops.decode_rows import gated_act_c
 from k3.ops.packed_mm import PackedMatrix
 
@@ -161,6 +162,10 @@ class PreparedKDA:
         self.w_gb = None if self.full_gate else _packed_t(a.g_b_proj.weight)
         self.q_scale = d ** -0.5                                                # q also gets 1/√d
         self.w_o = _packed_t(a.o_proj.weight.detach() * (a.o_norm.weight.detach().repeat(nh) * d ** 0.5))
+        self.c = KDALayer(mat(self.w_in), mat(self.w_f), mat(self.w_gb), mat(self.w_o), ptr(self.conv_w),
+                          ptr(self.f_bias), ptr(self.neg_a), nh, d, self.conv_w.shape[1], self.sizes[1],
+                          self.sizes[3], 0.0 if self.lb is None else self.lb, self.c_in, self.c_qk, self.q_scale,
+                          self.c_o)   # the whole sublayer in one C call (k3.ops.decode_layers)
 
 
 class PreparedMLA:
@@ -232,3 +237,8 @@ class PreparedMoE:
             up = moe.routed_expert_up_proj.weight.detach()
             self.w_up = _packed_t(up if norm_u is None else up * (norm_u.weight.detach() * ell ** 0.5))
         self.w_sd = _packed_t(shared.down_proj.weight.detach() * act.down_scale) if shared is not None else None
+        self.c = MoELayer(mat(self.w_in), mat(self.w13), mat(self.w2), mat(self.w_up), mat(self.w_sd),
+                          ptr(self.bias), ptr(self.gamma), self.E, self.k, F_, self.Fs if self.shared else 0,
+                          self.w2.N, int(self.activation != "sigmoid"), int(self.renormalize), int(act.silu),
+                          int(act.tanh_up), self.tiny, act.inv_beta, self.c_in,
+                          -1.0 if self.c_u is None else self.c_u)   # one C call (k3.ops.decode_layers)

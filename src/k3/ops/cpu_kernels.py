@@ -1,8 +1,9 @@
 """The project's C kernels for the CPU decode step, built on first use for this machine.
 
 The sources beside this file (``packed_mm.c``: matmul over packed weights; ``decode_rows.c``: the
-per-row math of a decode step; ``kda_scan.c``: KDA's recurrence over a sequence, for prefill;
-``k3_vec.h``: their vector helpers) are compiled together with ``cc -O3 -march=native -fopenmp`` into
+per-row math of a decode step; ``decode_layers.c``: whole KDA and MoE sublayers made of those;
+``kda_scan.c``: KDA's recurrence over a sequence, for prefill;
+``k3_vec.h``, ``k3_kernels.h``: their vector helpers and entry points) are compiled together with ``cc -O3 -march=native -fopenmp`` into
 one shared object under ``$K3_KERNEL_CACHE`` (default ``~/.cache/k3/kernels``), named by a hash of
 the sources, the flags, the compiler's version and the CPU's flags, and loaded with ctypes. The
 OpenMP loops run on the libgomp torch has loaded (its soname is the system's; a second runtime in
@@ -22,8 +23,9 @@ from pathlib import Path
 
 __all__ = ["library", "unavailable", "kernel_path", "SOURCES", "HEADERS"]
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("packed_mm.c", "decode_rows.c", "kda_scan.c"))
-HEADERS = (Path(__file__).with_name("k3_vec.h"),)
+SOURCES = tuple(Path(__file__).with_name(n)
+                for n in ("packed_mm.c", "decode_rows.c", "decode_layers.c", "kda_scan.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("k3_vec.h", "k3_kernels.h"))
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
@@ -38,6 +40,8 @@ _SIGNATURES = {
     "k3_gated_act": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT, _PTR, _PTR],
     "k3_route": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _F32, _PTR, _PTR],
     "k3_attn_res_mix": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR],
+    "k3_kda_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
+    "k3_moe_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _INT],
     "k3_kda_scan": [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _INT],
     "k3_kda_step": [_I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _F32, _PTR,
                     _PTR, _I64, _PTR, _I64, _PTR, _PTR, _F32, _F32, _F32, _PTR, _INT],

@@ -1,0 +1,125 @@
+/* Whole decode sublayers in one call (k3.infer.decode_fast): the KDA attention and the LatentMoE of
+ * one layer, for B rows, over weights packed once (k3.ops.packed_mm) and described by a struct the
+ * caller fills at preparation. Each is the sequence of the kernels it is made of (the packed
+ * matmuls, k3_kda_step, k3_route, k3_gated_act) with its intermediates in one scratch buffer, so a
+ * sublayer costs one call from Python instead of a dozen.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "k3_kernels.h"
+
+typedef struct {     /* a packed matrix (k3.ops.packed_mm): K rows in, N columns out; E stacked */
+    const float *w;
+    int64_t K, N, E;
+} k3_mat;
+
+/* y [M, N] = (res or nothing) + n(x) @ W, res: [M, N] rows (ld N) or NULL; bias_row: a row [N] added to every
+ * row instead (NULL: none). */
+static int mat_mm(const k3_mat *m, const float *x, int64_t ldx, int64_t M, const float *res, const float *bias_row,
+                  float *y, float norm_c, int nthreads) {
+    int acc = 0;
+    if (res) { memcpy(y, res, sizeof(float) * (size_t)(M * m->N)); acc = 1; }
+    else if (bias_row) {
+        for (int64_t r = 0; r < M; r++) memcpy(y + r * m->N, bias_row, sizeof(float) * (size_t)m->N);
+        acc = 1;
+    }
+    return k3_packed_mm(x, ldx, M, m->K, m->w, m->N, y, m->N, acc, norm_c, nthreads);
+}
+
+typedef struct {
+    k3_mat w_in, w_f, w_gb, w_o;              /* w_gb.w NULL: the gate is full rank (read from w_in's output) */
+    const float *conv_w, *f_bias, *neg_a;     /* neg_a NULL: the lower-bounded gate exp(lb sigmoid(.)) */
+    int64_t nh, d, Kc, fa, G;                 /* fa: f_a's width; G: the gate's width in w_in's output */
+    float lb, c_in, c_qk, q_scale, c_o;
+} k3_kda_layer;
+
+/* out [B, H] = res + KDA(n(x)) (res NULL: no residual); conv, S -> conv_out, S_out (the cache's next). */
+int k3_kda_layer_step(const k3_kda_layer *L, int64_t B, const float *x, const float *res, const float *conv,
+                      const float *S, float *out, float *conv_out, float *S_out, int nthreads) {
+    const int64_t P = L->nh * L->d, W = L->w_in.N;
+    float *buf = malloc(sizeof(float) * (size_t)(B * (W + 3 * P)));
+    if (!buf) return -1;
+    float *y = buf, *dec = y + B * W, *gate = dec + B * P, *o = gate + B * P;
+    int rc = mat_mm(&L->w_in, x, L->w_in.K, B, NULL, NULL, y, L->c_in, nthreads);
+    const float *qkv = y, *fa = y + 3 * P, *b = fa + L->fa, *g = b + L->nh;
+    if (!rc) rc = mat_mm(&L->w_f, fa, W, B, NULL, L->f_bias, dec, -1.0f, nthreads);
+    const float *gt = g;
+    int64_t ld_gate = W;
+    if (!rc && L->w_gb.w) {
+        rc = mat_mm(&L->w_gb, g, W, B, NULL, NULL, gate, -1.0f, nthreads);
+        gt = gate, ld_gate = P;
+    }
+    if (!rc) rc = k3_kda_step(B, L->nh, L->d, L->Kc, qkv, W, conv, conv_out, L->conv_w, dec, P, L->neg_a ? 1 : 0,
+                              L->lb, L->neg_a, b, W, gt, ld_gate, S, S_out, L->c_qk, L->q_scale, L->c_o, o, nthreads);
+    if (!rc) rc = mat_mm(&L->w_o, o, P, B, res, NULL, out, -1.0f, nthreads);
+    free(buf);
+    return rc;
+}
+
+typedef struct {
+    k3_mat w_in, w13, w2, w_up, w_sd;         /* w_up.w NULL: not latent; w_sd.w NULL: no shared experts */
+    const float *bias, *gamma;                /* router bias [E] (live); gamma [H]: z = n(x) gamma when not latent */
+    int64_t E, k, F, Fs, ell, softmax, renorm, silu, tanh_up;
+    float tiny, inv_beta, c_in, c_u;          /* c_u < 0: no latent norm */
+} k3_moe_layer;
+
+/* out [N, H] = res + LatentMoE(n(x)) (res NULL: no residual). */
+int k3_moe_layer_step(const k3_moe_layer *L, int64_t N, const float *x, const float *res, float *out,
+                      int nthreads) {
+    const int64_t W = L->w_in.N, H = L->w_in.K, S = N * L->k, latent = L->w_up.w != NULL;
+    const int64_t zw = L->w13.K;   /* the experts' input width: the latent, or H */
+    const size_t floats = (size_t)(N * W + N * H + S * 2 * L->F + S * L->F + S * L->ell + N * L->ell
+                                   + N * L->Fs + S);
+    float *buf = malloc(sizeof(float) * floats);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(2 * S));
+    if (!buf || !ids) { free(buf); free(ids); return -1; }
+    float *y = buf, *zn = y + N * W, *h13 = zn + N * H, *h = h13 + S * 2 * L->F, *ys = h + S * L->F;
+    float *u = ys + S * L->ell, *hs = u + N * L->ell, *w = hs + N * L->Fs;
+    int64_t *idx = ids, *tok = ids + S;
+    int rc = mat_mm(&L->w_in, x, H, N, NULL, NULL, y, L->c_in, nthreads);
+    const float *logits = y, *z = y + L->E;
+    int64_t ldz = W;
+    if (!rc && !latent) {   /* z = n(x) gamma, the experts' input (their weights read x's width) */
+        float *scale = malloc(sizeof(float) * (size_t)N);
+        if (!scale) rc = -1;
+        else {
+            k3_row_inv_norm(x, H, N, H, L->c_in, scale);
+            for (int64_t r = 0; r < N; r++)
+                for (int64_t j = 0; j < H; j++) zn[r * H + j] = x[r * H + j] * scale[r] * L->gamma[j];
+            free(scale);
+            z = zn, ldz = H;
+        }
+    }
+    if (!rc) rc = k3_route(N, L->E, logits, W, L->bias, L->k, (int)L->softmax, (int)L->renorm, L->tiny, idx, w);
+    for (int64_t s = 0; s < S; s++) tok[s] = s / L->k;
+    if (!rc) rc = k3_packed_rows_mm(z, ldz, N, tok, idx, S, zw, L->w13.w, 2 * L->F, L->E, h13, nthreads);
+    if (!rc) rc = k3_gated_act(S, L->F, h13, 2 * L->F, h13 + L->F, 2 * L->F, (int)L->silu, L->inv_beta,
+                               (int)L->tanh_up, w, h);
+    for (int64_t s = 0; s < S; s++) tok[s] = s;
+    if (!rc) rc = k3_packed_rows_mm(h, L->F, S, tok, idx, S, L->F, L->w2.w, L->ell, L->E, ys, nthreads);
+    if (!rc)
+        for (int64_t r = 0; r < N; r++) {    /* u = the sum of each token's k slots, in slot order */
+            float *ur = u + r * L->ell;
+            memcpy(ur, ys + r * L->k * L->ell, sizeof(float) * (size_t)L->ell);
+            for (int64_t j = 1; j < L->k; j++) {
+                const float *yj = ys + (r * L->k + j) * L->ell;
+                for (int64_t c = 0; c < L->ell; c++) ur[c] += yj[c];
+            }
+        }
+    if (!rc) {
+        if (latent) rc = mat_mm(&L->w_up, u, L->ell, N, res, NULL, out, L->c_u, nthreads);
+        else
+            for (int64_t i = 0; i < N * H; i++) out[i] = res ? res[i] + u[i] : u[i];
+    }
+    if (!rc && L->w_sd.w) {
+        const int64_t off = L->E + (latent ? L->ell : 0);
+        rc = k3_gated_act(N, L->Fs, y + off, W, y + off + L->Fs, W, (int)L->silu, L->inv_beta, (int)L->tanh_up,
+                          NULL, hs);
+        if (!rc) rc = k3_packed_mm(hs, L->Fs, N, L->Fs, L->w_sd.w, L->w_sd.N, out, H, 1, -1.0f, nthreads);
+    }
+    free(buf);
+    free(ids);
+    return rc;
+}

@@ -1,0 +1,94 @@
+"""Whole decode sublayers in one C call (``decode_layers.c``): the KDA attention and the LatentMoE of
+a layer over packed weights, described once by a ctypes struct (``KDALayer``, ``MoELayer``) that
+``k3.infer.decode_prep`` fills at preparation. The struct holds raw pointers: its owner keeps the
+tensors alive and rebuilds it when they change (``WeightWatch``)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from k3.ops import cpu_kernels
+from k3.ops.packed_mm import PackedMatrix
+
+__all__ = ["KDALayer", "MoELayer", "mat", "kda_layer_step", "moe_layer_step"]
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class Mat(ctypes.Structure):
+    _fields_ = [("w", _P), ("K", _I), ("N", _I), ("E", _I)]
+
+
+def mat(p: PackedMatrix | None) -> Mat:
+    """The C view of a packed matrix (all zero for None: the part is absent)."""
+    return Mat() if p is None else Mat(p.data.data_ptr(), p.K, p.N, p.E)
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"decode_layers: a layer tensor must be contiguous fp32 on the CPU, got {t.dtype} "
+                         f"{tuple(t.shape)} contiguous={t.is_contiguous()}")
+    return t.data_ptr()
+
+
+class KDALayer(ctypes.Structure):
+    _fields_ = [("w_in", Mat), ("w_f", Mat), ("w_gb", Mat), ("w_o", Mat),
+                ("conv_w", _P), ("f_bias", _P), ("neg_a", _P),
+                ("nh", _I), ("d", _I), ("Kc", _I), ("fa", _I), ("G", _I),
+                ("lb", _F), ("c_in", _F), ("c_qk", _F), ("q_scale", _F), ("c_o", _F)]
+
+
+class MoELayer(ctypes.Structure):
+    _fields_ = [("w_in", Mat), ("w13", Mat), ("w2", Mat), ("w_up", Mat), ("w_sd", Mat),
+                ("bias", _P), ("gamma", _P),
+                ("E", _I), ("k", _I), ("F", _I), ("Fs", _I), ("ell", _I), ("softmax", _I), ("renorm", _I),
+                ("silu", _I), ("tanh_up", _I),
+                ("tiny", _F), ("inv_beta", _F), ("c_in", _F), ("c_u", _F)]
+
+
+def _rows(x: torch.Tensor, B: int, H: int, what: str) -> None:
+    if x.dtype != torch.float32 or tuple(x.shape) != (B, H) or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"{what}: expected contiguous fp32 CPU rows [{B}, {H}], got {x.dtype} {tuple(x.shape)} "
+                         f"contiguous={x.is_contiguous()}")
+
+
+def kda_layer_step(L: KDALayer, x: torch.Tensor, res: torch.Tensor | None, conv: torch.Tensor, S: torch.Tensor):
+    """x [B, H] (pre-norm), res [B, H] | None, conv [B, 3P, K−1], S [B, nh, d, d] ->
+    (res + KDA(n(x)) [B, H], conv', S'); conv' and S' are ordinary tensors even under inference mode."""
+    B, H = x.shape
+    P = L.nh * L.d
+    _rows(x, B, L.w_in.K, "kda_layer_step: x")
+    if res is not None:
+        _rows(res, B, H, "kda_layer_step: res")
+    if tuple(conv.shape) != (B, 3 * P, L.Kc - 1) or tuple(S.shape) != (B, L.nh, L.d, L.d):
+        raise ValueError(f"kda_layer_step: conv {tuple(conv.shape)} / S {tuple(S.shape)} do not fit "
+                         f"{B} rows of {L.nh} heads of {L.d}")
+    conv, S = conv.float().contiguous(), S.float().contiguous()
+    out = torch.empty(B, L.w_o.N)
+    with torch.inference_mode(False):
+        conv_out, S_out = torch.empty_like(conv), torch.empty_like(S)
+    rc = cpu_kernels.library().k3_kda_layer_step(
+        ctypes.byref(L), B, x.data_ptr(), None if res is None else res.data_ptr(), conv.data_ptr(), S.data_ptr(),
+        out.data_ptr(), conv_out.data_ptr(), S_out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"kda_layer_step: the kernel failed ({rc})")
+    return out, conv_out, S_out
+
+
+def moe_layer_step(L: MoELayer, x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+    """x [N, H] (pre-norm), res [N, H] | None -> res + LatentMoE(n(x))."""
+    N, H = x.shape
+    _rows(x, N, L.w_in.K, "moe_layer_step: x")
+    if res is not None:
+        _rows(res, N, H, "moe_layer_step: res")
+    out = torch.empty(N, H)
+    rc = cpu_kernels.library().k3_moe_layer_step(ctypes.byref(L), N, x.data_ptr(),
+                                                   None if res is None else res.data_ptr(), out.data_ptr(),
+                                                   torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"moe_layer_step: the kernel failed ({rc})")
+    return out
