@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from k3.config import get_preset
-from k3.infer.decode_fast import (DecodePlan, kda_step, length_mask, mla_step,
-                                  moe_step)
+from k3.infer.decode_fast import DecodePlan, kda_step, mla_step, moe_step
 from k3.infer.decode_prep import prepare_unsupported, weights_key
 from k3.infer.decode_step import DecodeStep
 from k3.model.decoder import K3ForCausalLM
@@ -115,7 +114,7 @@ def test_each_sublayer_equals_its_module(request, name):
             lengths = torch.tensor([7, 4, 1][:B])
             c[1, 4:], pe[1, 4:], c[2, 1:], pe[2, 1:] = 0, 0, 0, 0     # padding past each row's length
             want, wc, wpe = a.decode_math(layer.input_layernorm(x), c, pe, lengths)
-            got, gc, gpe = mla_step(L.attn, x, res, c, pe, length_mask(lengths, n))
+            got, gc, gpe = mla_step(L.attn, x, res, c, pe, lengths)
             _close(gc, wc), _close(gpe, wpe)
         _close(got, res + want)
         ffn = layer.ffn

@@ -29,12 +29,11 @@ import torch.nn.functional as F
 from k3.infer.decode_prep import (PreparedAct, PreparedKDA, PreparedMLA, PreparedMLP, PreparedMoE,
                                   norm_const)
 from k3.model.moe import LatentMoE
-from k3.ops.decode_layers import kda_layer_step, moe_layer_step
+from k3.ops.decode_layers import kda_layer_step, mla_layer_step, moe_layer_step
 from k3.ops.decode_rows import attn_res_mix_c
-from k3.ops.norm import inv_sumsq
 from k3.ops.packed_mm import PackedMatrix
 
-__all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step", "length_mask"]
+__all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step"]
 
 
 def _out(res: torch.Tensor | None, a: torch.Tensor, w: PackedMatrix) -> torch.Tensor:
@@ -48,35 +47,10 @@ def kda_step(p: PreparedKDA, x, res, conv, S):
     return kda_layer_step(p.c, x, res, conv, S)
 
 
-def length_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
-    """Additive mask [B, 1, S]: 0 where slot j < lengths[b], −inf past the row's tokens."""
-    keep = torch.arange(S)[None, :] < lengths[:, None]
-    return torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))[:, None]
-
-
-def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, mask):
-    """x [B,H], c_buf [B,S,r], pe_buf [B,S,p] (filled part), mask [B,1,S] | None ->
-    (res + out [B,H], c_new [B,r], pe_new [B,p])."""
-    B, nh, r = x.shape[0], p.nh, p.r
-    q, ckv, *gate = p.w_in.mm(x, norm_c=p.c_in).split_with_sizes(p.sizes, 1)
-    if p.lora:
-        q = p.w_q.mm(q, norm_c=p.c_q)
-    q_lat, q_pe = q.split_with_sizes([nh * r, nh * p.p], 1)
-    q_lat, q_pe = q_lat.view(B, nh, r), q_pe.view(B, nh, p.p)
-    c_new, pe_new = ckv.split_with_sizes([r, p.p], 1)
-    c_new = c_new * inv_sumsq(c_new, p.c_kv)
-    c_new.mul_(p.kv_w)
-    s = torch.baddbmm(torch.bmm(q_pe, pe_buf.transpose(1, 2)), q_lat, c_buf.transpose(1, 2))  # [B, nh, S]
-    if mask is not None:
-        s.add_(mask)
-    s_self = torch.baddbmm(torch.bmm(q_pe, pe_new.unsqueeze(2)), q_lat, c_new.unsqueeze(2))   # [B, nh, 1]
-    probs = torch.cat([s, s_self], 2).softmax(2)
-    n = c_buf.shape[1]
-    o_lat = torch.bmm(probs[:, :, n:], c_new.unsqueeze(1)).baddbmm_(probs[:, :, :n], c_buf)   # [B, nh, r]
-    o = torch.bmm(o_lat.transpose(0, 1), p.w_uv_t).transpose(0, 1)                # [B, nh, v]
-    if p.gated:
-        o = o * torch.sigmoid(gate[0]).view(B, nh, p.vd)
-    return _out(res, o.reshape(B, nh * p.vd), p.w_o), c_new, pe_new
+def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, lengths):
+    """x [B,H], c_buf [B,S,r], pe_buf [B,S,p] (row b's first lengths[b] tokens valid) ->
+    (res + out [B,H], c_new [B,r], pe_new [B,p]): one C call."""
+    return mla_layer_step(p.c, x, res, c_buf, pe_buf, lengths)
 
 
 def mlp_step(p: PreparedMLP, x, res):
@@ -132,10 +106,9 @@ class DecodePlan:
             self.w_lm = PackedMatrix((model.lm_head.weight.detach() * (m.norm.weight.detach() * H ** 0.5)).t())
 
 
-def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bufs, mask=None):
-    """``decode_forward``'s contract over a ``DecodePlan``; ``mask``: ``length_mask`` when the MLA
-    rows differ in length (None: every row fills its buffer). Returns (logits [B, V], convs',
-    states', c_new, pe_new)."""
+def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bufs):
+    """``decode_forward``'s contract over a ``DecodePlan`` (``lengths``: the MLA tokens each row
+    holds; its buffers may be longer). Returns (logits [B, V], convs', states', c_new, pe_new)."""
     new_conv, new_S, new_c, new_pe = [], [], [], []
     it_kda, it_mla = iter(zip(convs, states)), iter(zip(c_bufs, pe_bufs))
 
@@ -144,7 +117,7 @@ def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bu
             out, conv, S = kda_step(L.attn, h, res, *next(it_kda))
             new_conv.append(conv), new_S.append(S)
         else:
-            out, c, pe = mla_step(L.attn, h, res, *next(it_mla), mask)
+            out, c, pe = mla_step(L.attn, h, res, *next(it_mla), lengths)
             new_c.append(c), new_pe.append(pe)
         return out
 

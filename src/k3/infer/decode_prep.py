@@ -28,7 +28,7 @@ from torch import nn
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
 from k3.ops import cpu_kernels
-from k3.ops.decode_layers import KDALayer, MoELayer, mat, ptr
+from k3.ops.decode_layers import KDALayer, MLALayer, MoELayer, mat, ptr
 from k3.ops.decode_rows import gated_act_c
 from k3.ops.packed_mm import PackedMatrix
 
@@ -117,11 +117,6 @@ class PreparedAct:
         return gated_act_c(g, u, self.silu, self.inv_beta, self.tanh_up, row_w)
 
 
-def _t(v: float) -> torch.Tensor:
-    """A 0-dim fp32 constant (a Python scalar operand costs a tensor conversion per op)."""
-    return torch.tensor(float(v), dtype=torch.float32)
-
-
 def norm_const(norm, dim: int) -> float:
     """The RMSNorm in the form (Σx² + D·eps)^(-1/2) (√D goes into the weights): D·eps."""
     return float(dim * norm.eps)
@@ -174,7 +169,7 @@ class PreparedMLA:
         nh, n, p, r, vd = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank, a.v_head_dim
         H = a.hidden_size
         self.nh, self.r, self.p, self.vd, self.c_in = nh, r, p, vd, norm_const(norm, H)
-        self.c_kv, self.kv_w = _t(norm_const(a.kv_a_layernorm, r)), a.kv_a_layernorm.weight.detach() * r ** 0.5
+        self.c_kv, self.kv_w = norm_const(a.kv_a_layernorm, r), a.kv_a_layernorm.weight.detach() * r ** 0.5
         self.gated, self.lora = a.use_output_gate, a.q_lora_rank is not None
         w = a.kv_b_proj.weight.detach().view(nh, n + vd, r)
         w_uk = w[:, :n]                                                        # [nh, n, r]
@@ -194,6 +189,10 @@ class PreparedMLA:
             self.w_in = _stack_t(w_q * gamma, a.kv_a_proj_with_mqa.weight * gamma, *gate)
             self.sizes = [nh * (r + p), r + p] + ([nh * vd] if self.gated else [])
         self.w_o = _packed_t(a.o_proj.weight)
+        self.kv_w = self.kv_w.contiguous()
+        self.c = MLALayer(mat(self.w_in), mat(self.w_q if self.lora else None), mat(self.w_o), ptr(self.w_uv_t),
+                          ptr(self.kv_w), nh, r, p, vd, self.sizes[0], int(self.gated), self.c_in,
+                          self.c_q if self.lora else 0.0, self.c_kv)   # one C call
 
 
 class PreparedMLP:
@@ -208,7 +207,6 @@ class PreparedMoE:
     def __init__(self, moe: LatentMoE, norm, act: PreparedAct):
         gamma, g = norm.weight.detach() * moe.hidden_size ** 0.5, moe.gate
         self.c_in, self.act, self.k, self.E = norm_const(norm, moe.hidden_size), act, moe.top_k, moe.num_experts
-        self.c_in_t = _t(self.c_in)
         self.tiny = 1e-20
         self.activation, self.renormalize = g.activation, g.renormalize
         self.bias = g.e_score_correction_bias                                  # live buffer (QB updates it)

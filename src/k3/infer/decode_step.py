@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.infer.decode_fast import DecodePlan, fast_forward, length_mask
+from k3.infer.decode_fast import DecodePlan, fast_forward
 from k3.infer.decode_prep import WeightWatch, prepare_unsupported
 from k3.model.cache import K3Cache, KDAState, MLAState
 from k3.model.moe import LatentMoE, RoutedExperts
@@ -162,10 +162,9 @@ class DecodeStep:
         # tensors, which a later in-place op or a forward with autograd may use.
         with torch.inference_mode():
             if plan is not None:
-                mask = None if all(s.uniform for s in mla) else length_mask(lengths, mla[0].max_length)
                 logits, convs, Ss, cs, pes = fast_forward(plan, tokens, lengths, [s.conv for s in kda],
                                                           [s.recurrent for s in kda], [s.c for s in mla],
-                                                          [s.k_pe for s in mla], mask)
+                                                          [s.k_pe for s in mla])
             else:
                 logits, convs, Ss, cs, pes = decode_forward(self.model, tokens, lengths,
                                                             [s.conv for s in kda], [s.recurrent for s in kda],

@@ -1,7 +1,7 @@
 """The project's C kernels for the CPU decode step, built on first use for this machine.
 
 The sources beside this file (``packed_mm.c``: matmul over packed weights; ``decode_rows.c``: the
-per-row math of a decode step; ``decode_layers.c``: whole KDA and MoE sublayers made of those;
+per-row math of a decode step; ``decode_layers.c``: whole KDA, MLA and MoE sublayers made of those;
 ``kda_scan.c``: KDA's recurrence over a sequence, for prefill;
 ``k3_vec.h``, ``k3_kernels.h``: their vector helpers and entry points) are compiled together with ``cc -O3 -march=native -fopenmp`` into
 one shared object under ``$K3_KERNEL_CACHE`` (default ``~/.cache/k3/kernels``), named by a hash of
@@ -42,6 +42,7 @@ _SIGNATURES = {
     "k3_attn_res_mix": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR],
     "k3_kda_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "k3_moe_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _INT],
+    "k3_mla_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
     "k3_kda_scan": [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _INT],
     "k3_kda_step": [_I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _F32, _PTR,
                     _PTR, _I64, _PTR, _I64, _PTR, _PTR, _F32, _F32, _F32, _PTR, _INT],

@@ -1,9 +1,10 @@
-/* Whole decode sublayers in one call (k3.infer.decode_fast): the KDA attention and the LatentMoE of
- * one layer, for B rows, over weights packed once (k3.ops.packed_mm) and described by a struct the
- * caller fills at preparation. Each is the sequence of the kernels it is made of (the packed
- * matmuls, k3_kda_step, k3_route, k3_gated_act) with its intermediates in one scratch buffer, so a
- * sublayer costs one call from Python instead of a dozen.
+/* Whole decode sublayers in one call (k3.infer.decode_fast): the KDA attention, the MLA attention
+ * and the LatentMoE of one layer, for B rows, over weights packed once (k3.ops.packed_mm) and
+ * described by a struct the caller fills at preparation. Each is the sequence of the kernels it is
+ * made of (the packed matmuls, k3_kda_step, k3_route, k3_gated_act) with its intermediates in one
+ * scratch buffer, so a sublayer costs one call from Python instead of a dozen.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,5 +122,77 @@ int k3_moe_layer_step(const k3_moe_layer *L, int64_t N, const float *x, const fl
     }
     free(buf);
     free(ids);
+    return rc;
+}
+
+typedef struct {
+    k3_mat w_in, w_q, w_o;                    /* w_q.w NULL: no q LoRA (the query is in w_in's output) */
+    const float *w_uv_t, *kv_w;               /* w_uv_t [nh, r, v]: the latent to each head's values */
+    int64_t nh, r, p, vd, qdim, gated;        /* qdim: the query part's width in w_in's output */
+    float c_in, c_q, c_kv;
+} k3_mla_layer;
+
+/* out [B, H] = res + MLA(n(x)) over the cached latents of each row (c_buf [B, S, r], pe_buf [B, S, p]:
+ * batch strides ldc, ldp, row b's first lengths[b] entries valid) and this token's; c_new [B, r],
+ * pe_new [B, p]: this token's latents (normed), for the caller to append. The query has W_UK and the
+ * softmax scale absorbed, so a score is q_lat . c + q_pe . pe. */
+int k3_mla_layer_step(const k3_mla_layer *L, int64_t B, const float *x, const float *res, const float *c_buf,
+                      int64_t ldc, const float *pe_buf, int64_t ldp, int64_t S, const int64_t *lengths, float *out,
+                      float *c_new, float *pe_new, int nthreads) {
+    const int64_t W = L->w_in.N, nh = L->nh, r = L->r, p = L->p, vd = L->vd, Q = nh * (r + p);
+    float *buf = malloc(sizeof(float) * (size_t)(B * W + B * Q + B * nh * vd + B * nh * (S + 1 + r)));
+    if (!buf) return -1;
+    float *y = buf, *qb = y + B * W, *o = qb + B * Q, *work = o + B * nh * vd;
+    int rc = mat_mm(&L->w_in, x, L->w_in.K, B, NULL, NULL, y, L->c_in, nthreads);
+    const float *q = y;
+    int64_t ldq = W;
+    if (!rc && L->w_q.w) {
+        rc = mat_mm(&L->w_q, y, W, B, NULL, NULL, qb, L->c_q, nthreads);
+        q = qb, ldq = Q;
+    }
+    if (rc) { free(buf); return rc; }
+    for (int64_t b = 0; b < B; b++) {      /* this token's latent: RMSNorm (weight kv_w), and its rope part */
+        const float *ckv = y + b * W + L->qdim;
+        float s = 0.0f;
+        k3_row_inv_norm(ckv, r, 1, r, L->c_kv, &s);
+        for (int64_t i = 0; i < r; i++) c_new[b * r + i] = ckv[i] * s * L->kv_w[i];
+        memcpy(pe_new + b * p, ckv + r, sizeof(float) * (size_t)p);
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t item = 0; item < B * nh; item++) {
+        const int64_t b = item / nh, h = item % nh;
+        const int64_t n = lengths[b] < S ? (lengths[b] > 0 ? lengths[b] : 0) : S;
+        const float *ql = q + b * ldq + h * r, *qp = q + b * ldq + nh * r + h * p;
+        const float *cb = c_buf + b * ldc, *pb = pe_buf + b * ldp, *cn = c_new + b * r, *pn = pe_new + b * p;
+        float *sc = work + item * (S + 1 + r), *ol = sc + S + 1;
+        float mx = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j <= n; j++) {
+            const float *cj = j < n ? cb + j * r : cn, *pj = j < n ? pb + j * p : pn;
+            float a = 0.0f, e = 0.0f;
+            for (int64_t i = 0; i < p; i++) e += qp[i] * pj[i];
+            for (int64_t i = 0; i < r; i++) a += ql[i] * cj[i];
+            sc[j] = e + a;
+            mx = sc[j] > mx ? sc[j] : mx;
+        }
+        for (int64_t j = 0; j <= n; j++) { sc[j] = expf(sc[j] - mx); total += sc[j]; }
+        for (int64_t i = 0; i < r; i++) ol[i] = 0.0f;
+        for (int64_t j = 0; j <= n; j++) {
+            const float a = sc[j] / total, *cj = j < n ? cb + j * r : cn;
+            for (int64_t i = 0; i < r; i++) ol[i] += a * cj[i];
+        }
+        float *oh = o + b * nh * vd + h * vd;
+        const float *wu = L->w_uv_t + h * r * vd;
+        for (int64_t v = 0; v < vd; v++) oh[v] = 0.0f;
+        for (int64_t i = 0; i < r; i++) {
+            const float li = ol[i];
+            for (int64_t v = 0; v < vd; v++) oh[v] += li * wu[i * vd + v];
+        }
+        if (L->gated) {
+            const float *g = y + b * W + L->qdim + r + p + h * vd;
+            for (int64_t v = 0; v < vd; v++) oh[v] *= 1.0f / (1.0f + expf(-g[v]));
+        }
+    }
+    rc = mat_mm(&L->w_o, o, nh * vd, B, res, NULL, out, -1.0f, nthreads);
+    free(buf);
     return rc;
 }

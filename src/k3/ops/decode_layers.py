@@ -12,7 +12,7 @@ import torch
 from k3.ops import cpu_kernels
 from k3.ops.packed_mm import PackedMatrix
 
-__all__ = ["KDALayer", "MoELayer", "mat", "kda_layer_step", "moe_layer_step"]
+__all__ = ["KDALayer", "MLALayer", "MoELayer", "mat", "ptr", "kda_layer_step", "mla_layer_step", "moe_layer_step"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -40,6 +40,12 @@ class KDALayer(ctypes.Structure):
                 ("conv_w", _P), ("f_bias", _P), ("neg_a", _P),
                 ("nh", _I), ("d", _I), ("Kc", _I), ("fa", _I), ("G", _I),
                 ("lb", _F), ("c_in", _F), ("c_qk", _F), ("q_scale", _F), ("c_o", _F)]
+
+
+class MLALayer(ctypes.Structure):
+    _fields_ = [("w_in", Mat), ("w_q", Mat), ("w_o", Mat), ("w_uv_t", _P), ("kv_w", _P),
+                ("nh", _I), ("r", _I), ("p", _I), ("vd", _I), ("qdim", _I), ("gated", _I),
+                ("c_in", _F), ("c_q", _F), ("c_kv", _F)]
 
 
 class MoELayer(ctypes.Structure):
@@ -77,6 +83,40 @@ def kda_layer_step(L: KDALayer, x: torch.Tensor, res: torch.Tensor | None, conv:
     if rc:
         raise RuntimeError(f"kda_layer_step: the kernel failed ({rc})")
     return out, conv_out, S_out
+
+
+def _latents(t: torch.Tensor, B: int, width: int, what: str) -> int:
+    """t [B, S, width] with unit strides inside a row: returns its batch stride."""
+    if t.dtype != torch.float32 or t.dim() != 3 or t.shape[0] != B or t.shape[2] != width or \
+            (t.shape[1] > 1 and t.stride(1) != width) or t.stride(2) != 1 or t.device.type != "cpu":
+        raise ValueError(f"mla_layer_step: {what} must be fp32 [{B}, S, {width}] with contiguous rows, got "
+                         f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    return t.stride(0)
+
+
+def mla_layer_step(L: MLALayer, x: torch.Tensor, res: torch.Tensor | None, c_buf: torch.Tensor,
+                   pe_buf: torch.Tensor, lengths: torch.Tensor):
+    """x [B, H] (pre-norm), res [B, H] | None, c_buf [B, S, r], pe_buf [B, S, p] (row b's first
+    lengths[b] entries valid) -> (res + MLA(n(x)) [B, H], c_new [B, r], pe_new [B, p])."""
+    B, H = x.shape
+    _rows(x, B, L.w_in.K, "mla_layer_step: x")
+    if res is not None:
+        _rows(res, B, H, "mla_layer_step: res")
+    ldc, ldp = _latents(c_buf, B, L.r, "c_buf"), _latents(pe_buf, B, L.p, "pe_buf")
+    if c_buf.shape[1] != pe_buf.shape[1]:
+        raise ValueError(f"mla_layer_step: c_buf holds {c_buf.shape[1]} tokens, pe_buf {pe_buf.shape[1]}")
+    lengths = lengths.to(torch.int64).contiguous()
+    if tuple(lengths.shape) != (B,):
+        raise ValueError(f"mla_layer_step: lengths must be [{B}], got {tuple(lengths.shape)}")
+    out = torch.empty(B, L.w_o.N)
+    c_new, pe_new = torch.empty(B, L.r), torch.empty(B, L.p)
+    rc = cpu_kernels.library().k3_mla_layer_step(
+        ctypes.byref(L), B, x.data_ptr(), None if res is None else res.data_ptr(), c_buf.data_ptr(), ldc,
+        pe_buf.data_ptr(), ldp, c_buf.shape[1], lengths.data_ptr(), out.data_ptr(), c_new.data_ptr(),
+        pe_new.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise RuntimeError(f"mla_layer_step: the kernel failed ({rc})")
+    return out, c_new, pe_new
 
 
 def moe_layer_step(L: MoELayer, x: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
