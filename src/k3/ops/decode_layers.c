@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "k3_kernels.h"
+#include "k3_vec.h"
 
 typedef struct {     /* a packed matrix (k3.ops.packed_mm): K rows in, N columns out; E stacked */
     const float *w;
@@ -140,7 +141,7 @@ int k3_mla_layer_step(const k3_mla_layer *L, int64_t B, const float *x, const fl
                       int64_t ldc, const float *pe_buf, int64_t ldp, int64_t S, const int64_t *lengths, float *out,
                       float *c_new, float *pe_new, int nthreads) {
     const int64_t W = L->w_in.N, nh = L->nh, r = L->r, p = L->p, vd = L->vd, Q = nh * (r + p);
-    float *buf = malloc(sizeof(float) * (size_t)(B * W + B * Q + B * nh * vd + B * nh * (S + 1 + r)));
+    float *buf = malloc(sizeof(float) * (size_t)(B * W + B * Q + B * nh * vd + B * nh * (S + 1 + r)));  /* + work */
     if (!buf) return -1;
     float *y = buf, *qb = y + B * W, *o = qb + B * Q, *work = o + B * nh * vd;
     int rc = mat_mm(&L->w_in, x, L->w_in.K, B, NULL, NULL, y, L->c_in, nthreads);
@@ -158,38 +159,54 @@ int k3_mla_layer_step(const k3_mla_layer *L, int64_t B, const float *x, const fl
         for (int64_t i = 0; i < r; i++) c_new[b * r + i] = ckv[i] * s * L->kv_w[i];
         memcpy(pe_new + b * p, ckv + r, sizeof(float) * (size_t)p);
     }
+    /* items: (row, group of heads); a row's cached latents are read once per group, for all its heads
+     * (a row alone is split into as many head groups as there are threads) */
+    const int64_t groups = B >= nthreads ? 1 : (nthreads / B < nh ? nthreads / B : nh);
+    const int64_t per = (nh + groups - 1) / groups;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t item = 0; item < B * nh; item++) {
-        const int64_t b = item / nh, h = item % nh;
-        const int64_t n = lengths[b] < S ? (lengths[b] > 0 ? lengths[b] : 0) : S;
-        const float *ql = q + b * ldq + h * r, *qp = q + b * ldq + nh * r + h * p;
+    for (int64_t item = 0; item < B * groups; item++) {
+        const int64_t b = item / groups, h0 = item % groups * per, h1 = h0 + per < nh ? h0 + per : nh;
+        const int64_t n = lengths[b] < S ? (lengths[b] > 0 ? lengths[b] : 0) : S, ns = n + 1;
         const float *cb = c_buf + b * ldc, *pb = pe_buf + b * ldp, *cn = c_new + b * r, *pn = pe_new + b * p;
-        float *sc = work + item * (S + 1 + r), *ol = sc + S + 1;
-        float mx = -INFINITY, total = 0.0f;
-        for (int64_t j = 0; j <= n; j++) {
+        float *sc = work + b * nh * (S + 1 + r);          /* [nh][ns] scores, then [nh][r] latents */
+        float *ol = sc + nh * (S + 1);
+        for (int64_t j = 0; j < ns; j++) {
             const float *cj = j < n ? cb + j * r : cn, *pj = j < n ? pb + j * p : pn;
-            float a = 0.0f, e = 0.0f;
-            for (int64_t i = 0; i < p; i++) e += qp[i] * pj[i];
-            for (int64_t i = 0; i < r; i++) a += ql[i] * cj[i];
-            sc[j] = e + a;
-            mx = sc[j] > mx ? sc[j] : mx;
+            for (int64_t h = h0; h < h1; h++) {
+                const float *ql = q + b * ldq + h * r, *qp = q + b * ldq + nh * r + h * p;
+                sc[h * ns + j] = dot2_f(qp, pj, p, ql, cj, r);
+            }
         }
-        for (int64_t j = 0; j <= n; j++) { sc[j] = expf(sc[j] - mx); total += sc[j]; }
-        for (int64_t i = 0; i < r; i++) ol[i] = 0.0f;
-        for (int64_t j = 0; j <= n; j++) {
-            const float a = sc[j] / total, *cj = j < n ? cb + j * r : cn;
-            for (int64_t i = 0; i < r; i++) ol[i] += a * cj[i];
+        for (int64_t h = h0; h < h1; h++) {
+            float *sh = sc + h * ns, mx = -INFINITY, total = 0.0f;
+            for (int64_t j = 0; j < ns; j++) mx = sh[j] > mx ? sh[j] : mx;
+            for (int64_t j = 0; j < ns; j++) sh[j] -= mx;
+            map_exp(sh, ns);
+            for (int64_t j = 0; j < ns; j++) total += sh[j];
+            const float inv = 1.0f / total;
+            for (int64_t j = 0; j < ns; j++) sh[j] *= inv;
+            for (int64_t i = 0; i < r; i++) ol[h * r + i] = 0.0f;
         }
-        float *oh = o + b * nh * vd + h * vd;
-        const float *wu = L->w_uv_t + h * r * vd;
-        for (int64_t v = 0; v < vd; v++) oh[v] = 0.0f;
-        for (int64_t i = 0; i < r; i++) {
-            const float li = ol[i];
-            for (int64_t v = 0; v < vd; v++) oh[v] += li * wu[i * vd + v];
+        for (int64_t j = 0; j < ns; j++) {
+            const float *cj = j < n ? cb + j * r : cn;
+            for (int64_t h = h0; h < h1; h++) {
+                const float a = sc[h * ns + j];
+                float *oh = ol + h * r;
+                for (int64_t i = 0; i < r; i++) oh[i] += a * cj[i];
+            }
         }
-        if (L->gated) {
-            const float *g = y + b * W + L->qdim + r + p + h * vd;
-            for (int64_t v = 0; v < vd; v++) oh[v] *= 1.0f / (1.0f + expf(-g[v]));
+        for (int64_t h = h0; h < h1; h++) {
+            float *oh = o + b * nh * vd + h * vd;
+            const float *wu = L->w_uv_t + h * r * vd, *lh = ol + h * r;
+            for (int64_t v = 0; v < vd; v++) oh[v] = 0.0f;
+            for (int64_t i = 0; i < r; i++) {
+                const float li = lh[i];
+                for (int64_t v = 0; v < vd; v++) oh[v] += li * wu[i * vd + v];
+            }
+            if (L->gated) {
+                const float *g = y + b * W + L->qdim + r + p + h * vd;
+                for (int64_t v = 0; v < vd; v++) oh[v] *= 1.0f / (1.0f + expf(-g[v]));
+            }
         }
     }
     rc = mat_mm(&L->w_o, o, nh * vd, B, res, NULL, out, -1.0f, nthreads);

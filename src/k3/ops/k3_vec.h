@@ -16,10 +16,12 @@ static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); retur
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline v16 splat16(float a) { return (v16){0} + a; }
 
-static inline float hsum16(v16 v) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
+static inline float hsum16(v16 v) {   /* a fixed tree: halves, quarters, ... (4 dependent adds) */
+    v16 t = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    t = t + __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    t = t + __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    t = t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return t[0];
 }
 
 /* sum of a[k] * b[k], k < n, in 16 lanes then a tail: one fixed order per n. */
@@ -33,6 +35,18 @@ static inline float dot_f(const float *a, const float *b, int64_t n) {
 }
 
 static inline float sumsq_f(const float *a, int64_t n) { return dot_f(a, a, n); }
+
+/* dot_f(a, b, n) + dot_f(c, d, m) with one reduction. */
+static inline float dot2_f(const float *a, const float *b, int64_t n, const float *c, const float *d, int64_t m) {
+    v16 acc = {0};
+    int64_t k = 0, l = 0;
+    for (; k + 16 <= n; k += 16) acc += load16(a + k) * load16(b + k);
+    for (; l + 16 <= m; l += 16) acc += load16(c + l) * load16(d + l);
+    float s = hsum16(acc);
+    for (; k < n; k++) s += a[k] * b[k];
+    for (; l < m; l++) s += c[l] * d[l];
+    return s;
+}
 
 /* m ? a : b lane by lane (m: all ones or all zeros per lane, as comparisons give). */
 static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
