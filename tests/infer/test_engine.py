@@ -131,3 +131,36 @@ def test_logprobs_match_the_full_forward(model):
     for i, e in enumerate(events):
         assert e.logprob == pytest.approx(float(lp[i, e.token_id]), abs=1e-4)
         assert [t for t, _ in e.top_logprobs] == lp[i].topk(3).indices.tolist()
+
+
+class _WatchedQueue:
+    """A handle's queue that records how many events were waiting at each of the reader's gets."""
+
+    def __init__(self, q):
+        self.q, self.seen = q, []
+
+    def put(self, ev):
+        self.q.put(ev)
+
+    def get(self, *a, **k):
+        self.seen.append(self.q.qsize())
+        return self.q.get(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self.q, name)
+
+
+def test_result_sleeps_until_the_end_while_iteration_streams(model):
+    """``result()`` waits for the request's end, not for each token (a waiting caller must not take
+    the CPU from the engine's step once per token); iterating (the control) reads tokens as they come."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with Engine(model) as eng:
+        h = eng.submit(prompts([5])[0], params)
+        h._q = watched = _WatchedQueue(h._q)
+        out = h.result()
+        assert len(out.token_ids) == 40
+        assert watched.seen[0] == 41                 # the 40 events and the end were all there at the first get
+        h2 = eng.submit(prompts([5])[0], params)
+        h2._q = streamed = _WatchedQueue(h2._q)
+        assert [ev.token_id for ev in h2] == out.token_ids
+        assert min(streamed.seen) < 41               # the control: iteration got tokens before the end
