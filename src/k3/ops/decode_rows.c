@@ -94,20 +94,18 @@ int k3_kda_step(int64_t B, int64_t nh, int64_t d, int64_t Kc, const float *qkv, 
         const float beta = 1.0f / (1.0f + expf(-beta_in[b * ld_beta + h]));
         const float *Si = S + item * d * d;
         float *So = S_out + item * d * d;
+        /* S' = diag(e) S is recomputed in the second pass rather than stored, so S_out is written
+         * once (the first pass reads S from memory, the second from the cache) */
         for (int64_t j = 0; j < d; j++) ks[j] = 0.0f;
         for (int64_t i = 0; i < d; i++) {
             const float ei = e[i], ki = k[i];
-            for (int64_t j = 0; j < d; j++) {
-                const float s = Si[i * d + j] * ei;
-                So[i * d + j] = s;
-                ks[j] += ki * s;
-            }
+            for (int64_t j = 0; j < d; j++) ks[j] += ki * (Si[i * d + j] * ei);
         }
         for (int64_t j = 0; j < d; j++) { u[j] = beta * (v[j] - ks[j]); o[j] = 0.0f; }
         for (int64_t i = 0; i < d; i++) {
-            const float ki = k[i], qi = q[i];
+            const float ei = e[i], ki = k[i], qi = q[i];
             for (int64_t j = 0; j < d; j++) {
-                const float s = So[i * d + j] + ki * u[j];
+                const float s = Si[i * d + j] * ei + ki * u[j];
                 So[i * d + j] = s;
                 o[j] += qi * s;
             }
