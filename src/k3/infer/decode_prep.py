@@ -1,23 +1,25 @@
 """Decode weights prepared once (``k3.infer.decode_fast``): every matrix a decode step multiplies,
-already in the form the step needs, so a step is a short list of matmuls and in-place pointwise ops.
+already in the form the step needs, and each sublayer described by one ctypes struct
+(``k3.ops.decode_layers``) so that it runs as one C call.
 
 What is folded, per layer (x: the sublayer's input row, n(x) = x / rms(x) without its weight):
 
 * a pre-norm's weight γ into the columns of every projection reading it: W(γ ⊙ n(x)) = (W diag γ) n(x);
-  the projections reading one input are stacked by rows into one matrix (one matmul);
-* KDA: the decay's exp(A_log) into f_b's rows (a·(f + dt) = (diag a W_fb) f_a + a·dt, one addmm),
-  the output norm's weight into o_proj's columns;
+  the projections reading one input are stacked by rows into one matrix (one matmul, which also
+  applies n to its product);
+* KDA: the decay's exp(A_log) into f_b's rows (a·(f + dt) = (diag a W_fb) f_a + a·dt, a product
+  plus a bias row), the output norm's weight into o_proj's columns;
 * MLA: W_UK and the softmax scale into the query (q_lat_h = (W_UKᵀ_h W_qb,nope_h) q_a, one matrix
   for all heads, the rope part beside it);
 * gated activations: SiTU's 1/β_lin into the up rows and β·β_lin into the down columns (routed
   experts: also the routed scaling factor), w1|w3 of each expert stacked into one [2F, ℓ] matrix;
-  the latent norm's weight into routed_expert_up_proj; the routed up-projection and the shared
-  experts' down-projection side by side (one addmm over [u | h_shared]).
+  the latent norm's weight into routed_expert_up_proj.
 
 Every matrix is kept as a ``k3.ops.packed_mm.PackedMatrix`` (column panels, multiplied by the
 packed kernel; the routed experts as one stack per layer). All copies are inference-only tensors
-(never parameters); ``weights_key(model)`` tells when any source changed (``data_ptr`` / ``_version`` / dtype of every parameter and buffer) and the
-preparation must be redone. Equal to the module path up to float rounding (tested to 1e-5).
+(never parameters); ``weights_key(model)`` tells when any source changed (``data_ptr`` /
+``_version`` / dtype of every parameter and buffer) and the preparation must be redone. Equal to
+the module path up to float rounding (tested to 1e-5).
 """
 
 from __future__ import annotations

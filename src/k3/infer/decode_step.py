@@ -156,10 +156,10 @@ class DecodeStep:
         mla = [s for s in cache.layers if isinstance(s, MLAState)]
         lengths = mla[0].lengths if mla else cache.seq_lens
         plan = self.plan()
-        # The math in inference mode (no version counters or view tracking: ~5% of a batch-1
-        # step, interleaved). What leaves it is copied out (the KDA tensors, the logits) or copied
-        # into the MLA buffers by append, outside it: the cache and the logits stay ordinary
-        # tensors, which a later in-place op or a forward with autograd may use.
+        # The math in inference mode (no version counters or view tracking). What leaves it is
+        # ordinary already (the C kernels' KDA tensors), copied out (the module path's KDA
+        # tensors, the logits) or copied into the MLA buffers by append, outside it: the cache and
+        # the logits stay ordinary tensors, which a later in-place op or autograd may use.
         with torch.inference_mode():
             if plan is not None:
                 logits, convs, Ss, cs, pes = fast_forward(plan, tokens, lengths, [s.conv for s in kda],

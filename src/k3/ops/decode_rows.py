@@ -1,7 +1,9 @@
-"""The per-row math of the CPU decode step in one C call per sublayer part (``decode_rows.c``, built
-by ``k3.ops.cpu_kernels``): the AttnRes mix of n sources and the KDA recurrent step after the input
-projections. The formulas are ``k3.infer.decode_fast``'s; the tests hold them to the modules' own
-decode math and to ``attn_res_mix``."""
+"""The per-row pieces of the CPU decode step (``decode_rows.c``, built by ``k3.ops.cpu_kernels``):
+the AttnRes mix of n sources, the KDA recurrent step after the input projections, the router and
+the gated activation. ``k3.ops.decode_layers`` runs whole sublayers out of these same C functions;
+the wrappers here call them one at a time (the step uses ``attn_res_mix_c`` and ``gated_act_c``
+directly; the tests hold every piece to a float64 formula or an exact enumeration).
+"""
 
 from __future__ import annotations
 
