@@ -142,6 +142,7 @@ _NO_CC = textwrap.dedent("""
     torch.manual_seed(0)
     model = K3ForCausalLM(get_preset("nano")).eval()
     print("WHY", cpu_kernels.unavailable())
+    print("PATH", cpu_kernels.kernel_path())
     print("PREP", prepare_unsupported(model))
     step = DecodeStep(model)
     with torch.no_grad():
@@ -162,7 +163,7 @@ def test_a_missing_compiler_is_reported_and_decode_runs_over_the_modules(tmp_pat
         env["CC"] = cc
     out = subprocess.run([sys.executable, "-c", _NO_CC], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line[:3] in ("WHY", "PRE", "PLA"))
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line[:3] in ("WHY", "PRE", "PLA", "PAT"))
     if cc is None:
         assert lines["WHY"] == "None" and lines["PREP"] == "None"
         assert lines["PLAN"] == "False CLOSE True"           # the prepared step ran, and is right
@@ -171,3 +172,17 @@ def test_a_missing_compiler_is_reported_and_decode_runs_over_the_modules(tmp_pat
         assert "cannot be built or loaded" in lines["WHY"] and "/bin/false" in lines["WHY"]
         assert lines["PREP"] == lines["WHY"]
         assert lines["PLAN"] == "True CLOSE True"            # the modules' step ran, and is right
+
+
+def test_a_cache_folder_that_cannot_be_made_falls_back_to_a_temporary_one(tmp_path):
+    """K3_KERNEL_CACHE below a regular file: the build goes to a temporary folder, which still serves
+    and is removed when the process ends."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    env = {**os.environ, "K3_KERNEL_CACHE": str(blocker / "kernels")}
+    out = subprocess.run([sys.executable, "-c", _NO_CC], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line[:3] in ("WHY", "PLA", "PAT"))
+    assert lines["WHY"] == "None" and lines["PLAN"] == "False CLOSE True"
+    assert "k3-kernels-" in lines["PATH"] and str(blocker) not in lines["PATH"]
+    assert not os.path.exists(os.path.dirname(lines["PATH"]))      # removed when the process ended

@@ -13,9 +13,11 @@ failed build); the decode step then runs over the modules instead (``prepare_uns
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -75,18 +77,21 @@ def _compiler() -> tuple[str, str]:
 
 def _build() -> Path:
     cc, version = _compiler()
-    parts = [src.read_bytes() for src in SOURCES + HEADERS] + [" ".join(_FLAGS).encode(), version.encode(),
-                                                      _cpu_flags().encode()]
+    parts = [src.read_bytes() for src in SOURCES + HEADERS]
+    parts += [" ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    try:
+    name = f"k3_cpu-{key}.so"
+    try:   # the cache folder, or this process's own temporary one where it cannot be written
         d = _cache_dir()
         d.mkdir(parents=True, exist_ok=True)
+        if (d / name).exists():
+            return d / name
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".so")
     except OSError:
         d = Path(tempfile.mkdtemp(prefix="k3-kernels-"))
-    path = d / f"k3_cpu-{key}.so"
-    if path.exists():
-        return path
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".so")
+        atexit.register(shutil.rmtree, d, True)   # the loaded library stays mapped; the folder goes
+        fd, tmp = tempfile.mkstemp(dir=d, suffix=".so")
+    path = d / name
     os.close(fd)
     try:
         out = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
