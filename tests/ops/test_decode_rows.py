@@ -2,7 +2,8 @@
 SiLU against float64 over fp32's range; the KDA step against a per-head loop in float64 (both gate
 forms), a row's result independent of its batch, ordinary outputs under inference mode; the AttnRes
 mix against the training mix; the gated activation against its formula; the router against an exact
-ranking with ties; bad shapes refused next to the same call working."""
+ranking with ties; the radix sort against torch's stable sort; bad shapes refused next to the same
+call working."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from k3.ops.attn_res import attn_res_mix
-from k3.ops.decode_rows import MAP_KINDS, attn_res_mix_c, gated_act_c, kda_step_c, map_c, route_c
+from k3.ops.decode_rows import MAP_KINDS, attn_res_mix_c, gated_act_c, kda_step_c, map_c, route_c, sort_desc
 
 _F64 = {"exp": torch.exp, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "silu": torch.nn.functional.silu}
 
@@ -187,3 +188,25 @@ def test_route_and_act_refuse_bad_shapes():
         route_c(logits, torch.zeros(7), 2, False, True, 1e-20)
     with pytest.raises(ValueError, match=r"u: expected fp32 CPU rows \[2, 8\]"):
         gated_act_c(logits, logits[:, :7], True, 1.0, False)
+
+
+def test_sort_desc_is_torchs_stable_descending_sort_bit_for_bit():
+    """The C radix sort against torch.sort(descending=True, stable=True): ties (their index order),
+    NaN, ±inf and ±0.0, bit for bit in values and indices; other dtypes go to torch itself."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(120):
+        R, V = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g))
+        z = torch.randn(R, V, generator=g)
+        if trial % 3 == 0:
+            z = (z * 2).round() / 2                                    # many ties
+        if trial % 4 == 0:
+            flat = z.view(-1)
+            for value, n in ((float("nan"), 5), (float("inf"), 3), (float("-inf"), 3), (-0.0, 4), (0.0, 4)):
+                flat[torch.randint(0, R * V, (n,), generator=g)] = value
+        got, want = sort_desc(z), z.sort(dim=-1, descending=True, stable=True)
+        assert torch.equal(got.indices, want.indices), trial
+        assert torch.equal(got.values.view(torch.int32), want.values.view(torch.int32)), trial
+    z64 = torch.randn(3, 50, dtype=torch.float64, generator=g)
+    got = sort_desc(z64)
+    want = z64.sort(dim=-1, descending=True, stable=True)
+    assert got.values.dtype == torch.float64 and torch.equal(got.indices, want.indices)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from k3.errors import K3Error
+from k3.ops.decode_rows import sort_desc
 
 __all__ = ["SamplingParams", "Sampler", "apply_penalties", "top_k_mask", "top_p_mask", "min_p_mask",
            "process_logits", "sample_next_token", "sample_rows"]
@@ -283,7 +284,7 @@ def _masked_rows(z: torch.Tensor, ps: list) -> torch.Tensor:
     need_k = any(p.top_k is not None and p.top_k < V for p in ps)
     need_p = any(p.top_p < 1 for p in ps)
     if need_k or need_p:
-        srt = z.sort(dim=-1, descending=True, stable=True)
+        srt = sort_desc(z)   # torch's stable descending sort, in O(V) per row on the CPU
         if need_k:
             k = torch.tensor([min(p.top_k or V, V) for p in ps], device=z.device)[:, None]
             keep &= top_k_mask(z, k, srt.values)

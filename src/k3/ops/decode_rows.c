@@ -195,3 +195,56 @@ int k3_route(int64_t N, int64_t E, const float *logits, int64_t ld, const float 
     }
     return 0;
 }
+
+/* Each row of x [rows, n] sorted descending, stably (equal values keep their index order), as
+ * torch.sort(descending=True, stable=True) orders them: NaN above +inf, -0.0 equal to +0.0.
+ * vals [rows, n], idx [rows, n] int64. LSD radix sort on the values' bits, 4 passes of 8 bits, so a
+ * row costs O(n) instead of O(n log n). Returns -1 when memory for a row's work is not there. */
+int k3_sort_desc(const float *x, int64_t rows, int64_t n, float *vals, int64_t *idx, int nthreads) {
+    int failed = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint32_t *key = malloc(sizeof(uint32_t) * (size_t)(2 * n));
+        int64_t *ord = malloc(sizeof(int64_t) * (size_t)(2 * n));
+        if (!key || !ord) {
+            free(key); free(ord);
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        const float *xr = x + r * n;
+        uint32_t *ka = key, *kb = key + n;
+        int64_t *oa = ord, *ob = ord + n;
+        for (int64_t i = 0; i < n; i++) {
+            float v = xr[i];
+            uint32_t u;
+            if (v != v) u = 0xFFFFFFFFu;                       /* every NaN: above everything */
+            else {
+                v = v + 0.0f;                                  /* -0.0 -> +0.0 */
+                memcpy(&u, &v, sizeof u);
+                u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);   /* ascending with the value */
+            }
+            ka[i] = ~u;                                        /* ascending key = descending value */
+            oa[i] = i;
+        }
+        for (int shift = 0; shift < 32; shift += 8) {          /* stable counting passes */
+            int64_t count[257] = {0};
+            for (int64_t i = 0; i < n; i++) count[((ka[i] >> shift) & 0xFF) + 1]++;
+            for (int b = 0; b < 256; b++) count[b + 1] += count[b];
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t at = count[(ka[i] >> shift) & 0xFF]++;
+                kb[at] = ka[i];
+                ob[at] = oa[i];
+            }
+            uint32_t *kt = ka; ka = kb; kb = kt;
+            int64_t *ot = oa; oa = ob; ob = ot;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            idx[r * n + i] = oa[i];
+            vals[r * n + i] = xr[oa[i]];
+        }
+        free(key);
+        free(ord);
+    }
+    return failed ? -1 : 0;
+}

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from k3.ops import cpu_kernels
 
-__all__ = ["attn_res_mix_c", "kda_step_c", "gated_act_c", "route_c", "map_c", "MAP_KINDS"]
+__all__ = ["attn_res_mix_c", "kda_step_c", "gated_act_c", "route_c", "map_c", "MAP_KINDS", "SortedRows",
+           "sort_desc"]
 
 MAP_KINDS = ("exp", "sigmoid", "tanh", "silu")
 
@@ -121,3 +123,24 @@ def route_c(logits: torch.Tensor, bias: torch.Tensor, k: int, softmax: bool, ren
                                       int(renorm), tiny, idx.data_ptr(), w.data_ptr()):
         raise ValueError(f"route_c: top-k {k} must be in [1, {E}] and E at most 4096")
     return idx, w
+
+
+class SortedRows(NamedTuple):
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+def sort_desc(z: torch.Tensor) -> SortedRows:
+    """``z.sort(dim=-1, descending=True, stable=True)`` of a 2-D tensor, bitwise the same result:
+    fp32 CPU rows by the C radix sort (``k3_sort_desc``, O(V) per row: a batch of vocabulary rows
+    for top-k / top-p sampling), anything else by torch."""
+    if z.dim() != 2 or z.dtype != torch.float32 or z.device.type != "cpu" or cpu_kernels.unavailable():
+        s = z.sort(dim=-1, descending=True, stable=True)
+        return SortedRows(s.values, s.indices)
+    z = z.contiguous()
+    R, V = z.shape
+    vals, idx = torch.empty(R, V), torch.empty(R, V, dtype=torch.int64)
+    if cpu_kernels.library().k3_sort_desc(z.data_ptr(), R, V, vals.data_ptr(), idx.data_ptr(),
+                                          torch.get_num_threads()):
+        raise MemoryError(f"sort_desc: no memory to sort rows of {V}")
+    return SortedRows(vals, idx)
