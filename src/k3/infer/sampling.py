@@ -16,7 +16,9 @@ Order of the processors on one row of logits ``z`` [V] (float32):
 ``sample_rows(logits [B, V], samplers)`` runs these steps once for a whole decode batch (per-row
 parameters as [B, 1] columns, one sort / softmax / cumsum / searchsorted over all rows, one
 uniform from each row's own generator); every operation is row-wise, so a row's token does not
-depend on its companions, and ``Sampler.choose`` is the same function on one row.
+depend on its companions, and ``Sampler.choose`` is the same function on one row. The sort is
+``k3.ops.decode_rows.sort_desc``: torch's stable descending sort, bit for bit, by a C radix sort
+on the CPU (batch 8 × 8,192 tokens, 1 thread: 1.2 ms against torch's 5.0).
 
 Logprobs are reported under the model's distribution (``log_softmax`` of the raw logits, before
 penalties and temperature), as OpenAI-style APIs report them.
