@@ -73,7 +73,8 @@ def _kda_inputs(B, nh, d, K, seed):
     g = torch.Generator().manual_seed(seed)
     P = nh * d
     wide = torch.randn(B, 3 * P + 2 * P + nh + 7, generator=g)     # the inputs as column slices of one row
-    qkv, dec_in, gate, beta_in = wide[:, :3 * P], wide[:, 3 * P:4 * P], wide[:, 4 * P:5 * P], wide[:, 5 * P:5 * P + nh]
+    qkv, dec_in, gate = wide[:, :3 * P], wide[:, 3 * P:4 * P], wide[:, 4 * P:5 * P]
+    beta_in = wide[:, 5 * P:5 * P + nh]
     conv = torch.randn(B, 3 * P, K - 1, generator=g)
     conv_w = torch.randn(3 * P, K, generator=g) * 0.5
     S = torch.randn(B, nh, d, d, generator=g) * 0.3

@@ -1,14 +1,21 @@
-"""The project's C kernels for the CPU decode step, built on first use for this machine.
+"""The project's C kernels for the CPU decode step (and KDA prefill), built on first use here.
 
-The sources beside this file (``packed_mm.c``: matmul over packed weights; ``decode_rows.c``: the
-per-row math of a decode step; ``decode_layers.c``: whole KDA, MLA and MoE sublayers made of those;
-``kda_scan.c``: KDA's recurrence over a sequence, for prefill;
-``k3_vec.h``, ``k3_kernels.h``: their vector helpers and entry points) are compiled together with ``cc -O3 -march=native -fopenmp`` into
-one shared object under ``$K3_KERNEL_CACHE`` (default ``~/.cache/k3/kernels``), named by a hash of
-the sources, the flags, the compiler's version and the CPU's flags, and loaded with ctypes. The
-OpenMP loops run on the libgomp torch has loaded (its soname is the system's; a second runtime in
-the process is refused). ``unavailable()`` says why the kernels cannot run here (no compiler, a
-failed build); the decode step then runs over the modules instead (``prepare_unsupported``).
+The sources beside this file are compiled together with ``cc -O3 -march=native -fopenmp`` into
+one shared object:
+
+* ``packed_mm.c``: matmul over packed weights;
+* ``decode_rows.c``: the per-row math of a decode step, and the sampler's sort;
+* ``decode_layers.c``: whole KDA, MLA and MoE sublayers made of those;
+* ``kda_scan.c``: KDA's recurrence over a sequence, for prefill;
+* ``k3_vec.h``, ``k3_kernels.h``: their vector helpers and entry points.
+
+The object lives under ``$K3_KERNEL_CACHE`` (default ``~/.cache/k3/kernels``; a temporary folder
+where that cannot be written), named by a hash of the sources, the flags, the compiler's version
+and the CPU's flags, and is loaded with ctypes. The OpenMP loops run on the libgomp torch has
+loaded (its soname is the system's; a second runtime in the process is refused).
+``unavailable()`` says why the kernels cannot run here (no compiler, a failed build); the decode
+step then runs over the modules instead (``prepare_unsupported``), and ``chunk_kda`` in its
+chunked form.
 """
 
 from __future__ import annotations

@@ -158,8 +158,8 @@ int k3_gated_act(int64_t rows, int64_t F, const float *g, int64_t ldg, const flo
 }
 
 /* Router of N tokens over E experts: s = sigmoid(logits) (or softmax over E), the k experts of
- * largest s + bias (descending; ties to the lower index; NaN above every number), their weights s (divided by their sum +
- * tiny when renorm). logits: rows of stride ld; idx [N, k] int64, w [N, k] fp32.
+ * largest s + bias (descending; ties to the lower index; NaN above every number), their weights s
+ * (divided by their sum + tiny when renorm). logits: rows of stride ld; idx [N, k] int64, w [N, k].
  * Returns 1 when k is not in [1, E] or E > 4096. */
 int k3_route(int64_t N, int64_t E, const float *logits, int64_t ld, const float *bias, int64_t k, int softmax,
              int renorm, float tiny, int64_t *idx, float *w) {
