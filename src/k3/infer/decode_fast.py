@@ -8,8 +8,9 @@ being in W):
     KDA   one C call (``k3.ops.decode_layers``): y = n(x) W_in;  h = SiLU(Σ_k w_k [conv | qkv]_k);
           q, k = l2(h_q)/√d, l2(h_k);  e = exp(lb·σ(a·dt + f_a a·W_fb));  S' = e ⊙ S;
           u = β (v − kᵀS');  S = S' + k uᵀ;  out = res + (o·rms⁻¹(o) ⊙ σ(gate)) W_o   (o = qᵀS)
-    MLA   y = n(x) W_in;  [q_lat | q_pe] = n(q_a) W_q  (W_UK and the scale absorbed)
-          s = [q_lat cᵀ + q_pe k_peᵀ (+ mask) | self];  o = (softmax(s) [c; c_new]) W_UV ⊙ σ(g)
+    MLA   one C call: y = n(x) W_in;  [q_lat | q_pe] = n(q_a) W_q  (W_UK and the scale absorbed)
+          s = [q_lat cᵀ + q_pe k_peᵀ over the row's own cached length | self];
+          o = (softmax(s) [c; c_new]) W_UV ⊙ σ(g)
     MoE   one C call: [logits | z | g_s | u_s] = n(x) W_in;  top-k of σ(logits) + bias, p
           renormalized;  all N·k slots at once: h = act(z_slot [w1|w3]_e) · p, then h w2_e, summed
           over each token's k slots;  out = res + n(u) W_up + act(g_s, u_s) W_sd
@@ -36,11 +37,6 @@ from k3.ops.packed_mm import PackedMatrix
 __all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step"]
 
 
-def _out(res: torch.Tensor | None, a: torch.Tensor, w: PackedMatrix) -> torch.Tensor:
-    """res + a @ w (a @ w when there is no residual yet)."""
-    return w.mm(a, res)
-
-
 def kda_step(p: PreparedKDA, x, res, conv, S):
     """x [B,H] (pre-norm), res [B,H] | None, conv [B,3P,K−1], S [B,nh,d,d] fp32 ->
     (res + out [B,H], conv', S'): one C call (``k3.ops.decode_layers``)."""
@@ -56,7 +52,7 @@ def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, lengths):
 def mlp_step(p: PreparedMLP, x, res):
     """The dense gated MLP: res + act(n(x) W_g, n(x) W_u) W_d."""
     h = p.act(*p.w_in.mm(x, norm_c=p.c_in).chunk(2, 1))
-    return _out(res, h, p.w_down)
+    return p.w_down.mm(h, res)
 
 
 def moe_step(p: PreparedMoE, x, res):

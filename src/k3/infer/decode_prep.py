@@ -191,7 +191,6 @@ class PreparedMLA:
             self.w_in = _stack_t(w_q * gamma, a.kv_a_proj_with_mqa.weight * gamma, *gate)
             self.sizes = [nh * (r + p), r + p] + ([nh * vd] if self.gated else [])
         self.w_o = _packed_t(a.o_proj.weight)
-        self.kv_w = self.kv_w.contiguous()
         self.c = MLALayer(mat(self.w_in), mat(self.w_q if self.lora else None), mat(self.w_o), ptr(self.w_uv_t),
                           ptr(self.kv_w), nh, r, p, vd, self.sizes[0], int(self.gated), self.c_in,
                           self.c_q if self.lora else 0.0, self.c_kv)   # one C call

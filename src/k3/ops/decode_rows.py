@@ -14,18 +14,12 @@ from typing import NamedTuple
 import torch
 
 from k3.ops import cpu_kernels
+from k3.ops.packed_mm import check_rows
 
 __all__ = ["attn_res_mix_c", "kda_step_c", "gated_act_c", "route_c", "map_c", "MAP_KINDS", "SortedRows",
            "sort_desc"]
 
 MAP_KINDS = ("exp", "sigmoid", "tanh", "silu")
-
-
-def _rows(x: torch.Tensor, B: int, width: int, what: str) -> None:
-    if x.dtype != torch.float32 or x.dim() != 2 or tuple(x.shape) != (B, width) or \
-            (x.stride(1) != 1 and width > 1) or x.device.type != "cpu":
-        raise ValueError(f"{what}: expected fp32 CPU rows [{B}, {width}] with unit column stride, got "
-                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
 
 
 def _dense(x: torch.Tensor, shape: tuple, what: str) -> None:
@@ -54,7 +48,7 @@ def attn_res_mix_c(q: torch.Tensor, c: float, sources: Sequence[torch.Tensor]) -
         return sources[0]
     B, H = sources[0].shape
     for i, v in enumerate(sources):
-        _rows(v, B, H, f"attn_res_mix_c: source {i}")
+        check_rows(v, H, f"attn_res_mix_c: source {i}", B)
     _dense(q, (H,), "attn_res_mix_c: q")
     out = torch.empty(B, H)
     ptrs = (ctypes.c_void_p * n)(*[v.data_ptr() for v in sources])
@@ -72,10 +66,10 @@ def kda_step_c(qkv, conv, conv_w, dec_in, lb, neg_a, beta_in, gate, S, c_qk: flo
     The outputs are ordinary tensors even under inference mode (the cache keeps them)."""
     B, nh, d, _ = S.shape
     P, K = nh * d, conv_w.shape[1]
-    _rows(qkv, B, 3 * P, "kda_step_c: qkv")
-    _rows(dec_in, B, P, "kda_step_c: dec_in")
-    _rows(beta_in, B, nh, "kda_step_c: beta_in")
-    _rows(gate, B, P, "kda_step_c: gate")
+    check_rows(qkv, 3 * P, "kda_step_c: qkv", B)
+    check_rows(dec_in, P, "kda_step_c: dec_in", B)
+    check_rows(beta_in, nh, "kda_step_c: beta_in", B)
+    check_rows(gate, P, "kda_step_c: gate", B)
     _dense(conv, (B, 3 * P, K - 1), "kda_step_c: conv")
     _dense(conv_w, (3 * P, K), "kda_step_c: conv_w")
     _dense(S, (B, nh, d, d), "kda_step_c: S")
@@ -98,8 +92,8 @@ def gated_act_c(g: torch.Tensor, u: torch.Tensor, silu: bool, inv_beta: float, t
     """[R, F] rows g, u -> act(g, u) (· row_w[r] per row when given): SiLU(g)·u, or SiTU's
     tanh(g·inv_beta)·σ(g)·(tanh(u) if tanh_up else u)."""
     R, F = g.shape
-    _rows(g, R, F, "gated_act_c: g")
-    _rows(u, R, F, "gated_act_c: u")
+    check_rows(g, F, "gated_act_c: g", R)
+    check_rows(u, F, "gated_act_c: u", R)
     if row_w is not None:
         row_w = row_w.reshape(-1)
         _dense(row_w, (R,), "gated_act_c: row_w")
@@ -116,7 +110,7 @@ def route_c(logits: torch.Tensor, bias: torch.Tensor, k: int, softmax: bool, ren
     largest score + bias (score σ(logit), or the softmax over E), descending, ties to the lower index;
     w their scores (over their sum + tiny when ``renorm``)."""
     N, E = logits.shape
-    _rows(logits, N, E, "route_c: logits")
+    check_rows(logits, E, "route_c: logits", N)
     _dense(bias, (E,), "route_c: bias")
     idx, w = torch.empty(N, k, dtype=torch.int64), torch.empty(N, k)
     if cpu_kernels.library().k3_route(N, E, logits.data_ptr(), logits.stride(0), bias.data_ptr(), k, int(softmax),

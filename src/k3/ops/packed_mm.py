@@ -20,16 +20,18 @@ import torch
 
 from k3.ops import cpu_kernels
 
-__all__ = ["NR", "PackedMatrix"]
+__all__ = ["NR", "PackedMatrix", "check_rows"]
 
 NR = 32   # panel width (columns), as in packed_mm.c
 
 
-def _check_rows(x: torch.Tensor, K: int, what: str) -> None:
+def check_rows(x: torch.Tensor, K: int, what: str, M: int | None = None) -> None:
+    """x must be fp32 CPU rows [M, K] (any M when None) with unit column stride, as the kernels read
+    them; else a ValueError naming ``what``."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != K or \
-            (x.stride(1) != 1 and x.shape[1] > 1):
-        raise ValueError(f"{what}: expected fp32 CPU rows [M, {K}] with unit column stride, got "
-                         f"{x.dtype} {x.device.type} {tuple(x.shape)} strides {x.stride()}")
+            (M is not None and x.shape[0] != M) or (x.stride(1) != 1 and x.shape[1] > 1):
+        raise ValueError(f"{what}: expected fp32 CPU rows [{'M' if M is None else M}, {K}] with unit column "
+                         f"stride, got {x.dtype} {x.device.type} {tuple(x.shape)} strides {x.stride()}")
 
 
 class PackedMatrix:
@@ -60,7 +62,7 @@ class PackedMatrix:
         weight and √K are in W), else n(x) = x."""
         if self.E != 1:
             raise ValueError(f"PackedMatrix.mm: this is a stack of {self.E} matrices; use rows_mm")
-        _check_rows(x, self.K, "PackedMatrix.mm")
+        check_rows(x, self.K, "PackedMatrix.mm")
         if norm_c is not None and not norm_c >= 0:
             raise ValueError(f"PackedMatrix.mm: norm_c must be >= 0, got {norm_c}")
         M = x.shape[0]
@@ -76,7 +78,7 @@ class PackedMatrix:
 
     def rows_mm(self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """``[S, N]``: slot ``s`` is ``x[rows[s]] @ W[experts[s]]`` (``rows``, ``experts``: int64 ``[S]``)."""
-        _check_rows(x, self.K, "PackedMatrix.rows_mm")
+        check_rows(x, self.K, "PackedMatrix.rows_mm")
         rows, experts = rows.reshape(-1), experts.reshape(-1)
         if rows.dtype != torch.int64 or experts.dtype != torch.int64 or rows.shape != experts.shape:
             raise ValueError(f"PackedMatrix.rows_mm: rows and experts must be int64 of one length, got "
