@@ -46,6 +46,17 @@ def make_inputs(B=2, T=37, H=3, K=16, V=8, gate="bounded", A_log=0.0, init=True,
     return tuple(x.to(dtype) if x is not None else None for x in (q, k, v, g, beta, s0))
 
 
+@pytest.fixture(params=["c", "chunked"])
+def path(request, monkeypatch):
+    """chunk_kda's two CPU forms: the recurrence in C with its C backward (``k3::kda_scan``), and
+    the chunked torch form, which runs where the kernels cannot be built (forced off here)."""
+    if request.param == "chunked":
+        monkeypatch.setattr(kda.cpu_kernels, "unavailable", lambda: "forced off by the test")
+    else:
+        assert kda.cpu_kernels.unavailable() is None
+    return request.param
+
+
 # --- l2_normalize and kda_gate -------------------------------------------------------------------
 
 def test_l2_normalize_matches_formula_and_keeps_dtype():
@@ -96,7 +107,7 @@ def test_kda_gate_bad_shapes_name_the_tensor():
 @pytest.mark.parametrize("T", [1, 37, 130])
 @pytest.mark.parametrize("init", [False, True])
 @pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 2.0)])
-def test_chunk_and_recurrent_match_reference(T, init, gate, A_log):
+def test_chunk_and_recurrent_match_reference(T, init, gate, A_log, path):
     q, k, v, g, beta, s0 = make_inputs(T=T, gate=gate, A_log=A_log, init=init, seed=T)
     o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
     calls = [(chunk_kda, {}), (recurrent_kda, {})]
@@ -143,7 +154,7 @@ def test_fake_tensor_tracing_rejects_a_host_sync():
 
 
 @pytest.mark.parametrize("chunk_size", [8, 16, 24, 32, 128])
-def test_chunk_size_does_not_change_the_result(chunk_size):
+def test_chunk_size_does_not_change_the_result(chunk_size, path):
     q, k, v, g, beta, s0 = make_inputs(B=1, T=100, H=2, K=32, V=32, seed=3)
     o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
     o, s = chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
@@ -151,7 +162,7 @@ def test_chunk_size_does_not_change_the_result(chunk_size):
     assert rel_rms(s, s_ref) < 1e-5
 
 
-def test_explicit_scale_and_no_final_state():
+def test_explicit_scale_and_no_final_state(path):
     q, k, v, g, beta, _ = make_inputs(T=20, init=False)
     o_ref, _ = reference_kda(q, k, v, g, beta, scale=0.3)
     for fn in (chunk_kda, recurrent_kda):
@@ -160,7 +171,7 @@ def test_explicit_scale_and_no_final_state():
         assert rel_rms(o, o_ref) < 1e-5
 
 
-def test_chunk_prefill_then_recurrent_decode_matches_whole_sequence():
+def test_chunk_prefill_then_recurrent_decode_matches_whole_sequence(path):
     q, k, v, g, beta, s0 = make_inputs(T=80, seed=5)
     o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
     o1, s1 = chunk_kda(q[:, :70], k[:, :70], v[:, :70], g[:, :70], beta[:, :70],
@@ -175,7 +186,7 @@ def test_chunk_prefill_then_recurrent_decode_matches_whole_sequence():
     assert rel_rms(s, s_ref) < 1e-5
 
 
-def test_bf16_inputs_give_bf16_output_and_fp32_state():
+def test_bf16_inputs_give_bf16_output_and_fp32_state(path):
     q, k, v, g, beta, s0 = make_inputs(T=40, dtype=torch.bfloat16)
     o_ref, s_ref = reference_kda(q, k, v, g, beta, initial_state=s0)
     for fn in (chunk_kda, recurrent_kda):
@@ -186,7 +197,7 @@ def test_bf16_inputs_give_bf16_output_and_fp32_state():
 
 
 @pytest.mark.parametrize("A_log", [3.0, 5.0])
-def test_strong_decay_softplus_gate_stays_exact_and_finite(A_log):
+def test_strong_decay_softplus_gate_stays_exact_and_finite(A_log, path):
     # e^A_log · softplus(·) reaches −100s per step: decay products underflow far below fp32 range.
     q, k, v, g, beta, s0 = make_inputs(T=70, gate="softplus", A_log=A_log, seed=7)
     assert g.min() < -80
@@ -198,7 +209,7 @@ def test_strong_decay_softplus_gate_stays_exact_and_finite(A_log):
         assert rel_rms(s, s_ref) < 1e-5
 
 
-def test_tiny_state_decaying_into_denormal_range():
+def test_tiny_state_decaying_into_denormal_range(path):
     # A 1e-30 state under steady decay crosses the fp32 denormal range (< 1.2e-38) mid-sequence.
     q, k, v, g, beta, s0 = make_inputs(T=64, init=True, seed=9)
     k = torch.zeros_like(k)   # no writes: the output is the decayed initial state read by q
@@ -315,7 +326,7 @@ def test_inference_scan_does_not_depend_on_how_the_sequence_is_split():
 
 @pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 3.0)])
 @pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
-def test_gradients_match_reference(gate, A_log, fn):
+def test_gradients_match_reference(gate, A_log, fn, path):
     inputs = make_inputs(B=2, T=45, H=2, K=16, V=12, gate=gate, A_log=A_log, seed=11)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     gen = torch.Generator().manual_seed(1)
@@ -336,6 +347,81 @@ def test_gradients_match_reference(gate, A_log, fn):
     for name, a, b in zip(names, got, want):
         assert torch.isfinite(a).all(), name
         assert rel_rms(a, b) < 1e-4, name
+
+
+def _grads(fn, inputs, do, ds, **kw):
+    xs = [x.clone().requires_grad_(True) for x in inputs]
+    o, s = fn(*xs[:5], initial_state=xs[5], **kw)
+    loss = (o.double() * do).sum() + ((s.double() * ds).sum() if ds is not None else 0)
+    loss.backward()
+    return o, [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 3.0)])
+@pytest.mark.parametrize("final", [True, False])
+def test_c_backward_matches_float64_autograd_at_model_size(gate, A_log, final, path):
+    # K = 64 (the presets' head size), T = 150: checkpoints at 0, 64, 128 and a 22-token tail.
+    inputs = make_inputs(B=2, T=150, H=2, K=64, V=48, gate=gate, A_log=A_log, seed=12)
+    gen = torch.Generator().manual_seed(2)
+    do = torch.randn(inputs[2].shape, generator=gen, dtype=torch.float64)
+    ds = torch.randn(inputs[5].shape, generator=gen, dtype=torch.float64) if final else None
+    _, want = _grads(reference_kda, inputs, do, ds)
+    o, got = _grads(chunk_kda, [x.float() for x in inputs], do, ds, output_final_state=final)
+    ran_c = "kda_scan" in type(o.grad_fn).__name__ or "kda_scan" in str(o.grad_fn.next_functions)
+    assert ran_c == (path == "c"), o.grad_fn
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        assert rel_rms(a, b) < 2e-5, name
+
+
+def test_c_backward_does_not_depend_on_checkpoints_or_threads():
+    # The backward recomputes each chunk from its checkpoint with the forward's own arithmetic, so
+    # the checkpoint interval cannot change a bit; a head runs on one thread start to end.
+    inputs = [x.float() for x in make_inputs(B=2, T=100, H=3, K=32, V=32, seed=13)]
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(inputs[2].shape, generator=gen, dtype=torch.float64)
+    ds = torch.randn(inputs[5].shape, generator=gen, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for chunk, n in ((64, 1), (7, 1), (100, 2), (1000, 2), (1, 2)):
+            torch.set_num_threads(n)
+            runs.append(_grads(chunk_kda, inputs, do, ds, output_final_state=True, chunk_size=chunk)[1])
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    # Control: the chunked torch form is a different rounding of the same gradients.
+    _, chunked = _grads(kda._chunked_kda, inputs, do, ds, output_final_state=True, chunk_size=64)
+    assert not all(torch.equal(a, b) for a, b in zip(runs[0], chunked))
+    assert all(rel_rms(a, b) < 1e-5 for a, b in zip(runs[0], chunked))
+
+
+def test_c_backward_with_some_inputs_frozen():
+    # Only v and g need gradients (the others are constants): the same values for those two.
+    inputs = [x.float() for x in make_inputs(B=1, T=70, H=2, K=16, V=16, seed=14)]
+    gen = torch.Generator().manual_seed(4)
+    do = torch.randn(inputs[2].shape, generator=gen)
+    _, full = _grads(chunk_kda, inputs, do, None)
+    v, g = inputs[2].clone().requires_grad_(True), inputs[3].clone().requires_grad_(True)
+    o, _ = chunk_kda(inputs[0], inputs[1], v, g, inputs[4], initial_state=inputs[5])
+    (o * do).sum().backward()
+    assert torch.equal(v.grad, full[2]) and torch.equal(g.grad, full[3])
+
+
+def test_scan_op_without_checkpoints_refuses_a_backward():
+    # k3::kda_scan keeps its states for the backward only when asked (ckpt_chunk > 0, what chunk_kda
+    # passes under autograd); called without them directly, its backward says so.
+    q, k, v, g, beta, s0 = (x.float() for x in make_inputs(T=20, seed=15))
+    v = v.clone().requires_grad_(True)
+    o, _, ckpt = kda._kda_scan_op(q, k, v, g, beta, s0, 0.25, 0)
+    assert ckpt.numel() == 0
+    with pytest.raises(RuntimeError, match="ckpt_chunk=0"):
+        o.sum().backward()
+    o, _, ckpt = kda._kda_scan_op(q, k, v, g, beta, s0, 0.25, 8)       # control: with checkpoints
+    assert ckpt.shape == (2, 3, 3, 16, 8)
+    o.sum().backward()
+    assert torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0
 
 
 # --- bad input -----------------------------------------------------------------------------------
@@ -361,7 +447,7 @@ def test_bad_chunk_size():
         chunk_kda(q, k, v, g, beta, chunk_size=0)
 
 
-def test_recurrence_stays_fp32_under_bf16_autocast():
+def test_recurrence_stays_fp32_under_bf16_autocast(path):
     # The state and its matmuls are an fp32 island: autocast must not round them to bf16.
     q, k, v, g, beta, s0 = make_inputs(T=40, dtype=torch.float32)
     for fn in (chunk_kda, recurrent_kda):

@@ -107,9 +107,15 @@ def _check_against(reference, run_dir: Path, first: int = 0) -> tuple[float, flo
     assert rel < 1e-4, (got, ref_losses)
     params = dcp_params(run_dir)
     assert set(params) == set(ref_params)
-    dev = max((params[k].float() - ref_params[k].float()).abs().max().item() for k in ref_params)
-    assert dev < 1e-5
-    return rel, dev
+    devs = {k: (params[k].float() - ref_params[k].float()).abs().max().item() for k in ref_params}
+    # The ranks' gradient sums round differently from one process's; AdamW's normalised step turns
+    # that into the largest drift on the embedding (rows seen by few tokens): 1.7e-5 there after 20
+    # steps of dp=2 x ep=2, at most 1.2e-6 on every other tensor (measured).
+    emb = "model.embed_tokens.weight"
+    assert devs[emb] < 5e-5, devs[emb]
+    dev = max(v for k, v in devs.items() if k != emb)
+    assert dev < 5e-6, max(devs, key=devs.get)
+    return rel, max(dev, devs[emb])
 
 
 def _ok(r):

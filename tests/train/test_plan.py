@@ -212,13 +212,22 @@ def _kimi_linear_nano():
     ("nano", torch.float32, 2, 128), ("nano", torch.bfloat16, 2, 128), ("nano", torch.bfloat16, 3, 200),
     ("nano", torch.bfloat16, 2, 40), ("tiny", torch.float32, 2, 128),
     ("kimi-linear-nano", torch.float32, 2, 128), ("kimi-linear-nano", torch.bfloat16, 2, 128)])
-def test_activations_match_saved_tensors(preset, dtype, B, T):
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_activations_match_saved_tensors(preset, dtype, B, T, kernels, monkeypatch):
+    # "cpu": k3's C ops run (KDA, AttnRes mix, short conv); "torch": the eager ops, as where the
+    # kernels cannot be built (forced off here) and on CUDA without fla.
+    from k3.ops import cpu_kernels
+    if kernels == "torch":
+        monkeypatch.setattr(cpu_kernels, "unavailable", lambda: "forced off by the test")
+    else:
+        assert cpu_kernels.unavailable() is None
     torch.manual_seed(0)
     cfg = _kimi_linear_nano() if preset == "kimi-linear-nano" else get_preset(preset)
     model = K3ForCausalLM(cfg).to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
     _, measured, head, max_layer, inputs = _saved_bytes(model, ids, per_layer=True)
-    plan = activation_bytes(cfg, B, T, torch.tensor([], dtype=dtype).element_size(), attention="math")
+    plan = activation_bytes(cfg, B, T, torch.tensor([], dtype=dtype).element_size(), attention="math",
+                            kernels=kernels)
     # Within 2% (measured: -0.1 .. +1.0%): the plan writes the fp32 norm input of MLA's kv latent, the SiTU and AttnRes
     # terms as separate tensors; in fp32 some of them are views of one storage (counted once).
     assert plan["full"] == pytest.approx(measured, rel=0.02)

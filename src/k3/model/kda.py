@@ -29,6 +29,7 @@ from k3.model.fused import fused_linear, plain_linears
 from k3.model.norm import RMSNorm
 from k3.ops.kda import chunk_kda, kda_gate, recurrent_kda
 from k3.ops.norm import l2_normalize
+from k3.ops.short_conv import short_conv_silu
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -112,15 +113,14 @@ class KimiDeltaAttention(nn.Module):
         """
         B, T, C = qkv.shape
         K = self.conv_kernel_size
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)  # [3P,1,K]
-        xt = qkv.transpose(1, 2)  # [B, 3P, T]
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)[:, 0]  # [3P, K]
         prev = state.conv if state is not None else None
-        if prev is None:
-            prev = xt.new_zeros(B, C, K - 1)
-        xp = torch.cat([prev.to(xt.dtype), xt], -1)  # [B, 3P, K-1+T]
+        if prev is not None:
+            prev = prev.to(qkv.dtype)
         if state is not None:
-            state.conv = xp[..., xp.shape[-1] - (K - 1):].contiguous()
-        return F.silu(F.conv1d(xp, w.to(xp.dtype), groups=C)).transpose(1, 2)
+            ctx = qkv.new_zeros(B, C, K - 1) if prev is None else prev
+            state.conv = torch.cat([ctx, qkv.transpose(1, 2)], -1)[..., T:].contiguous()   # the last K−1 inputs
+        return short_conv_silu(qkv, w.to(qkv.dtype), prev)
 
     def _decode_step(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
         """One new token per row from a cached state, x [B,1,H] -> [B,1,H]; ``state`` updated."""

@@ -13,10 +13,12 @@ uniform mean of the sources.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Sequence
 
 import torch
 
+from k3.ops import cpu_kernels
 from k3.ops.norm import inv_sumsq, rms_norm
 
 __all__ = ["attn_res_mix", "attn_res_mix_rows", "attn_res_mix_folded", "compiled_attn_res_mix"]
@@ -24,11 +26,25 @@ __all__ = ["attn_res_mix", "attn_res_mix_rows", "attn_res_mix_folded", "compiled
 
 def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
                  eps: float = 1e-5) -> torch.Tensor:
-    """sources: n tensors [..., H]; query, norm_weight: [H] (query may be [1, H]) -> [..., H]."""
+    """sources: n tensors [..., H]; query, norm_weight: [H] (query may be [1, H]) -> [..., H].
+
+    fp32 sources on the CPU go through one C call forward and one backward (``k3::attn_res_mix``,
+    ``attn_res.c``: the folded form of ``attn_res_mix_folded``, no stacked copy of the sources);
+    anything else, or where the CPU kernels cannot be built, through the torch formulation of the
+    module docstring. The two agree to fp32 rounding (tested against float64)."""
     if len(sources) == 0:
         raise ValueError("attn_res_mix needs at least one source")
     if len(sources) == 1:
         return sources[0]
+    if _c_applies(sources, query, norm_weight):
+        H = norm_weight.shape[-1]
+        q = (norm_weight * query.reshape(-1)) * H ** 0.5
+        return _mix_op(list(sources), q, float(H * eps))[0]
+    return _mix_torch(sources, query, norm_weight, eps)
+
+
+def _mix_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
+               eps: float) -> torch.Tensor:
     dtype = sources[0].dtype
     with torch.autocast(sources[0].device.type, enabled=False):   # fp32 even under bf16 autocast
         v = torch.stack(sources, dim=0).float()                   # [n, ..., H]
@@ -36,6 +52,82 @@ def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
         logits = key @ query.reshape(-1).float()                  # [n, ...]
         alpha = torch.softmax(logits, dim=0).unsqueeze(-1)        # [n, ..., 1]
         return (alpha * v).sum(0).to(dtype)
+
+
+def _c_applies(sources, query, norm_weight) -> bool:
+    first = sources[0]
+    H = first.shape[-1] if first.dim() else 0
+    return (first.device.type == "cpu" and len(sources) <= 64 and H > 0
+            and all(x.dtype == torch.float32 and x.device.type == "cpu" for x in (*sources, query, norm_weight))
+            and all(x.shape == first.shape for x in sources)
+            and query.numel() == norm_weight.numel() == H
+            and cpu_kernels.unavailable() is None)
+
+
+def _pointers(ts: Sequence[torch.Tensor]):
+    return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts]), (ctypes.c_int64 * len(ts))(
+        *[t.shape[-1] for t in ts])
+
+
+@torch.library.custom_op("k3::attn_res_mix", mutates_args=(), device_types="cpu")
+def _mix_op(sources: list[torch.Tensor], q: torch.Tensor, c: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [..., H], alpha, r, p [M, n]): the mix of n fp32 sources [..., H] with the folded query
+    q [H] and c = H·eps (``attn_res.c``); alpha, r, p are kept for the backward."""
+    srcs = [x.contiguous() for x in sources]
+    n, H = len(srcs), srcs[0].shape[-1]
+    M = srcs[0].numel() // max(H, 1)
+    out, alpha, r, p = torch.empty(srcs[0].shape), torch.empty(M, n), torch.empty(M, n), torch.empty(M, n)
+    ptrs, lds = _pointers(srcs)
+    cpu_kernels.library().k3_attn_res_fwd(n, ptrs, lds, M, H, q.contiguous().data_ptr(), c, out.data_ptr(),
+                                          alpha.data_ptr(), r.data_ptr(), p.data_ptr(), torch.get_num_threads())
+    return out, alpha, r, p
+
+
+@_mix_op.register_fake
+def _(sources, q, c):
+    n, first = len(sources), sources[0]
+    M = first.numel() // max(first.shape[-1], 1)
+    return first.new_empty(first.shape), *(first.new_empty(M, n) for _ in range(3))
+
+
+@torch.library.custom_op("k3::attn_res_mix_backward", mutates_args=(), device_types="cpu")
+def _mix_bwd_op(sources: list[torch.Tensor], q: torch.Tensor, alpha: torch.Tensor, r: torch.Tensor,
+                p: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d sources stacked [n, ..., H], dq [H])."""
+    srcs = [x.contiguous() for x in sources]
+    n, H = len(srcs), srcs[0].shape[-1]
+    M = srcs[0].numel() // max(H, 1)
+    dsrc, dq = torch.empty(n, *srcs[0].shape), torch.empty(H)
+    ptrs, lds = _pointers(srcs)
+    douts = (ctypes.c_void_p * n)(*[dsrc.data_ptr() + i * M * H * 4 for i in range(n)])
+    rc = cpu_kernels.library().k3_attn_res_bwd(
+        n, ptrs, lds, M, H, q.contiguous().data_ptr(), alpha.data_ptr(), r.data_ptr(), p.data_ptr(),
+        dout.contiguous().data_ptr(), douts, dq.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"attn_res_mix: no memory for the backward's sums over {M} rows of {H}")
+    return dsrc, dq
+
+
+@_mix_bwd_op.register_fake
+def _(sources, q, alpha, r, p, dout):
+    first = sources[0]
+    return first.new_empty(len(sources), *first.shape), q.new_empty(first.shape[-1])
+
+
+def _mix_setup(ctx, inputs, output):
+    sources, q, _ = inputs
+    _, alpha, r, p = output
+    ctx.save_for_backward(q, alpha, r, p, *sources)
+
+
+def _mix_backward(ctx, dout, _da, _dr, _dp):
+    q, alpha, r, p, *sources = ctx.saved_tensors
+    dsrc, dq = _mix_bwd_op(sources, q, alpha, r, p, dout.float())
+    return list(dsrc.unbind(0)), dq, None
+
+
+_mix_op.register_autograd(_mix_backward, setup_context=_mix_setup)
 
 
 _COMPILED = None
@@ -50,7 +142,9 @@ def compiled_attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, 
     so runs that must match the golden losses stay eager."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(attn_res_mix, dynamic=False)
+        _COMPILED = torch.compile(_mix_torch, dynamic=False)
+    if len(sources) == 1:
+        return sources[0]
     return _COMPILED(sources, query, norm_weight, eps)
 
 

@@ -6,7 +6,9 @@ one shared object:
 * ``packed_mm.c``: matmul over packed weights;
 * ``decode_rows.c``: the per-row math of a decode step, and the sampler's sort;
 * ``decode_layers.c``: whole KDA, MLA and MoE sublayers made of those;
-* ``kda_scan.c``: KDA's recurrence over a sequence, for prefill;
+* ``kda_scan.c``: KDA's recurrence over a sequence, forward and backward (prefill, training);
+* ``attn_res.c``: Block AttnRes mixing, for the decode step and for training (with its backward);
+* ``short_conv.c``: KDA's short convolution with SiLU, forward and backward;
 * ``k3_vec.h``, ``k3_kernels.h``: their vector helpers and entry points.
 
 The object lives under ``$K3_KERNEL_CACHE`` (default ``~/.cache/k3/kernels``; a temporary folder
@@ -33,7 +35,8 @@ from pathlib import Path
 __all__ = ["library", "unavailable", "kernel_path", "SOURCES", "HEADERS"]
 
 SOURCES = tuple(Path(__file__).with_name(n)
-                for n in ("packed_mm.c", "decode_rows.c", "decode_layers.c", "kda_scan.c"))
+                for n in ("packed_mm.c", "decode_rows.c", "decode_layers.c", "kda_scan.c", "attn_res.c",
+                          "short_conv.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("k3_vec.h", "k3_kernels.h"))
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _LOCK = threading.Lock()
@@ -50,10 +53,17 @@ _SIGNATURES = {
     "k3_gated_act": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT, _PTR, _PTR],
     "k3_route": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _F32, _PTR, _PTR],
     "k3_attn_res_mix": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR],
+    "k3_short_conv_silu": [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
+    "k3_short_conv_silu_bwd": [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
+    "k3_attn_res_fwd": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _INT],
+    "k3_attn_res_bwd": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "k3_kda_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "k3_moe_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _INT],
     "k3_mla_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_kda_scan": [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _INT],
+    "k3_kda_scan": [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64,
+                    _INT],
+    "k3_kda_scan_bwd": [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _PTR,
+                        _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "k3_kda_step": [_I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _F32, _PTR,
                     _PTR, _I64, _PTR, _I64, _PTR, _PTR, _F32, _F32, _F32, _PTR, _INT],
 }

@@ -10,36 +10,6 @@
 
 #include "k3_vec.h"
 
-/* AttnRes mix of n sources, each B rows of H (source i: row b at src[i] + b * ld[i]):
- * logit_i = <q, v_i> / sqrt(|v_i|^2 + c), alpha = softmax_i(logit), out[b] = sum_i alpha_i v_i
- * (out: [B, H] contiguous). */
-int k3_attn_res_mix(int64_t n, const float *const *src, const int64_t *ld, int64_t B, int64_t H, const float *q,
-                    float c, float *out) {
-    if (n <= 0 || n > 64) return 1;
-    for (int64_t b = 0; b < B; b++) {
-        float logit[64], mx = -INFINITY, total = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            const float *v = src[i] + b * ld[i];
-            logit[i] = dot_f(q, v, H) / sqrtf(sumsq_f(v, H) + c);
-            mx = logit[i] > mx ? logit[i] : mx;
-        }
-        for (int64_t i = 0; i < n; i++) {
-            logit[i] = expf(logit[i] - mx);
-            total += logit[i];
-        }
-        float *o = out + b * H;
-        const float a0 = logit[0] / total;
-        const float *v0 = src[0] + b * ld[0];
-        for (int64_t j = 0; j < H; j++) o[j] = a0 * v0[j];
-        for (int64_t i = 1; i < n; i++) {
-            const float a = logit[i] / total;
-            const float *v = src[i] + b * ld[i];
-            for (int64_t j = 0; j < H; j++) o[j] += a * v[j];
-        }
-    }
-    return 0;
-}
-
 enum { KDA_MAX_D = 256 };
 
 /* One KDA recurrent step after the input projections, for B rows of nh heads of size d (P = nh d):

@@ -7,8 +7,9 @@ g_t ∈ R^K (g_t ≤ 0) and write strength β_t:
     S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ
     o_t = Sᵀ (scale · q_t)                     (o_t reads the updated S)
 
-`recurrent_kda` runs that loop token by token (decode). `chunk_kda` computes the same thing in
-chunks of C tokens (training, prefill). Inside a chunk, with G_i = Σ_{s≤i} g_s (cumulative
+`recurrent_kda` runs that loop token by token (decode). `chunk_kda` runs it over a sequence
+(training, prefill): on the CPU as the per-token rule in C (forward and backward), elsewhere in
+chunks of C tokens. Inside a chunk, with G_i = Σ_{s≤i} g_s (cumulative
 log-decay from the chunk start, per key channel), S_0 the state entering the chunk and the
 pseudo-values u_i = β_i (v_i − S'_iᵀ k_i) (S'_i: state after token i's decay, before its write):
 
@@ -18,10 +19,11 @@ pseudo-values u_i = β_i (v_i − S'_iᵀ k_i) (S'_i: state after token i's deca
     S_C = diag(e^{G_C}) S_0 + (K ⊙ e^{G_C − G})ᵀ U
 
 Everything except the S_0 terms is independent of the state, so all chunks are solved at once and
-only S_{n+1} = M_n S_n + Z_n is scanned (T/C small matmuls). Without autograd on the CPU
-(prefill, evaluation) `chunk_kda` runs the recurrence itself in C instead (`_scan_c`): about
-4·K·V multiply-adds per token and head, with the state in the cache, which beats the chunked
-form's many small matmuls there.
+only S_{n+1} = M_n S_n + Z_n is scanned (T/C small matmuls). On the CPU `chunk_kda` runs the
+recurrence itself in C instead (`_scan_c`): about 4·K·V multiply-adds per token and head forward,
+with the state in the cache, which beats the chunked form's many small matmuls there; its
+backward keeps the state every C tokens, recomputes a chunk's per-token states from it and runs
+the chain rule token by token in reverse (``kda_scan.c`` gives the formulas).
 
 Decay factors e^{G_i − G_j} are never materialised as a [C, C, K] tensor for off-diagonal
 sub-chunk blocks: they factorise as e^{G_i − G_r} e^{G_r − G_j} around a row r with j < r ≤ i, so
@@ -328,12 +330,14 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               output_final_state: bool = False, chunk_size: int = 64,
               g_lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA (training / prefill); same signature and result as `recurrent_kda`.
+    """KDA over a sequence (training / prefill); same signature and result as `recurrent_kda`.
 
-    Without autograd on the CPU (prefill, evaluation) the sequence goes through the C recurrence
-    (``kda_scan.c``: the per-token rule, one pass per token over a cached [K, V] state, heads in
-    parallel); with autograd, or where the CPU kernels cannot be built, the chunked form below.
-    The two agree to fp32 rounding (tested against the float64 recurrence).
+    On the CPU the sequence goes through the recurrence in C (``kda_scan.c``, the custom op
+    ``k3::kda_scan``: the per-token rule, one pass per token over a cached [K, V] state, heads in
+    parallel), with a C backward under autograd that recomputes each ``chunk_size`` tokens from a
+    kept state. On CUDA it is fla's kernel; elsewhere, or where the CPU kernels cannot be built,
+    the chunked form of the module docstring. They agree to fp32 rounding (tested against the
+    float64 recurrence).
 
     Any T (padded internally with k = 0, g = 0, β = 0 tokens, which leave the state unchanged).
     Differentiable w.r.t. q, k, v, g, beta and initial_state. g must be ≤ 0 (a log-decay).
@@ -346,11 +350,19 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         raise ValueError(f"chunk_kda: chunk_size must be positive, got {chunk_size}")
     if q.is_cuda and _fla_available():
         return _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state)
+    if q.device.type == "cpu" and cpu_kernels.unavailable() is None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return _scan_c(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    return _chunked_kda(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, g_lower_bound)
+
+
+@_fp32_island
+def _chunked_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, chunk_size=64,
+                 g_lower_bound=None):
+    """The chunked form of the module docstring (``chunk_kda``'s arguments, already checked)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    if not torch.is_grad_enabled() and q.device.type == "cpu" and cpu_kernels.unavailable() is None:
-        return _scan_c(q, k, v, g, beta, scale, initial_state, output_final_state)
     C = chunk_size
     sub = 16 if C % 16 == 0 else C
     N = max(1, -(-T // C))
@@ -393,21 +405,91 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 _FLA: object | None = None
 
 
-def _scan_c(q, k, v, g, beta, scale, initial_state, output_final_state):
-    """The no-grad CPU forward: the recurrence over the whole sequence in one C call."""
+def _scan_c(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
+    """The CPU path: the recurrence over the whole sequence in one C call (``k3::kda_scan``), with
+    its C backward when autograd needs one (states kept every ``chunk_size`` tokens)."""
+    xs = [x.float().contiguous() for x in (q, k, v, g, beta)]
+    S0 = None if initial_state is None else initial_state.float().contiguous()
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*xs, S0) if x is not None)
+    o, S, _ = _kda_scan_op(*xs, S0, float(scale), chunk_size if grad else 0)
+    return o.to(v.dtype), (S if output_final_state else None)
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0)
+
+
+@torch.library.custom_op("k3::kda_scan", mutates_args=(), device_types="cpu")
+def _kda_scan_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 initial_state: torch.Tensor | None, scale: float, ckpt_chunk: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o [B, T, H, V], final state [B, H, K, V], checkpoints [B, H, ceil(T / ckpt_chunk), K, V]: the
+    state entering every ckpt_chunk tokens, for the backward; empty when ckpt_chunk is 0)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    qf, kf, vf, gf, bf = (x.float().contiguous() for x in (q, k, v, g, beta))
-    S0 = None if initial_state is None else initial_state.float().contiguous()
-    o = torch.empty(B, T, H, V)
-    S = torch.empty(B, H, K, V) if output_final_state else None
+    o, S = torch.empty(B, T, H, V), torch.empty(B, H, K, V)
+    ckpt = torch.empty(B, H, -(-T // ckpt_chunk), K, V) if ckpt_chunk > 0 else _empty()
     rc = cpu_kernels.library().k3_kda_scan(
-        B, T, H, K, V, qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), gf.data_ptr(), bf.data_ptr(), scale,
-        None if S0 is None else S0.data_ptr(), o.data_ptr(), None if S is None else S.data_ptr(),
-        torch.get_num_threads())
+        B, T, H, K, V, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), scale,
+        None if initial_state is None else initial_state.data_ptr(), o.data_ptr(), S.data_ptr(),
+        ckpt.data_ptr() if ckpt_chunk > 0 else None, ckpt_chunk, torch.get_num_threads())
     if rc:
         raise MemoryError(f"chunk_kda: no memory for a [{K}, {V}] state")
-    return o.to(v.dtype), S
+    return o, S, ckpt
+
+
+@_kda_scan_op.register_fake
+def _(q, k, v, g, beta, initial_state, scale, ckpt_chunk):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    n = -(-T // ckpt_chunk) if ckpt_chunk > 0 else 0
+    return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V),
+            q.new_empty(B, H, n, K, V) if ckpt_chunk > 0 else q.new_empty(0))
+
+
+@torch.library.custom_op("k3::kda_scan_backward", mutates_args=(), device_types="cpu")
+def _kda_scan_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     ckpt: torch.Tensor, do: torch.Tensor, dS: torch.Tensor | None, scale: float, ckpt_chunk: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv, dg, dbeta, d initial_state) from do and the final state's dS (None: 0)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dq, dk, dg, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g), torch.empty_like(v)
+    dbeta, dS0 = torch.empty_like(beta), torch.empty(B, H, K, V)
+    rc = cpu_kernels.library().k3_kda_scan_bwd(
+        B, T, H, K, V, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), scale,
+        ckpt.data_ptr(), ckpt_chunk, do.data_ptr(), None if dS is None else dS.data_ptr(), dq.data_ptr(),
+        dk.data_ptr(), dv.data_ptr(), dg.data_ptr(), dbeta.data_ptr(), dS0.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"chunk_kda: no memory for the backward of {ckpt_chunk} tokens of [{K}, {V}] states")
+    return dq, dk, dv, dg, dbeta, dS0
+
+
+@_kda_scan_bwd_op.register_fake
+def _(q, k, v, g, beta, ckpt, do, dS, scale, ckpt_chunk):
+    B, _, H, K = q.shape
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), q.new_empty(B, H, K, v.shape[-1]))
+
+
+def _kda_scan_setup(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, scale, ckpt_chunk = inputs
+    ctx.save_for_backward(q, k, v, g, beta, output[2])
+    ctx.scale, ctx.ckpt_chunk, ctx.has_initial = scale, ckpt_chunk, initial_state is not None
+
+
+def _kda_scan_backward(ctx, do, dS, _dckpt):
+    if ctx.ckpt_chunk <= 0:
+        raise RuntimeError("k3::kda_scan was called with ckpt_chunk=0 (no checkpoints), so it has no "
+                           "backward: call it through chunk_kda")
+    q, k, v, g, beta, ckpt = ctx.saved_tensors
+    do = torch.zeros(v.shape) if do is None else do.float().contiguous()
+    dS = None if dS is None else dS.float().contiguous()
+    dq, dk, dv, dg, dbeta, dS0 = _kda_scan_bwd_op(q, k, v, g, beta, ckpt, do, dS, ctx.scale, ctx.ckpt_chunk)
+    return dq, dk, dv, dg, dbeta, (dS0 if ctx.has_initial else None), None, None
+
+
+_kda_scan_op.register_autograd(_kda_scan_backward, setup_context=_kda_scan_setup)
 
 
 def _fla_available() -> bool:

@@ -19,6 +19,15 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
                           diagonal blocks (a gate lower bound lb with |lb|·15 ≤ 80), else 43 (diagonal blocks by
                           recursive halving, ``k3.ops.kda._diag_halving``)
     sdpa (math, CPU)    = B·nh_m·T·(2(n+p) + v + T)·4        q, k, v and the T×T probabilities, fp32
+
+With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` in any dtype, ``k3::attn_res_mix`` and
+``k3::short_conv_silu`` for fp32 activations) three terms are what those ops keep instead:
+
+    kda_core (C)        = (4·N·P + B·nh·n_c·d²)·4              q, k, v, g (fp32 copies) and the state every 64 tokens
+    short conv (C)      = (2·N·3P + 3P·K)·4                    input, output (the q/k norms' input), taps [K, 3P]
+    attn_res_mix(n) (C) = (3·n·N + H)·4 + N·H·4                 α, 1/‖v‖, ⟨q, v⟩ per row and source, the folded
+                                                              query, and the newest source (the running partial
+                                                              sum, which no other op keeps)
     sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
 The ``kda_core`` coefficients are the count of the fp32 numbers ``k3.ops.kda.chunk_kda`` still
@@ -36,9 +45,10 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["activation_terms", "activation_bytes", "ATTENTION_KINDS"]
+__all__ = ["activation_terms", "activation_bytes", "ATTENTION_KINDS", "KERNEL_KINDS"]
 
 ATTENTION_KINDS = ("math", "fused")
+KERNEL_KINDS = ("torch", "cpu")
 F32 = 4
 I64 = 8
 
@@ -47,8 +57,10 @@ def _norm(N: int, D: int) -> int:
     return N * (2 * D + 1) * F32
 
 
-def _mix(n: int, N: int, H: int) -> int:
-    return n * N * (3 * H + 2) * F32 if n >= 2 else 0
+def _mix(n: int, N: int, H: int, c_op: bool = False) -> int:
+    if n < 2:
+        return 0
+    return (3 * n * N + H) * F32 + N * H * F32 if c_op else n * N * (3 * H + 2) * F32
 
 
 def _glu(cfg, M: int, W: int, e: int) -> int:
@@ -58,24 +70,36 @@ def _glu(cfg, M: int, W: int, e: int) -> int:
     return M * W * (6 * F32 + e)                    # SiTU, fp32 inside
 
 
-def _kda(cfg, B: int, T: int, e: int) -> int:
+def _kda(cfg, B: int, T: int, e: int, kernels: str) -> int:
     lac, N = cfg.linear_attn_config, B * T
     nh, d, K = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
     P = nh * d
-    conv = B * 3 * P * (T + K - 1) * e + 3 * P * K * e + 2 * N * 3 * P * e   # conv in, weights, out, SiLU out
+    if kernels == "cpu" and e == F32:
+        conv = (2 * N * 3 * P + 3 * P * K) * F32                             # input, output, taps
+    else:
+        conv = B * 3 * P * (T + K - 1) * e + 3 * P * K * e + 2 * N * 3 * P * e   # conv in, weights, out, SiLU out
     qk_norm = 2 * N * nh * F32                                               # the two 1/‖·‖
     gate_in = N * d * e + 2 * N * P * F32 + N * nh * F32                     # f_a out, decay (2), beta
     chunks = math.ceil(T / 64)
+    if kernels == "cpu":
+        return conv + qk_norm + gate_in + (4 * N * P + B * nh * chunks * d * d) * F32 + _kda_out(cfg, N, e)
     factored = lac.gate_lower_bound is not None and abs(lac.gate_lower_bound) * 15 <= 80  # as chunk_kda picks
     c = 30 if factored else 43   # else: recursive halving of the diagonal blocks
     per_chunk = 64 * 201 + (64 * c + 1) * d + 4 * d * d
     core = B * nh * (chunks * per_chunk - (5 if chunks > 1 else 7) * d * d) * F32
+    return conv + qk_norm + gate_in + core + _kda_out(cfg, N, e)
+
+
+def _kda_out(cfg, N: int, e: int) -> int:
+    """The output norm, the gate and the output projection's input."""
+    lac = cfg.linear_attn_config
+    nh, d = lac.num_heads, lac.head_dim
+    P = nh * d
     if lac.use_full_rank_gate:
         out_gate = 0
     else:
         out_gate = N * d * e                                                 # g_a out
-    out = N * (2 * P + nh) * F32 + 2 * N * P * F32 + N * P * e + out_gate    # o_norm, sigmoid, product in, o_proj in
-    return conv + qk_norm + gate_in + core + out
+    return N * (2 * P + nh) * F32 + 2 * N * P * F32 + N * P * e + out_gate   # o_norm, sigmoid, product in, o_proj in
 
 
 def _mla(cfg, B: int, T: int, e: int, attention: str) -> int:
@@ -97,8 +121,10 @@ def _mla(cfg, B: int, T: int, e: int, attention: str) -> int:
 def _moe(cfg, N: int, e: int) -> int:
     H, E, k, F = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size
     L, S = cfg.expert_dim, N * cfg.num_experts_per_token
-    router = N * H * F32 + N * (E + 1 + k) * F32 + N * k * I64                 # x fp32, scores, renorm, weights, ids
-    shared_in = 0 if e == F32 else N * H * e                                   # fp32: the router's x is the input
+    # x fp32 (in fp32 that is the layer's norm output itself, counted with the norm), scores, renorm,
+    # weights, ids; the shared experts' input in the compute dtype (in fp32 again the norm output)
+    router = (0 if e == F32 else N * H * F32) + N * (E + 1 + k) * F32 + N * k * I64
+    shared_in = 0 if e == F32 else N * H * e
     dispatch = 2 * S * I64 + S * F32 + 2 * S * L * F32 + E * 4                # order, token, p, expert out, offsets
     experts = S * L * e + _glu(cfg, S, F, e)
     latent = 0
@@ -117,12 +143,13 @@ def _sources(cfg, layer: int) -> tuple[int, int]:
     return blocks + (1 if layer % bs else 0), blocks + 1
 
 
-def layer_bytes(cfg, layer: int, B: int, T: int, e: int, attention: str) -> int:
+def layer_bytes(cfg, layer: int, B: int, T: int, e: int, attention: str, kernels: str = "torch") -> int:
     """Saved bytes of decoder layer ``layer`` for a [B, T] micro-batch."""
     N, H = B * T, cfg.hidden_size
     n_attn, n_mlp = _sources(cfg, layer)
-    total = _mix(n_attn, N, H) + _mix(n_mlp, N, H) + 2 * (_norm(N, H) + N * H * e)
-    total += _kda(cfg, B, T, e) if cfg.is_kda_layer(layer) else _mla(cfg, B, T, e, attention)
+    c_mix = kernels == "cpu" and e == F32
+    total = _mix(n_attn, N, H, c_mix) + _mix(n_mlp, N, H, c_mix) + 2 * (_norm(N, H) + N * H * e)
+    total += _kda(cfg, B, T, e, kernels) if cfg.is_kda_layer(layer) else _mla(cfg, B, T, e, attention)
     if cfg.is_moe_layer(layer):
         total += _moe(cfg, N, e)
     else:
@@ -130,38 +157,45 @@ def layer_bytes(cfg, layer: int, B: int, T: int, e: int, attention: str) -> int:
     return total
 
 
-def _head(cfg, B: int, T: int, e: int) -> int:
+def _head(cfg, B: int, T: int, e: int, kernels: str) -> int:
     """Embedding ids, the output AttnRes mix, final norm, lm_head input, fp32 log-softmax of the loss."""
     N, H = B * T, cfg.hidden_size
     out_mix = 0
     if cfg.attn_res_block_size is not None:
-        out_mix = _mix(math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) + 1, N, H)
+        out_mix = _mix(math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) + 1, N, H,
+                       kernels == "cpu" and e == F32)
     loss = (N - B) * cfg.vocab_size * F32 + (N - B) * I64 + F32
     return N * I64 + out_mix + _norm(N, H) + N * H * e + loss
 
 
-def activation_terms(cfg, micro_batch: int, seq_len: int, itemsize: int, attention: str = "math") -> dict:
+def activation_terms(cfg, micro_batch: int, seq_len: int, itemsize: int, attention: str = "math",
+                     kernels: str = "torch") -> dict:
     """Per-part saved bytes: ``kda_layers``, ``mla_layers``, ``head`` (embedding, output mix, norm, loss),
     ``max_layer`` (the largest single decoder layer), ``layer_inputs`` (what per-layer recomputation keeps:
-    the AttnRes blocks and each layer's partial sum, or each layer's residual input)."""
+    each layer's input: its AttnRes partial sum or block, or its residual input)."""
     if attention not in ATTENTION_KINDS:
         raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+    if kernels not in KERNEL_KINDS:
+        raise ValueError(f"kernels must be one of {KERNEL_KINDS}, got {kernels!r}")
     B, T, e = micro_batch, seq_len, itemsize
-    per_layer = [layer_bytes(cfg, l, B, T, e, attention) for l in range(cfg.num_hidden_layers)]
+    per_layer = [layer_bytes(cfg, l, B, T, e, attention, kernels) for l in range(cfg.num_hidden_layers)]
     kda = sum(b for l, b in enumerate(per_layer) if cfg.is_kda_layer(l))
     N, H, L = B * T, cfg.hidden_size, cfg.num_hidden_layers
-    bs = cfg.attn_res_block_size
-    kept = L + (math.ceil(L / bs) if bs else 0)   # one partial per layer + the stored blocks
-    return dict(kda_layers=kda, mla_layers=sum(per_layer) - kda, head=_head(cfg, B, T, e),
-                max_layer=max(per_layer), layer_inputs=kept * N * H * e)
+    # one new tensor per layer input: the embedding for layer 0, then each layer's output (a block
+    # of AttnRes is the last partial sum before it, not a tensor of its own)
+    return dict(kda_layers=kda, mla_layers=sum(per_layer) - kda, head=_head(cfg, B, T, e, kernels),
+                max_layer=max(per_layer), layer_inputs=L * N * H * e)
 
 
-def activation_bytes(cfg, micro_batch: int, seq_len: int, itemsize: int, attention: str = "math") -> dict:
+def activation_bytes(cfg, micro_batch: int, seq_len: int, itemsize: int, attention: str = "math",
+                     kernels: str = "torch") -> dict:
     """``{"full": all saved tensors, "recompute": peak with per-decoder-layer recomputation}``.
+
+    kernels: "torch" (the eager torch ops: CUDA, or a CPU without a compiler) or "cpu" (k3's C ops).
 
     recompute = layer_inputs + head + max_layer: the checkpointed layers keep only their inputs, and
     the backward of one layer re-runs its forward, holding that layer's saved tensors at a time.
     """
-    t = activation_terms(cfg, micro_batch, seq_len, itemsize, attention)
+    t = activation_terms(cfg, micro_batch, seq_len, itemsize, attention, kernels)
     return {"full": t["kda_layers"] + t["mla_layers"] + t["head"],
             "recompute": t["layer_inputs"] + t["head"] + t["max_layer"], "terms": t}
