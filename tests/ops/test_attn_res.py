@@ -81,7 +81,8 @@ def test_c_mix_does_not_depend_on_threads_or_other_rows():
 
 @pytest.mark.parametrize("case", ["bf16", "65 sources", "query [1, H]"])
 def test_inputs_the_c_op_does_not_take_use_the_torch_formulation(case):
-    n, dtype = (65, torch.float32) if case == "65 sources" else (3, torch.bfloat16 if case == "bf16" else torch.float32)
+    n = 65 if case == "65 sources" else 3
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
     srcs, query, gamma, dout = _inputs(n, (2, 5), 32, seed=2)
     if case == "query [1, H]":
         query = query[None]

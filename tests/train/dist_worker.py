@@ -109,8 +109,9 @@ def muon(out: str) -> None:
         m.register_parameter(n, nn.Parameter(t.clone()))
     fully_shard(m, mesh=mesh)
     sharded = dict(m.named_parameters())
-    opt_ref = Muon(groups(ref), lr=0.02, weight_decay=0.1)
-    opt = ShardedMuon(groups(sharded), lr=0.02, weight_decay=0.1)
+    # fp32 Newton-Schulz: a bf16 one (the default) of a shard's blocks rounds unlike the whole batch's
+    opt_ref = Muon(groups(ref), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    opt = ShardedMuon(groups(sharded), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
     for g in grads:
         for n in shapes:
             ref[n].grad = g[n].clone()

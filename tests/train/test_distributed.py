@@ -22,8 +22,12 @@ from k3.train.loop import Trainer
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 STEPS = 20
+# ns_dtype fp32: a bf16 Newton-Schulz of a shard's blocks rounds differently from the whole batch's,
+# and 20 steps amplify that past what these equality checks allow (measured: validation loss 1e-4 to
+# 8e-4 apart); the other training tests run the bf16 default
 FLAGS = dict(preset="nano", steps=STEPS, batch_size=4, seq_len=32, threads=1, eval_interval=0,
-             eval_batches=1, final_eval_batches=1, ckpt_interval=10, log_interval=5, qb_bins=1024)
+             eval_batches=1, final_eval_batches=1, ckpt_interval=10, log_interval=5, qb_bins=1024,
+             ns_dtype="fp32")
 
 
 def _argv(data: Path, out: Path, **extra) -> list[str]:

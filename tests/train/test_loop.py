@@ -194,3 +194,25 @@ def test_qat_flag_trains_through_fake_quantized_experts_and_samples(env, capsys)
     capsys.readouterr()
     assert sample_main([str(out), "--prompt", "x = ", "--max-new-tokens", "4", "--seed", "0"]) == 0
     assert capsys.readouterr().out.startswith("x = ")
+
+
+def test_ns_dtype_flag_sets_the_newton_schulz_precision(env, capsys):
+    # --ns-dtype bf16 (the default) | fp32: the first loss precedes any update, so it is the same;
+    # the third follows two updates orthogonalized at different precision, so it differs.
+    base, data = env
+    runs = {}
+    for name, extra in (("default", []), ("fp32", ["--ns-dtype", "fp32"]), ("bf16", ["--ns-dtype", "bf16"])):
+        got = []
+        rc = train_main(["--preset", "nano", "--data", str(data), "--out", str(base / f"ns_{name}"), "--steps", "3",
+                         "--batch-size", "2", "--seq-len", "32", "--threads", "1", "--no-plot",
+                         "--final-eval-batches", "1", "--log-interval", "1", *extra], trainer_hook=got.append)
+        assert rc == 0
+        runs[name] = (got[0].optimizer.ns_dtype, [r["loss"] for r in got[0].metrics.records if r["kind"] == "train"])
+    assert runs["default"][0] == runs["bf16"][0] == torch.bfloat16 and runs["fp32"][0] == torch.float32
+    assert runs["default"][1] == runs["bf16"][1]
+    assert runs["fp32"][1][0] == runs["bf16"][1][0] and runs["fp32"][1][2] != runs["bf16"][1][2]
+    capsys.readouterr()
+    assert train_main(["--preset", "nano", "--data", str(data), "--out", str(base / "ns_bad"),
+                       "--ns-dtype", "fp16"]) == 2
+    err = capsys.readouterr().err
+    assert "ns_dtype" in err and len(err.strip().splitlines()) == 1

@@ -139,7 +139,7 @@ def test_one_step_on_nano_updates_each_class_by_its_rule():
              "router": "model.layers.1.block_sparse_moe.gate.weight"}
     before = {k: params[n].detach().clone() for k, n in names.items()}
     grads = {k: params[n].grad.clone() for k, n in names.items()}
-    build_optimizer(model, cfg, lr=lr, weight_decay=wd, momentum=mu).step()
+    build_optimizer(model, cfg, lr=lr, weight_decay=wd, momentum=mu, ns_dtype=torch.float32).step()  # vs fp64 NS
 
     def muon(w, g, rows=None):
         u = (1 + mu) * g

@@ -36,6 +36,7 @@ _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--batch-size", "batch_size", int, "sequences per micro-batch"),
     ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step"),
     ("--optimizer", "optimizer", str, "per_head | muon | adamw"),
+    ("--ns-dtype", "ns_dtype", str, "bf16 | fp32: Muon's Newton-Schulz iteration (default bf16)"),
     ("--lr", "lr", float, "peak learning rate"),
     ("--weight-decay", "weight_decay", float, "decoupled weight decay"),
     ("--warmup-frac", "warmup_frac", float, "WSD warmup, fraction of steps"),

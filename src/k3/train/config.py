@@ -64,6 +64,7 @@ class TrainConfig:
     curriculum: list[list[float]] | None = None  # [[start step or fraction, seq_len], ...]
     # optimisation
     optimizer: str = "per_head"              # per_head | muon | adamw
+    ns_dtype: str = "bf16"                   # bf16 | fp32: Muon's Newton-Schulz iteration (bf16 as Muon's reference)
     lr: float = 3e-3                         # peak; Muon and AdamW share it (Moonlight scale)
     weight_decay: float = 0.0
     warmup_frac: float = 0.02
@@ -197,6 +198,7 @@ class TrainConfig:
         check_choice("balance", self.balance, BALANCE_MODES)
         check_choice("hidden_act", self.hidden_act, ("situ", "silu"), allow_none=True)
         check_choice("dtype", self.dtype, ("fp32", "bf16"))
+        check_choice("ns_dtype", self.ns_dtype, ("bf16", "fp32"))
         if self.qk_clip is not None:
             check_float("qk_clip", self.qk_clip, lo=0.0, lo_open=True)
         for name in ("lr", "balance_rate"):

@@ -282,10 +282,10 @@ class DistTrainer(Trainer):
 
     def _make_optimizer(self):
         tc = self.tc
-        from k3.train.loop import _OPTIMIZER_MODES
+        from k3.train.loop import _NS_DTYPES, _OPTIMIZER_MODES
         groups = build_param_groups(self.model, self.model_config, tc.lr, tc.weight_decay,
                                     _OPTIMIZER_MODES[tc.optimizer])
-        return ShardedMuon(groups, lr=tc.lr, weight_decay=tc.weight_decay)
+        return ShardedMuon(groups, lr=tc.lr, weight_decay=tc.weight_decay, ns_dtype=_NS_DTYPES[tc.ns_dtype])
 
     def _make_balancer(self):
         from k3.train.balance import RouterBalancer

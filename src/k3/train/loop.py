@@ -58,6 +58,7 @@ from k3.train.state import (
 
 __all__ = ["Trainer", "TrainResult", "TrainingDiverged", "token_byte_lengths"]
 
+_NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _OPTIMIZER_MODES = {"per_head": "per_head", "muon": "full", "adamw": "adamw"}
 
 
@@ -185,7 +186,7 @@ class Trainer:
 
     def _make_optimizer(self):
         return build_optimizer(self.model, self.model_config, self.tc.lr, self.tc.weight_decay,
-                               muon=_OPTIMIZER_MODES[self.tc.optimizer])
+                               muon=_OPTIMIZER_MODES[self.tc.optimizer], ns_dtype=_NS_DTYPES[self.tc.ns_dtype])
 
     def _make_balancer(self) -> RouterBalancer:
         return RouterBalancer(self.model, self.tc.balance, self.tc.balance_rate, bins=self.tc.qb_bins)
