@@ -60,9 +60,10 @@ def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype | 
     if transposed:
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    fma = torch.addmm if X.dim() == 2 else torch.baddbmm       # beta·C + alpha·(A @ B) in one op
     for _ in range(steps):
         A = X @ X.mT
-        X = a * X + (b * A + c * (A @ A)) @ X
+        X = fma(X, fma(A, A, A, beta=b, alpha=c), X, beta=a)   # a·X + (b·A + c·A²) X
     if transposed:
         X = X.mT
     return X.to(G.dtype)
