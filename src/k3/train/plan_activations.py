@@ -19,6 +19,7 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
                           diagonal blocks (a gate lower bound lb with |lb|·15 ≤ 80), else 43 (diagonal blocks by
                           recursive halving, ``k3.ops.kda._diag_halving``)
     sdpa (math, CPU)    = B·nh_m·T·(2(n+p) + v + T)·4        q, k, v and the T×T probabilities, fp32
+    sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
 With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` in any dtype, ``k3::attn_res_mix`` and
 ``k3::short_conv_silu`` for fp32 activations) three terms are what those ops keep instead:
@@ -28,7 +29,6 @@ With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` in any dtype, ``
     attn_res_mix(n) (C) = (3·n·N + H)·4 + N·H·4                 α, 1/‖v‖, ⟨q, v⟩ per row and source, the folded
                                                               query, and the newest source (the running partial
                                                               sum, which no other op keeps)
-    sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
 The ``kda_core`` coefficients are the count of the fp32 numbers ``k3.ops.kda.chunk_kda`` still
 holds for the backward per chunk and head (the padded chunk, P and A blocks, the blockwise solve,
