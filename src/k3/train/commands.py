@@ -346,9 +346,13 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
 # gzip -9 1.629). 200 steps (819,200 tokens): 1,969 training tokens/s, 7.3 min of training, 7:59 in
 # all, 1.793 bits/byte: 25% more tokens bought only 0.003 bits/byte at decay 0.4; decaying over the
 # last 70% of the steps instead (benchmarks/recipe.py l4_b16_decay7: 1.766 at 1 thread) gave, re-timed
-# quietly: 1.762 bits/byte, 1,882 training tokens/s, 7.6 min of training, 8:16 in all. The first
-# run adds ~1.5 minutes to train the tokenizer and tokenize the stdlib (cached after). Below ~1,400 training tokens/s (a busy machine) it takes longer than 10 minutes.
-DEMO_STEPS = 200
+# quietly: 1.762 bits/byte, 1,882 training tokens/s, 7.6 min of training, 8:16 in all. With the training
+# step's KDA, AttnRes and short conv in C and Newton-Schulz in bf16 (docs/TRAINING_SPEED.md §6), 200 steps
+# ran at 2,617 training tokens/s (5:57 in all, 1.768 bits/byte), so the demo now trains 270 steps:
+# 2,659 tokens/s, 7.4 min of training, 8:03 in all, 1.739 bits/byte (300 steps: 1.690 in 8:35, over
+# 10 minutes on a first run). The first run adds ~1.5 minutes to train the tokenizer and tokenize the
+# stdlib (cached after).
+DEMO_STEPS = 270
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
     "model_overrides": {
