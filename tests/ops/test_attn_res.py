@@ -18,16 +18,6 @@ def formula(sources, query, gamma, eps=1e-5):
     return (alpha.unsqueeze(-1) * v).sum(0)
 
 
-@pytest.fixture(params=["c", "torch"])
-def path(request, monkeypatch):
-    """The C op, and the torch formulation that runs where the kernels cannot be built (forced off)."""
-    if request.param == "torch":
-        monkeypatch.setattr(attn_res.cpu_kernels, "unavailable", lambda: "forced off by the test")
-    else:
-        assert attn_res.cpu_kernels.unavailable() is None
-    return request.param
-
-
 def _inputs(n, shape, H, seed=0, scale=1.0):
     gen = torch.Generator().manual_seed(seed)
     srcs = [scale * (i + 1) * torch.randn(*shape, H, generator=gen) for i in range(n)]
@@ -58,16 +48,9 @@ def test_mix_and_its_gradients_match_the_float64_formula(n, shape, path):
         assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max(), f"gradient {i}"
 
 
-def test_c_mix_does_not_depend_on_threads_or_other_rows():
+def test_c_mix_does_not_depend_on_threads_or_other_rows(at_1_and_2_threads):
     srcs, query, gamma, dout = _inputs(4, (3, 50), 64, seed=1)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run(attn_res_mix, srcs, query, gamma, dout)
-        torch.set_num_threads(2)
-        two = _run(attn_res_mix, srcs, query, gamma, dout)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = at_1_and_2_threads(lambda: _run(attn_res_mix, srcs, query, gamma, dout))
     assert torch.equal(one[0], two[0]) and all(torch.equal(a, b) for a, b in zip(one[1], two[1]))
     # A row's output and its sources' gradients come out the same beside other rows or alone.
     part = _run(attn_res_mix, [s[1:2, 10:30] for s in srcs], query, gamma, dout[1:2, 10:30])

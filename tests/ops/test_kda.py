@@ -46,17 +46,6 @@ def make_inputs(B=2, T=37, H=3, K=16, V=8, gate="bounded", A_log=0.0, init=True,
     return tuple(x.to(dtype) if x is not None else None for x in (q, k, v, g, beta, s0))
 
 
-@pytest.fixture(params=["c", "chunked"])
-def path(request, monkeypatch):
-    """chunk_kda's two CPU forms: the recurrence in C with its C backward (``k3::kda_scan``), and
-    the chunked torch form, which runs where the kernels cannot be built (forced off here)."""
-    if request.param == "chunked":
-        monkeypatch.setattr(kda.cpu_kernels, "unavailable", lambda: "forced off by the test")
-    else:
-        assert kda.cpu_kernels.unavailable() is None
-    return request.param
-
-
 # --- l2_normalize and kda_gate -------------------------------------------------------------------
 
 def test_l2_normalize_matches_formula_and_keeps_dtype():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3.ops import short_conv
 from k3.ops.short_conv import short_conv_silu
 
 
@@ -24,16 +23,6 @@ def loop64(x, w, prev):
             z = z + w[:, k] * (x[:, s] if s >= 0 else ctx[:, :, K - 1 + s])
         rows.append(z * torch.sigmoid(z))
     return torch.stack(rows, 1)
-
-
-@pytest.fixture(params=["c", "conv1d"])
-def path(request, monkeypatch):
-    """The C op, and the conv1d formulation that runs where the kernels cannot be built (forced off)."""
-    if request.param == "conv1d":
-        monkeypatch.setattr(short_conv.cpu_kernels, "unavailable", lambda: "forced off by the test")
-    else:
-        assert short_conv.cpu_kernels.unavailable() is None
-    return request.param
 
 
 def _inputs(B, T, C, K, with_prev, seed=0):
@@ -66,16 +55,9 @@ def test_conv_and_its_gradients_match_the_float64_loop(T, with_prev, path):
         assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max(), name
 
 
-def test_c_conv_does_not_depend_on_threads_and_matches_conv1d():
+def test_c_conv_does_not_depend_on_threads_or_other_rows(at_1_and_2_threads):
     x, w, prev, dy = _inputs(3, 150, 96, 4, True, seed=5)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run(short_conv_silu, x, w, prev, dy)
-        torch.set_num_threads(2)
-        two = _run(short_conv_silu, x, w, prev, dy)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = at_1_and_2_threads(lambda: _run(short_conv_silu, x, w, prev, dy))
     assert torch.equal(one[0], two[0]) and all(torch.equal(a, b) for a, b in zip(one[1], two[1]))
     # a row alone gives its bits beside the others (the taps' gradient sums over rows, so not that)
     alone = _run(short_conv_silu, x[1:2], w, prev[1:2], dy[1:2])
