@@ -64,6 +64,14 @@ def _c_applies(sources, query, norm_weight) -> bool:
             and cpu_kernels.unavailable() is None)
 
 
+def _check_mix(op: str, srcs: list[torch.Tensor], q: torch.Tensor) -> None:
+    if not 1 <= len(srcs) <= 64:
+        raise ValueError(f"{op}: 1 to 64 sources, got {len(srcs)}")
+    shape = srcs[0].shape
+    cpu_kernels.check_dense(op, q=(q.contiguous(), shape[-1:]),
+                            **{f"sources[{i}]": (x, shape) for i, x in enumerate(srcs)})
+
+
 def _pointers(ts: Sequence[torch.Tensor]):
     return (ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts]), (ctypes.c_int64 * len(ts))(
         *[t.shape[-1] for t in ts])
@@ -77,6 +85,7 @@ def _mix_op(sources: list[torch.Tensor], q: torch.Tensor, c: float
     srcs = [x.contiguous() for x in sources]
     n, H = len(srcs), srcs[0].shape[-1]
     M = srcs[0].numel() // max(H, 1)
+    _check_mix("k3::attn_res_mix", srcs, q)
     out, alpha, r, p = torch.empty(srcs[0].shape), torch.empty(M, n), torch.empty(M, n), torch.empty(M, n)
     ptrs, lds = _pointers(srcs)
     cpu_kernels.library().k3_attn_res_fwd(n, ptrs, lds, M, H, q.contiguous().data_ptr(), c, out.data_ptr(),
@@ -98,6 +107,9 @@ def _mix_bwd_op(sources: list[torch.Tensor], q: torch.Tensor, alpha: torch.Tenso
     srcs = [x.contiguous() for x in sources]
     n, H = len(srcs), srcs[0].shape[-1]
     M = srcs[0].numel() // max(H, 1)
+    _check_mix("k3::attn_res_mix_backward", srcs, q)
+    cpu_kernels.check_dense("k3::attn_res_mix_backward", alpha=(alpha, (M, n)), r=(r, (M, n)), p=(p, (M, n)),
+                            dout=(dout.contiguous(), srcs[0].shape))
     dsrc, dq = torch.empty(n, *srcs[0].shape), torch.empty(H)
     ptrs, lds = _pointers(srcs)
     douts = (ctypes.c_void_p * n)(*[dsrc.data_ptr() + i * M * H * 4 for i in range(n)])

@@ -32,7 +32,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["library", "unavailable", "kernel_path", "SOURCES", "HEADERS"]
+__all__ = ["library", "unavailable", "kernel_path", "check_dense", "SOURCES", "HEADERS"]
 
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("packed_mm.c", "decode_rows.c", "decode_layers.c", "kda_scan.c", "attn_res.c",
@@ -171,3 +171,14 @@ def kernel_path() -> Path | None:
     """The shared object in use (None when ``unavailable()``)."""
     _load()
     return _PATH
+
+
+def check_dense(op: str, **tensors) -> None:
+    """Each ``name=(tensor, shape)`` must be a contiguous fp32 CPU tensor of exactly that shape (the
+    layout a kernel reads through its pointer); else a ValueError naming the op and the argument."""
+    import torch
+    for name, (t, shape) in tensors.items():
+        if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != tuple(shape) \
+                or not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be a contiguous fp32 CPU tensor of shape {tuple(shape)}, got "
+                             f"{t.dtype} {t.device.type} {tuple(t.shape)}{'' if t.is_contiguous() else ' (strided)'}")

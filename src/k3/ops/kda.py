@@ -427,6 +427,11 @@ def _kda_scan_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     state entering every ckpt_chunk tokens, for the backward; empty when ckpt_chunk is 0)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    cpu_kernels.check_dense("k3::kda_scan", q=(q, (B, T, H, K)), k=(k, (B, T, H, K)), v=(v, (B, T, H, V)),
+                            g=(g, (B, T, H, K)), beta=(beta, (B, T, H)),
+                            **({} if initial_state is None else {"initial_state": (initial_state, (B, H, K, V))}))
+    if ckpt_chunk < 0:
+        raise ValueError(f"k3::kda_scan: ckpt_chunk must be >= 0, got {ckpt_chunk}")
     o, S = torch.empty(B, T, H, V), torch.empty(B, H, K, V)
     ckpt = torch.empty(B, H, -(-T // ckpt_chunk), K, V) if ckpt_chunk > 0 else _empty()
     rc = cpu_kernels.library().k3_kda_scan(
@@ -454,6 +459,12 @@ def _kda_scan_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """Gradients (dq, dk, dv, dg, dbeta, d initial_state) from do and the final state's dS (None: 0)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if ckpt_chunk < 1:
+        raise ValueError(f"k3::kda_scan_backward: ckpt_chunk must be >= 1, got {ckpt_chunk}")
+    cpu_kernels.check_dense("k3::kda_scan_backward", q=(q, (B, T, H, K)), k=(k, (B, T, H, K)),
+                            v=(v, (B, T, H, V)), g=(g, (B, T, H, K)), beta=(beta, (B, T, H)),
+                            ckpt=(ckpt, (B, H, -(-T // ckpt_chunk), K, V)), do=(do, (B, T, H, V)),
+                            **({} if dS is None else {"dS": (dS, (B, H, K, V))}))
     dq, dk, dg, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g), torch.empty_like(v)
     dbeta, dS0 = torch.empty_like(beta), torch.empty(B, H, K, V)
     rc = cpu_kernels.library().k3_kda_scan_bwd(

@@ -38,10 +38,20 @@ def short_conv_silu(x: torch.Tensor, w: torch.Tensor, prev: torch.Tensor | None 
     return F.silu(F.conv1d(xp, w.to(xp.dtype)[:, None, :], groups=C)).transpose(1, 2)
 
 
+def _check_conv(op: str, x: torch.Tensor, w_t: torch.Tensor, prev: torch.Tensor | None) -> None:
+    if x.dim() != 3 or w_t.dim() != 2:
+        raise ValueError(f"{op}: x must be [B, T, C] and w_t [K, C], got {tuple(x.shape)} and {tuple(w_t.shape)}")
+    B, _, C = x.shape
+    K = w_t.shape[0]
+    cpu_kernels.check_dense(op, x=(x, x.shape), w_t=(w_t, (K, C)),
+                            **({} if prev is None else {"prev": (prev, (B, C, K - 1))}))
+
+
 @torch.library.custom_op("k3::short_conv_silu", mutates_args=(), device_types="cpu")
 def _conv_op(x: torch.Tensor, w_t: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
     """y [B, T, C] from x [B, T, C], taps w_t [K, C], prev [B, C, K−1] or None (all fp32, contiguous)."""
     B, T, C = x.shape
+    _check_conv("k3::short_conv_silu", x, w_t, prev)
     y = torch.empty(B, T, C)
     rc = cpu_kernels.library().k3_short_conv_silu(B, T, C, w_t.shape[0], x.data_ptr(),
                                                   None if prev is None else prev.data_ptr(), w_t.data_ptr(),
@@ -62,6 +72,8 @@ def _conv_bwd_op(x: torch.Tensor, w_t: torch.Tensor, prev: torch.Tensor | None, 
     """(dx [B, T, C], dw_t [K, C], dprev [B, C, K−1], empty when prev is None)."""
     B, T, C = x.shape
     K = w_t.shape[0]
+    _check_conv("k3::short_conv_silu_backward", x, w_t, prev)
+    cpu_kernels.check_dense("k3::short_conv_silu_backward", dy=(dy.contiguous(), (B, T, C)))
     dx, dw = torch.empty(B, T, C), torch.empty(K, C)
     dprev = torch.empty(B, C, K - 1) if prev is not None else torch.empty(0)
     rc = cpu_kernels.library().k3_short_conv_silu_bwd(
