@@ -59,3 +59,12 @@ def test_short_conv_refuses_mismatched_taps_and_context():
         short_conv._conv_op(x, w_t, torch.randn(2, 6, 2))
     with pytest.raises(ValueError, match="x must be"):
         short_conv._conv_op(x.transpose(0, 1), w_t, None)
+    with pytest.raises(ValueError, match="x must be"):
+        short_conv._conv_op(x[0], w_t, None)
+
+
+def test_kda_scan_refuses_a_tensor_of_the_wrong_rank():
+    args = _kda_args()
+    args[0] = args[0][0]
+    with pytest.raises(ValueError, match="k3::kda_scan: q must be"):
+        kda._kda_scan_op(*args, 0.5, 4)

@@ -425,6 +425,7 @@ def _kda_scan_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o [B, T, H, V], final state [B, H, K, V], checkpoints [B, H, ceil(T / ckpt_chunk), K, V]: the
     state entering every ckpt_chunk tokens, for the backward; empty when ckpt_chunk is 0)."""
+    _check(q, k, v, g, beta, initial_state, "k3::kda_scan")
     B, T, H, K = q.shape
     V = v.shape[-1]
     cpu_kernels.check_dense("k3::kda_scan", q=(q, (B, T, H, K)), k=(k, (B, T, H, K)), v=(v, (B, T, H, V)),
@@ -457,6 +458,7 @@ def _kda_scan_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      ckpt: torch.Tensor, do: torch.Tensor, dS: torch.Tensor | None, scale: float, ckpt_chunk: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, dg, dbeta, d initial_state) from do and the final state's dS (None: 0)."""
+    _check(q, k, v, g, beta, None, "k3::kda_scan_backward")
     B, T, H, K = q.shape
     V = v.shape[-1]
     if ckpt_chunk < 1:

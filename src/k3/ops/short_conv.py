@@ -50,8 +50,8 @@ def _check_conv(op: str, x: torch.Tensor, w_t: torch.Tensor, prev: torch.Tensor 
 @torch.library.custom_op("k3::short_conv_silu", mutates_args=(), device_types="cpu")
 def _conv_op(x: torch.Tensor, w_t: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
     """y [B, T, C] from x [B, T, C], taps w_t [K, C], prev [B, C, K−1] or None (all fp32, contiguous)."""
-    B, T, C = x.shape
     _check_conv("k3::short_conv_silu", x, w_t, prev)
+    B, T, C = x.shape
     y = torch.empty(B, T, C)
     rc = cpu_kernels.library().k3_short_conv_silu(B, T, C, w_t.shape[0], x.data_ptr(),
                                                   None if prev is None else prev.data_ptr(), w_t.data_ptr(),
@@ -70,9 +70,9 @@ def _(x, w_t, prev):
 def _conv_bwd_op(x: torch.Tensor, w_t: torch.Tensor, prev: torch.Tensor | None, dy: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [B, T, C], dw_t [K, C], dprev [B, C, K−1], empty when prev is None)."""
+    _check_conv("k3::short_conv_silu_backward", x, w_t, prev)
     B, T, C = x.shape
     K = w_t.shape[0]
-    _check_conv("k3::short_conv_silu_backward", x, w_t, prev)
     cpu_kernels.check_dense("k3::short_conv_silu_backward", dy=(dy.contiguous(), (B, T, C)))
     dx, dw = torch.empty(B, T, C), torch.empty(K, C)
     dprev = torch.empty(B, C, K - 1) if prev is not None else torch.empty(0)
