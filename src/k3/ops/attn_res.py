@@ -64,12 +64,15 @@ def _c_applies(sources, query, norm_weight) -> bool:
             and cpu_kernels.unavailable() is None)
 
 
-def _check_mix(op: str, srcs: list[torch.Tensor], q: torch.Tensor) -> None:
-    if not 1 <= len(srcs) <= 64:
-        raise ValueError(f"{op}: 1 to 64 sources, got {len(srcs)}")
+def _checked_mix(op: str, sources: list[torch.Tensor], q: torch.Tensor):
+    """(contiguous sources, contiguous q) once they are 1 to 64 fp32 tensors of one shape [..., H]
+    and q is [H]; else a ValueError naming the argument."""
+    if not 1 <= len(sources) <= 64:
+        raise ValueError(f"{op}: 1 to 64 sources, got {len(sources)}")
+    srcs, q = [x.contiguous() for x in sources], q.contiguous()
     shape = srcs[0].shape
-    cpu_kernels.check_dense(op, q=(q.contiguous(), shape[-1:]),
-                            **{f"sources[{i}]": (x, shape) for i, x in enumerate(srcs)})
+    cpu_kernels.check_dense(op, q=(q, shape[-1:]), **{f"sources[{i}]": (x, shape) for i, x in enumerate(srcs)})
+    return srcs, q
 
 
 def _pointers(ts: Sequence[torch.Tensor]):
@@ -82,13 +85,12 @@ def _mix_op(sources: list[torch.Tensor], q: torch.Tensor, c: float
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [..., H], alpha, r, p [M, n]): the mix of n fp32 sources [..., H] with the folded query
     q [H] and c = H·eps (``attn_res.c``); alpha, r, p are kept for the backward."""
-    srcs = [x.contiguous() for x in sources]
+    srcs, q = _checked_mix("k3::attn_res_mix", sources, q)
     n, H = len(srcs), srcs[0].shape[-1]
     M = srcs[0].numel() // max(H, 1)
-    _check_mix("k3::attn_res_mix", srcs, q)
     out, alpha, r, p = torch.empty(srcs[0].shape), torch.empty(M, n), torch.empty(M, n), torch.empty(M, n)
     ptrs, lds = _pointers(srcs)
-    cpu_kernels.library().k3_attn_res_fwd(n, ptrs, lds, M, H, q.contiguous().data_ptr(), c, out.data_ptr(),
+    cpu_kernels.library().k3_attn_res_fwd(n, ptrs, lds, M, H, q.data_ptr(), c, out.data_ptr(),
                                           alpha.data_ptr(), r.data_ptr(), p.data_ptr(), torch.get_num_threads())
     return out, alpha, r, p
 
@@ -104,18 +106,18 @@ def _(sources, q, c):
 def _mix_bwd_op(sources: list[torch.Tensor], q: torch.Tensor, alpha: torch.Tensor, r: torch.Tensor,
                 p: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(d sources stacked [n, ..., H], dq [H])."""
-    srcs = [x.contiguous() for x in sources]
+    srcs, q = _checked_mix("k3::attn_res_mix_backward", sources, q)
     n, H = len(srcs), srcs[0].shape[-1]
     M = srcs[0].numel() // max(H, 1)
-    _check_mix("k3::attn_res_mix_backward", srcs, q)
+    dout = dout.contiguous()
     cpu_kernels.check_dense("k3::attn_res_mix_backward", alpha=(alpha, (M, n)), r=(r, (M, n)), p=(p, (M, n)),
-                            dout=(dout.contiguous(), srcs[0].shape))
+                            dout=(dout, srcs[0].shape))
     dsrc, dq = torch.empty(n, *srcs[0].shape), torch.empty(H)
     ptrs, lds = _pointers(srcs)
     douts = (ctypes.c_void_p * n)(*[dsrc.data_ptr() + i * M * H * 4 for i in range(n)])
     rc = cpu_kernels.library().k3_attn_res_bwd(
-        n, ptrs, lds, M, H, q.contiguous().data_ptr(), alpha.data_ptr(), r.data_ptr(), p.data_ptr(),
-        dout.contiguous().data_ptr(), douts, dq.data_ptr(), torch.get_num_threads())
+        n, ptrs, lds, M, H, q.data_ptr(), alpha.data_ptr(), r.data_ptr(), p.data_ptr(), dout.data_ptr(), douts,
+        dq.data_ptr(), torch.get_num_threads())
     if rc:
         raise MemoryError(f"attn_res_mix: no memory for the backward's sums over {M} rows of {H}")
     return dsrc, dq

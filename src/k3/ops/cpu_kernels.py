@@ -180,5 +180,5 @@ def check_dense(op: str, **tensors) -> None:
     for name, (t, shape) in tensors.items():
         if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != tuple(shape) \
                 or not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be a contiguous fp32 CPU tensor of shape {tuple(shape)}, got "
-                             f"{t.dtype} {t.device.type} {tuple(t.shape)}{'' if t.is_contiguous() else ' (strided)'}")
+            raise ValueError(f"{op}: {name}: expected a contiguous fp32 CPU tensor {list(shape)}, got "
+                             f"{t.dtype} {t.device.type} {tuple(t.shape)} contiguous={t.is_contiguous()}")

@@ -22,12 +22,6 @@ __all__ = ["attn_res_mix_c", "kda_step_c", "gated_act_c", "route_c", "map_c", "M
 MAP_KINDS = ("exp", "sigmoid", "tanh", "silu")
 
 
-def _dense(x: torch.Tensor, shape: tuple, what: str) -> None:
-    if x.dtype != torch.float32 or tuple(x.shape) != shape or not x.is_contiguous() or x.device.type != "cpu":
-        raise ValueError(f"{what}: expected a contiguous fp32 CPU tensor {list(shape)}, got "
-                         f"{x.dtype} {tuple(x.shape)} contiguous={x.is_contiguous()}")
-
-
 def map_c(kind: str, x: torch.Tensor) -> torch.Tensor:
     """A copy of ``x`` (fp32) with ``kind`` (one of ``MAP_KINDS``) applied by the kernels' own vector
     functions, which every kernel here uses (so the tests can hold them to float64)."""
@@ -49,7 +43,7 @@ def attn_res_mix_c(q: torch.Tensor, c: float, sources: Sequence[torch.Tensor]) -
     B, H = sources[0].shape
     for i, v in enumerate(sources):
         check_rows(v, H, f"attn_res_mix_c: source {i}", B)
-    _dense(q, (H,), "attn_res_mix_c: q")
+    cpu_kernels.check_dense("attn_res_mix_c", q=(q, (H,)))
     out = torch.empty(B, H)
     ptrs = (ctypes.c_void_p * n)(*[v.data_ptr() for v in sources])
     lds = (ctypes.c_int64 * n)(*[v.stride(0) for v in sources])
@@ -70,11 +64,10 @@ def kda_step_c(qkv, conv, conv_w, dec_in, lb, neg_a, beta_in, gate, S, c_qk: flo
     check_rows(dec_in, P, "kda_step_c: dec_in", B)
     check_rows(beta_in, nh, "kda_step_c: beta_in", B)
     check_rows(gate, P, "kda_step_c: gate", B)
-    _dense(conv, (B, 3 * P, K - 1), "kda_step_c: conv")
-    _dense(conv_w, (3 * P, K), "kda_step_c: conv_w")
-    _dense(S, (B, nh, d, d), "kda_step_c: S")
+    cpu_kernels.check_dense("kda_step_c", conv=(conv, (B, 3 * P, K - 1)), conv_w=(conv_w, (3 * P, K)),
+                            S=(S, (B, nh, d, d)))
     if lb is None:
-        _dense(neg_a, (P,), "kda_step_c: neg_a")
+        cpu_kernels.check_dense("kda_step_c", neg_a=(neg_a, (P,)))
     with torch.inference_mode(False):
         o, conv_out, S_out = torch.empty(B, P), torch.empty_like(conv), torch.empty_like(S)
     rc = cpu_kernels.library().k3_kda_step(
@@ -96,7 +89,7 @@ def gated_act_c(g: torch.Tensor, u: torch.Tensor, silu: bool, inv_beta: float, t
     check_rows(u, F, "gated_act_c: u", R)
     if row_w is not None:
         row_w = row_w.reshape(-1)
-        _dense(row_w, (R,), "gated_act_c: row_w")
+        cpu_kernels.check_dense("gated_act_c", row_w=(row_w, (R,)))
     out = torch.empty(R, F)
     cpu_kernels.library().k3_gated_act(R, F, g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), int(silu),
                                        inv_beta, int(tanh_up), None if row_w is None else row_w.data_ptr(),
@@ -111,7 +104,7 @@ def route_c(logits: torch.Tensor, bias: torch.Tensor, k: int, softmax: bool, ren
     w their scores (over their sum + tiny when ``renorm``)."""
     N, E = logits.shape
     check_rows(logits, E, "route_c: logits", N)
-    _dense(bias, (E,), "route_c: bias")
+    cpu_kernels.check_dense("route_c", bias=(bias, (E,)))
     idx, w = torch.empty(N, k, dtype=torch.int64), torch.empty(N, k)
     if cpu_kernels.library().k3_route(N, E, logits.data_ptr(), logits.stride(0), bias.data_ptr(), k, int(softmax),
                                       int(renorm), tiny, idx.data_ptr(), w.data_ptr()):

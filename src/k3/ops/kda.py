@@ -415,10 +415,6 @@ def _scan_c(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_si
     return o.to(v.dtype), (S if output_final_state else None)
 
 
-def _empty() -> torch.Tensor:
-    return torch.empty(0)
-
-
 @torch.library.custom_op("k3::kda_scan", mutates_args=(), device_types="cpu")
 def _kda_scan_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  initial_state: torch.Tensor | None, scale: float, ckpt_chunk: int
@@ -434,7 +430,7 @@ def _kda_scan_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     if ckpt_chunk < 0:
         raise ValueError(f"k3::kda_scan: ckpt_chunk must be >= 0, got {ckpt_chunk}")
     o, S = torch.empty(B, T, H, V), torch.empty(B, H, K, V)
-    ckpt = torch.empty(B, H, -(-T // ckpt_chunk), K, V) if ckpt_chunk > 0 else _empty()
+    ckpt = torch.empty(B, H, -(-T // ckpt_chunk), K, V) if ckpt_chunk > 0 else torch.empty(0)
     rc = cpu_kernels.library().k3_kda_scan(
         B, T, H, K, V, q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), scale,
         None if initial_state is None else initial_state.data_ptr(), o.data_ptr(), S.data_ptr(),

@@ -73,12 +73,13 @@ def _conv_bwd_op(x: torch.Tensor, w_t: torch.Tensor, prev: torch.Tensor | None, 
     _check_conv("k3::short_conv_silu_backward", x, w_t, prev)
     B, T, C = x.shape
     K = w_t.shape[0]
-    cpu_kernels.check_dense("k3::short_conv_silu_backward", dy=(dy.contiguous(), (B, T, C)))
+    dy = dy.contiguous()
+    cpu_kernels.check_dense("k3::short_conv_silu_backward", dy=(dy, (B, T, C)))
     dx, dw = torch.empty(B, T, C), torch.empty(K, C)
     dprev = torch.empty(B, C, K - 1) if prev is not None else torch.empty(0)
     rc = cpu_kernels.library().k3_short_conv_silu_bwd(
         B, T, C, K, x.data_ptr(), None if prev is None else prev.data_ptr(), w_t.data_ptr(),
-        dy.contiguous().data_ptr(), dx.data_ptr(), None if prev is None else dprev.data_ptr(), dw.data_ptr(),
+        dy.data_ptr(), dx.data_ptr(), None if prev is None else dprev.data_ptr(), dw.data_ptr(),
         torch.get_num_threads())
     if rc:
         raise MemoryError(f"short_conv_silu: no memory for the backward of [{B}, {T}, {C}]")

@@ -82,24 +82,18 @@ def _kda(cfg, B: int, T: int, e: int, kernels: str) -> int:
     gate_in = N * d * e + 2 * N * P * F32 + N * nh * F32                     # f_a out, decay (2), beta
     chunks = math.ceil(T / 64)
     if kernels == "cpu":
-        return conv + qk_norm + gate_in + (4 * N * P + B * nh * chunks * d * d) * F32 + _kda_out(cfg, N, e)
-    factored = lac.gate_lower_bound is not None and abs(lac.gate_lower_bound) * 15 <= 80  # as chunk_kda picks
-    c = 30 if factored else 43   # else: recursive halving of the diagonal blocks
-    per_chunk = 64 * 201 + (64 * c + 1) * d + 4 * d * d
-    core = B * nh * (chunks * per_chunk - (5 if chunks > 1 else 7) * d * d) * F32
-    return conv + qk_norm + gate_in + core + _kda_out(cfg, N, e)
-
-
-def _kda_out(cfg, N: int, e: int) -> int:
-    """The output norm, the gate and the output projection's input."""
-    lac = cfg.linear_attn_config
-    nh, d = lac.num_heads, lac.head_dim
-    P = nh * d
+        core = (4 * N * P + B * nh * chunks * d * d) * F32                   # q, k, v, g; a state per chunk
+    else:
+        factored = lac.gate_lower_bound is not None and abs(lac.gate_lower_bound) * 15 <= 80  # as chunk_kda picks
+        c = 30 if factored else 43   # else: recursive halving of the diagonal blocks
+        per_chunk = 64 * 201 + (64 * c + 1) * d + 4 * d * d
+        core = B * nh * (chunks * per_chunk - (5 if chunks > 1 else 7) * d * d) * F32
     if lac.use_full_rank_gate:
         out_gate = 0
     else:
         out_gate = N * d * e                                                 # g_a out
-    return N * (2 * P + nh) * F32 + 2 * N * P * F32 + N * P * e + out_gate   # o_norm, sigmoid, product in, o_proj in
+    out = N * (2 * P + nh) * F32 + 2 * N * P * F32 + N * P * e + out_gate    # o_norm, sigmoid, product in, o_proj in
+    return conv + qk_norm + gate_in + core + out
 
 
 def _mla(cfg, B: int, T: int, e: int, attention: str) -> int:
