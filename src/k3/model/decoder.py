@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
@@ -30,6 +29,7 @@ from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE
 from k3.model.norm import RMSNorm
 from k3.ops.attn_res import attn_res_mix, compiled_attn_res_mix
+from k3.ops.loss import cross_entropy
 
 __all__ = ["DecoderLayer", "K3Model", "K3ForCausalLM", "CausalLMOutput", "AttnResPair"]
 
@@ -270,8 +270,7 @@ class K3ForCausalLM(nn.Module):
                                  f"{tuple(input_ids.shape)}")
             if logits_to_keep:
                 raise ValueError("labels cannot be combined with logits_to_keep")
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
+            loss = cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), -100)
         return CausalLMOutput(logits=logits, loss=loss, cache=cache)
 
     def moe_layers(self) -> list[LatentMoE]:

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from k3.config import K3Config
 from k3.data.batches import StridedBatches
@@ -38,6 +37,7 @@ from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
 from k3.data.tokenizer import Tokenizer, get_tokenizer
 from k3.errors import CheckpointError, ConfigError
 from k3.model.decoder import K3ForCausalLM
+from k3.ops.loss import cross_entropy
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.metrics import MetricsLog, Progress, plot_run
@@ -293,8 +293,7 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
             logits = self.model(x.to(self.device)).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.to(self.device).flatten(),
-                               ignore_index=IGNORE_INDEX, reduction=reduction)
+        return cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(), IGNORE_INDEX, reduction)
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics record (kind 'train' or 'skip')."""

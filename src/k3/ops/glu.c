@@ -1,0 +1,91 @@
+/* The gated activations of the MLPs and experts (k3.ops.situ), forward and backward, elementwise over
+ * n floats of g (gate) and u (up), both contiguous and of one shape:
+ *
+ *   SwiGLU (silu = 1):  y = g s u,                         s = sigmoid(g)
+ *   SiTU   (silu = 0):  y = [beta tanh(g / beta) s] [lb tanh(u / lb)]   (lb <= 0: the second factor is u)
+ *
+ * Backward, from dy (g and u recomputed from, nothing saved but the inputs):
+ *   SwiGLU: dg = dy u s (1 + g (1 - s)),                   du = dy g s
+ *   SiTU:   with t = tanh(g / beta), a = beta t, gate = a s, v = tanh(u / lb), up = lb v,
+ *           dg = dy up [(1 - t^2) s + a s (1 - s)],         du = dy gate (1 - v^2)   (lb <= 0: up = u, du = dy gate)
+ *
+ * Every element goes through the same 16-wide vector code (the tail through a zero-padded vector), so
+ * a value does not depend on its position, the thread count or the other elements.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "k3_vec.h"
+
+enum { GLU_CHUNK = 4096 };
+
+static inline v16 glu_fwd16(v16 g, v16 u, int silu, float beta, float lb) {
+    const v16 s = vsigmoid(g);
+    if (silu) return g * s * u;
+    const v16 gate = beta * vtanh(g * (1.0f / beta)) * s;
+    return lb > 0.0f ? gate * (lb * vtanh(u * (1.0f / lb))) : gate * u;
+}
+
+static inline void glu_bwd16(v16 g, v16 u, v16 dy, int silu, float beta, float lb, v16 *dg, v16 *du) {
+    const v16 s = vsigmoid(g);
+    if (silu) {
+        *dg = dy * u * s * (1.0f + g * (1.0f - s));
+        *du = dy * g * s;
+        return;
+    }
+    const v16 t = vtanh(g * (1.0f / beta)), a = beta * t, gate = a * s;
+    const v16 dgate = (1.0f - t * t) * s + a * s * (1.0f - s);
+    if (lb > 0.0f) {
+        const v16 v = vtanh(u * (1.0f / lb));
+        *dg = dy * (lb * v) * dgate;
+        *du = dy * gate * (1.0f - v * v);
+    } else {
+        *dg = dy * u * dgate;
+        *du = dy * gate;
+    }
+}
+
+/* 16 floats at p + i, or the n - i < 16 left, zero-padded. */
+static inline v16 load_tail(const float *p, int64_t i, int64_t n) {
+    if (i + 16 <= n) return load16(p + i);
+    float t[16] = {0};
+    memcpy(t, p + i, sizeof(float) * (size_t)(n - i));
+    return load16(t);
+}
+
+static inline void store_tail(float *p, int64_t i, int64_t n, v16 v) {
+    if (i + 16 <= n) {
+        store16(p + i, v);
+        return;
+    }
+    float t[16];
+    store16(t, v);
+    memcpy(p + i, t, sizeof(float) * (size_t)(n - i));
+}
+
+int k3_glu(int64_t n, const float *g, const float *u, int silu, float beta, float lb, float *y, int nthreads) {
+    const int64_t nchunk = (n + GLU_CHUNK - 1) / GLU_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < nchunk; c++) {
+        const int64_t end = (c + 1) * GLU_CHUNK < n ? (c + 1) * GLU_CHUNK : n;
+        for (int64_t i = c * GLU_CHUNK; i < end; i += 16)
+            store_tail(y, i, end, glu_fwd16(load_tail(g, i, end), load_tail(u, i, end), silu, beta, lb));
+    }
+    return 0;
+}
+
+int k3_glu_bwd(int64_t n, const float *g, const float *u, const float *dy, int silu, float beta, float lb,
+               float *dg, float *du, int nthreads) {
+    const int64_t nchunk = (n + GLU_CHUNK - 1) / GLU_CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < nchunk; c++) {
+        const int64_t end = (c + 1) * GLU_CHUNK < n ? (c + 1) * GLU_CHUNK : n;
+        for (int64_t i = c * GLU_CHUNK; i < end; i += 16) {
+            v16 a, b;
+            glu_bwd16(load_tail(g, i, end), load_tail(u, i, end), load_tail(dy, i, end), silu, beta, lb, &a, &b);
+            store_tail(dg, i, end, a);
+            store_tail(du, i, end, b);
+        }
+    }
+    return 0;
+}
