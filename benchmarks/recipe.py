@@ -6,7 +6,8 @@ Every candidate keeps all of K3's architecture on (KDA + MLA hybrid with the pre
 Balancing; SiTU; Per-Head Muon); only sizes, batch shape, schedule and dtype differ. A recipe is a
 set of TrainConfig fields on top of BASE (the k3 demo recipe before this sweep: tiny, 8 layers,
 B8 T256, lr 5e-3) plus ``model_overrides`` on the tiny preset; ``demo`` is BASE itself (the
-baseline of every ratio) and ``k3demo`` is whatever ``k3.train.commands.DEMO_CONFIG`` is now.
+baseline of every ratio), ``k3demo`` is whatever ``k3.train.commands.DEMO_CONFIG`` is now, and
+``k3demo_*`` (DEMO_VARIANTS) change a few fields of it.
 
     python benchmarks/recipe.py --probe [--names a,b] [--threads 2] [--rounds 5] [--steps 2]
         tokens/s of each candidate's full training step (fwd + CE + bwd + clip + Per-Head Muon + QB),
@@ -93,6 +94,23 @@ RECIPES: dict[str, tuple[dict, dict]] = {
                                                 num_experts=8, num_experts_per_token=2)),
 }
 
+# Variants of the live k3 demo recipe: name -> (TrainConfig fields, model_overrides) on top of it.
+DEMO_VARIANTS: dict[str, tuple[dict, dict]] = {
+    "k3demo_bf16": ({"dtype": "bf16"}, {}),
+    "k3demo_b8": ({"batch_size": 8}, {}),
+    "k3demo_b32": ({"batch_size": 32}, {}),
+    "k3demo_lr8e3": ({"lr": 8e-3}, {}),
+    "k3demo_decay9": ({"warmup_frac": 0.05, "decay_frac": 0.95}, {}),
+    "k3demo_wd": ({"weight_decay": 0.1}, {}),
+    "k3demo_l3": ({}, {"num_hidden_layers": 3, "attn_res_block_size": 2,
+                       "linear_attn_config": kda_layout(3)}),
+    "k3demo_l2": ({}, {"num_hidden_layers": 2, "attn_res_block_size": 1,
+                       "linear_attn_config": kda_layout(2)}),
+    "k3demo_l3_b32": ({"batch_size": 32}, {"num_hidden_layers": 3, "attn_res_block_size": 2,
+                                           "linear_attn_config": kda_layout(3)}),
+}
+RECIPES.update({name: (None, None) for name in DEMO_VARIANTS})
+
 
 def train_config(name: str, steps: int, threads: int, out: str, **extra):
     """The TrainConfig of recipe ``name`` (BASE < recipe < run settings)."""
@@ -105,12 +123,14 @@ def train_config(name: str, steps: int, threads: int, out: str, **extra):
 
 def _recipe(name: str) -> tuple[dict, dict]:
     """(TrainConfig fields, model_overrides) of ``name``; ``k3demo`` reads k3 demo's live config."""
-    if name != "k3demo":
+    if name != "k3demo" and name not in DEMO_VARIANTS:
         return RECIPES[name]
     from k3.train.commands import DEMO_CONFIG
     train = {k: v for k, v in DEMO_CONFIG.items() if k not in ("model_overrides", "eval_interval",
              "eval_batches", "final_eval_batches", "ckpt_interval", "log_interval")}
-    return train, DEMO_CONFIG.get("model_overrides", {})
+    model = DEMO_CONFIG.get("model_overrides", {})
+    more_train, more_model = DEMO_VARIANTS.get(name, ({}, {}))
+    return {**train, **more_train}, {**model, **more_model}
 
 
 def steps_for_tokens(name: str, tokens: int) -> int:

@@ -352,12 +352,12 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
 # 2,659 tokens/s, 7.4 min of training, 8:03 in all, 1.739 bits/byte (300 steps: 1.690 in 8:35, over
 # 10 minutes on a first run). The first run adds ~1.5 minutes to train the tokenizer and tokenize the
 # stdlib (cached after).
-DEMO_STEPS = 270
+DEMO_STEPS = 560
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
     "model_overrides": {
-        "num_hidden_layers": 4, "attn_res_block_size": 2,
-        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 4,
+        "num_hidden_layers": 2, "attn_res_block_size": 1,
+        "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 4,
                                "head_dim": 64, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
                                "use_full_rank_gate": True},
     },
