@@ -21,14 +21,17 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
     sdpa (math, CPU)    = B·nh_m·T·(2(n+p) + v + T)·4        q, k, v and the T×T probabilities, fp32
     sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
-With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` in any dtype, ``k3::attn_res_mix`` and
-``k3::short_conv_silu`` for fp32 activations) three terms are what those ops keep instead:
+With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` and ``k3::cross_entropy`` in any dtype,
+``k3::attn_res_mix``, ``k3::short_conv_silu`` and ``k3::gated_act`` for fp32 activations) five terms are
+what those ops keep instead:
 
     kda_core (C)        = (4·N·P + B·nh·n_c·d²)·4              q, k, v, g (fp32 copies) and the state every 64 tokens
     short conv (C)      = (2·N·3P + 3P·K)·4                    input, output (the q/k norms' input), taps [K, 3P]
     attn_res_mix(n) (C) = (3·n·N + H)·4 + N·H·4                 α, 1/‖v‖, ⟨q, v⟩ per row and source, the folded
                                                               query, and the newest source (the running partial
                                                               sum, which no other op keeps)
+    glu(M, W) (C)       = M·W·3·4                               g, u, and the product (the down projection's input)
+    loss (C)            = (N − B)·(V·4 + 8 + 4)                 the shifted logits, targets, log-sum-exp per row
 
 The ``kda_core`` coefficients are the count of the fp32 numbers ``k3.ops.kda.chunk_kda`` still
 holds for the backward per chunk and head (the padded chunk, P and A blocks, the blockwise solve,
@@ -63,8 +66,10 @@ def _mix(n: int, N: int, H: int, c_op: bool = False) -> int:
     return (3 * n * N + H) * F32 + N * H * F32 if c_op else n * N * (3 * H + 2) * F32
 
 
-def _glu(cfg, M: int, W: int, e: int) -> int:
+def _glu(cfg, M: int, W: int, e: int, c_op: bool = False) -> int:
     """Gated activation of M rows, width W, and the down projection's input."""
+    if c_op:                                        # k3::gated_act keeps g and u; the product is the down input
+        return M * W * 3 * F32
     if cfg.hidden_act == "silu":                    # SwiGLU in the compute dtype: g, silu(g), u; product
         return M * W * 4 * e
     return M * W * (6 * F32 + e)                    # SiTU, fp32 inside
@@ -112,7 +117,7 @@ def _mla(cfg, B: int, T: int, e: int, attention: str) -> int:
     return q + kv + sdpa + gate
 
 
-def _moe(cfg, N: int, e: int) -> int:
+def _moe(cfg, N: int, e: int, c_op: bool) -> int:
     H, E, k, F = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_intermediate_size
     L, S = cfg.expert_dim, N * cfg.num_experts_per_token
     # x fp32 (in fp32 that is the layer's norm output itself, counted with the norm), scores, renorm,
@@ -120,11 +125,11 @@ def _moe(cfg, N: int, e: int) -> int:
     router = (0 if e == F32 else N * H * F32) + N * (E + 1 + k) * F32 + N * k * I64
     shared_in = 0 if e == F32 else N * H * e
     dispatch = 2 * S * I64 + S * F32 + 2 * S * L * F32 + E * 4                # order, token, p, expert out, offsets
-    experts = S * L * e + _glu(cfg, S, F, e)
+    experts = S * L * e + _glu(cfg, S, F, e, c_op)
     latent = 0
     if cfg.uses_latent_moe:
         latent = (_norm(N, L) if cfg.latent_moe_use_norm else 0) + N * L * e
-    shared = _glu(cfg, N, cfg.num_shared_experts * F, e) if cfg.num_shared_experts else 0
+    shared = _glu(cfg, N, cfg.num_shared_experts * F, e, c_op) if cfg.num_shared_experts else 0
     return router + shared_in + dispatch + experts + latent + shared
 
 
@@ -145,20 +150,22 @@ def layer_bytes(cfg, layer: int, B: int, T: int, e: int, attention: str, kernels
     total = _mix(n_attn, N, H, c_mix) + _mix(n_mlp, N, H, c_mix) + 2 * (_norm(N, H) + N * H * e)
     total += _kda(cfg, B, T, e, kernels) if cfg.is_kda_layer(layer) else _mla(cfg, B, T, e, attention)
     if cfg.is_moe_layer(layer):
-        total += _moe(cfg, N, e)
+        total += _moe(cfg, N, e, c_mix)
     else:
-        total += _glu(cfg, N, cfg.intermediate_size, e)
+        total += _glu(cfg, N, cfg.intermediate_size, e, c_mix)
     return total
 
 
 def _head(cfg, B: int, T: int, e: int, kernels: str) -> int:
-    """Embedding ids, the output AttnRes mix, final norm, lm_head input, fp32 log-softmax of the loss."""
+    """Embedding ids, the output AttnRes mix, final norm, lm_head input, the loss's fp32 [N − B, V]
+    (log-softmax; with the C op its input, the shifted logits) and targets."""
     N, H = B * T, cfg.hidden_size
     out_mix = 0
+    c_op = kernels == "cpu" and e == F32
     if cfg.attn_res_block_size is not None:
-        out_mix = _mix(math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) + 1, N, H,
-                       kernels == "cpu" and e == F32)
-    loss = (N - B) * cfg.vocab_size * F32 + (N - B) * I64 + F32
+        out_mix = _mix(math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) + 1, N, H, c_op)
+    loss = (N - B) * cfg.vocab_size * F32 + (N - B) * I64 + (N - B) * F32 if kernels == "cpu" else \
+        (N - B) * cfg.vocab_size * F32 + (N - B) * I64 + F32
     return N * I64 + out_mix + _norm(N, H) + N * H * e + loss
 
 
