@@ -27,13 +27,13 @@ from k3.threads import configure_openmp
 
 configure_openmp()
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 import k3.model.decoder as decoder  # noqa: E402
 import k3.model.kda as kda  # noqa: E402
 import k3.model.moe as moe  # noqa: E402
 import k3.model.norm as norm  # noqa: E402
+from k3.ops.loss import cross_entropy  # noqa: E402
 import k3.train.optim as optim  # noqa: E402
 from k3.config import get_preset  # noqa: E402
 from k3.train.balance import RouterBalancer  # noqa: E402
@@ -146,7 +146,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         logits = model(x[:, :-1]).logits
         with record_function(P + "loss (cross-entropy)"):
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+            loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())  # as Trainer._loss
         loss.backward()
         bal.collect()
         with record_function(P + "grad clip"):

@@ -42,11 +42,11 @@ from k3.threads import configure_openmp
 
 configure_openmp()  # as k3 train does, before torch loads libgomp (k3.threads)
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.summary import parameter_breakdown
+from k3.ops.loss import cross_entropy
 from k3.train.balance import RouterBalancer
 from k3.train.optim import build_optimizer
 
@@ -94,7 +94,7 @@ def step_times(model, opt, bal, batch: int, seq_len: int, steps: int, warmup: in
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             logits = model(x[:, :-1]).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+            loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())  # as Trainer._loss
         loss.backward()
         bal.collect()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

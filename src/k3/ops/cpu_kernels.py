@@ -36,7 +36,8 @@ __all__ = ["library", "unavailable", "kernel_path", "check_dense", "SOURCES", "H
 
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("packed_mm.c", "decode_rows.c", "decode_layers.c", "kda_scan.c", "attn_res.c",
-                          "short_conv.c", "glu.c", "cross_entropy.c"))
+                          "short_conv.c", "glu.c", "cross_entropy.c",
+                          "rms_norm.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("k3_vec.h", "k3_kernels.h"))
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _LOCK = threading.Lock()
@@ -57,6 +58,8 @@ _SIGNATURES = {
     "k3_short_conv_silu_bwd": [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "k3_cross_entropy": [_I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT],
     "k3_cross_entropy_bwd": [_I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT],
+    "k3_rms_norm": [_I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _INT],
+    "k3_rms_norm_bwd": [_I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
     "k3_glu": [_I64, _PTR, _PTR, _INT, _F32, _F32, _PTR, _INT],
     "k3_glu_bwd": [_I64, _PTR, _PTR, _PTR, _INT, _F32, _F32, _PTR, _PTR, _INT],
     "k3_attn_res_fwd": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _INT],

@@ -10,7 +10,7 @@ Notation, per micro-batch: B sequences of T tokens, N = B·T; H hidden; KDA nh h
 conv kernel K; MLA nh_m heads, q rank q_r, latent r, nope n, rope p, value v; MoE k of E experts,
 latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I; vocabulary V.
 
-    rms_norm(D)         = N·(2D + 1)·4                       x (fp32), 1/rms, x/rms
+    rms_norm(D)         = N·(2D + 1)·4                       x (fp32), 1/rms, x/rms  (C op: N·(D + 1)·4, no x/rms)
     attn_res_mix(n)     = n·N·(3H + 2)·4                     stacked sources, keys, logits, weights (n ≥ 2)
     glu(M, W)           = M·W·(6·4 + e)                      SiTU: tanh, gate, sigmoid, tanh, up, product; down input
                         = M·W·4·e                            SwiGLU: g, silu(g), u, down input
@@ -22,8 +22,8 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
     sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
 With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` and ``k3::cross_entropy`` in any dtype,
-``k3::attn_res_mix``, ``k3::short_conv_silu`` and ``k3::gated_act`` for fp32 activations) five terms are
-what those ops keep instead:
+``k3::attn_res_mix``, ``k3::short_conv_silu``, ``k3::gated_act`` and ``k3::rms_norm`` for fp32 activations)
+these terms are what those ops keep instead (``k3::rms_norm``: x and 1/rms, noted at rms_norm above):
 
     kda_core (C)        = (4·N·P + B·nh·n_c·d²)·4              q, k, v, g (fp32 copies) and the state every 64 tokens
     short conv (C)      = (2·N·3P + 3P·K)·4                    input, output (the q/k norms' input), taps [K, 3P]
@@ -56,8 +56,8 @@ F32 = 4
 I64 = 8
 
 
-def _norm(N: int, D: int) -> int:
-    return N * (2 * D + 1) * F32
+def _norm(N: int, D: int, c_op: bool = False) -> int:
+    return N * (D + 1) * F32 if c_op else N * (2 * D + 1) * F32
 
 
 def _mix(n: int, N: int, H: int, c_op: bool = False) -> int:
@@ -97,16 +97,17 @@ def _kda(cfg, B: int, T: int, e: int, kernels: str) -> int:
         out_gate = 0
     else:
         out_gate = N * d * e                                                 # g_a out
-    out = N * (2 * P + nh) * F32 + 2 * N * P * F32 + N * P * e + out_gate    # o_norm, sigmoid, product in, o_proj in
+    o_norm = N * (P + nh) * F32 if kernels == "cpu" and e == F32 else N * (2 * P + nh) * F32
+    out = o_norm + 2 * N * P * F32 + N * P * e + out_gate                     # o_norm, sigmoid, product in, o_proj in
     return conv + qk_norm + gate_in + core + out
 
 
-def _mla(cfg, B: int, T: int, e: int, attention: str) -> int:
+def _mla(cfg, B: int, T: int, e: int, attention: str, c_norm: bool) -> int:
     N, nh = B * T, cfg.num_attention_heads
     n, p, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    q = 0 if cfg.q_lora_rank is None else _norm(N, cfg.q_lora_rank) + N * cfg.q_lora_rank * e
+    q = 0 if cfg.q_lora_rank is None else _norm(N, cfg.q_lora_rank, c_norm) + N * cfg.q_lora_rank * e
     x32 = N * (r + p) * F32 if e == F32 else N * r * F32   # fp32: the norm's input is the kv_a output itself
-    kv = x32 + N * F32 + N * r * F32 + N * r * e
+    kv = x32 + N * F32 + (0 if c_norm else N * r * F32) + N * r * e
     if attention == "math":
         sdpa = B * nh * T * (2 * (n + p) + v + T) * F32
     else:
@@ -128,7 +129,7 @@ def _moe(cfg, N: int, e: int, c_op: bool) -> int:
     experts = S * L * e + _glu(cfg, S, F, e, c_op)
     latent = 0
     if cfg.uses_latent_moe:
-        latent = (_norm(N, L) if cfg.latent_moe_use_norm else 0) + N * L * e
+        latent = (_norm(N, L, c_op) if cfg.latent_moe_use_norm else 0) + N * L * e
     shared = _glu(cfg, N, cfg.num_shared_experts * F, e, c_op) if cfg.num_shared_experts else 0
     return router + shared_in + dispatch + experts + latent + shared
 
@@ -147,8 +148,8 @@ def layer_bytes(cfg, layer: int, B: int, T: int, e: int, attention: str, kernels
     N, H = B * T, cfg.hidden_size
     n_attn, n_mlp = _sources(cfg, layer)
     c_mix = kernels == "cpu" and e == F32
-    total = _mix(n_attn, N, H, c_mix) + _mix(n_mlp, N, H, c_mix) + 2 * (_norm(N, H) + N * H * e)
-    total += _kda(cfg, B, T, e, kernels) if cfg.is_kda_layer(layer) else _mla(cfg, B, T, e, attention)
+    total = _mix(n_attn, N, H, c_mix) + _mix(n_mlp, N, H, c_mix) + 2 * (_norm(N, H, c_mix) + N * H * e)
+    total += _kda(cfg, B, T, e, kernels) if cfg.is_kda_layer(layer) else _mla(cfg, B, T, e, attention, c_mix)
     if cfg.is_moe_layer(layer):
         total += _moe(cfg, N, e, c_mix)
     else:
@@ -166,7 +167,7 @@ def _head(cfg, B: int, T: int, e: int, kernels: str) -> int:
         out_mix = _mix(math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) + 1, N, H, c_op)
     loss = (N - B) * cfg.vocab_size * F32 + (N - B) * I64 + (N - B) * F32 if kernels == "cpu" else \
         (N - B) * cfg.vocab_size * F32 + (N - B) * I64 + F32
-    return N * I64 + out_mix + _norm(N, H) + N * H * e + loss
+    return N * I64 + out_mix + _norm(N, H, c_op) + N * H * e + loss
 
 
 def activation_terms(cfg, micro_batch: int, seq_len: int, itemsize: int, attention: str = "math",
