@@ -1,7 +1,8 @@
 """Training throughput while another CPU-bound process runs: fixed threads vs ``--threads auto``.
 
-For each mode a worker process trains the ``tiny`` preset with the real Trainer (B8 T256, the
-demo's shape, on a slice of the Python stdlib) while this script runs the schedule
+For each mode a worker process trains ``k3 demo``'s model with the real Trainer (its
+``DEMO_CONFIG``: the recipe, the batch and sequence length; on a slice of the Python stdlib)
+while this script runs the schedule
 
     idle (--idle s) | one single-threaded busy loop, its own subprocess (--busy s) | idle (--after s)
 
@@ -60,10 +61,10 @@ def worker(mode: str, data: str, out: str, log: str) -> None:
     from k3.train.loop import Trainer
 
     threads = "auto" if mode in ("auto", "autospin") else len(os.sched_getaffinity(0))
+    from k3.train.commands import DEMO_CONFIG
     tc = TrainConfig.build(overrides={
-        "preset": "tiny", "data": data, "out": out, "steps": 100000, "batch_size": 8,
-        "curriculum": [[0, 256]], "threads": threads, "eval_interval": 0, "ckpt_interval": 0,
-        "final_eval_batches": 1, "log_interval": 1000, "plot": False})
+        **DEMO_CONFIG, "data": data, "out": out, "steps": 100000, "threads": threads, "eval_interval": 0,
+        "ckpt_interval": 0, "final_eval_batches": 1, "log_interval": 1000, "plot": False})
     tr = Trainer(tc, tty=False, print_fn=lambda s: None)
     f = open(log, "a", buffering=1)
     marks = {}
@@ -73,7 +74,7 @@ def worker(mode: str, data: str, out: str, log: str) -> None:
 
     def end(t, rec):
         if rec["kind"] == "train":
-            f.write(json.dumps({"start": marks["t0"], "end": time.monotonic(), "tokens": 8 * rec["seq_len"],
+            f.write(json.dumps({"start": marks["t0"], "end": time.monotonic(), "tokens": tc.batch_size * rec["seq_len"],
                                 "threads": rec["threads"]}) + "\n")
 
     tr.on_step_start.append(start)
@@ -178,7 +179,9 @@ def main() -> None:
         for mode in a.modes.split(","):
             res[mode] = run_mode(mode, data, Path(tmp), a)
     load1 = os.getloadavg()
-    cond = (f"tiny B8 T256, {len(os.sched_getaffinity(0))} usable CPUs, one busy-loop competitor; "
+    from k3.train.commands import DEMO_CONFIG
+    shape = f"k3 demo's model ({DEMO_CONFIG['model_overrides']['num_hidden_layers']} layers, B{DEMO_CONFIG['batch_size']})"
+    cond = (f"{shape}, {len(os.sched_getaffinity(0))} usable CPUs, one busy-loop competitor; "
             f"load average before {load0[0]:.2f}, after {load1[0]:.2f} (1 min)")
     print(cond)
     print(f"{'mode':<6} {'idle tok/s':>10} {'busy min':>9} {'busy med':>9} {'min/idle':>9} "

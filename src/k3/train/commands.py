@@ -336,22 +336,16 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-# The demo's recipe (issue 15 sweep: benchmarks/recipe.py, docs/RECIPE.md). The step is dominated
-# by per-layer non-matmul work, so at a fixed 10-minute budget a shallower K3 that sees more tokens
-# beats the 8-layer preset: the tiny preset cut to 4 layers (3 KDA + 1 Gated MLA, the presets'
-# layout rule; AttnRes blocks of 2; LatentMoE 16 experts top-4 with QB; SiTU; Per-Head Muon), 16
-# sequences of 256 tokens per step. Measured on 2 idle cores (load ~1, --threads auto): 160 steps ran
-# at 1,824 training tokens/s (6.3 min of training, 6:57 in all with the whole-split evaluation and the
-# samples) to 1.796 bits/byte on the whole validation split (the 8-layer recipe before: 1.99-2.035;
-# gzip -9 1.629). 200 steps (819,200 tokens): 1,969 training tokens/s, 7.3 min of training, 7:59 in
-# all, 1.793 bits/byte: 25% more tokens bought only 0.003 bits/byte at decay 0.4; decaying over the
-# last 70% of the steps instead (benchmarks/recipe.py l4_b16_decay7: 1.766 at 1 thread) gave, re-timed
-# quietly: 1.762 bits/byte, 1,882 training tokens/s, 7.6 min of training, 8:16 in all. With the training
-# step's KDA, AttnRes and short conv in C and Newton-Schulz in bf16 (docs/TRAINING_SPEED.md §6), 200 steps
-# ran at 2,617 training tokens/s (5:57 in all, 1.768 bits/byte), so the demo now trains 270 steps:
-# 2,659 tokens/s, 7.4 min of training, 8:03 in all, 1.739 bits/byte (300 steps: 1.690 in 8:35, over
-# 10 minutes on a first run). The first run adds ~1.5 minutes to train the tokenizer and tokenize the
-# stdlib (cached after).
+# The demo's recipe (issue 15 sweep: benchmarks/recipe.py, docs/RECIPE.md). At a fixed 10-minute budget
+# on 2 cores the model sees ~2M tokens, far too few for depth to pay: at equal wall time a shallower K3
+# that sees more tokens wins, at every depth tried (8 layers: 2.035 bits/byte, 4 layers: 1.739; then, at
+# the token budgets that 3 and 2 layers reach in 4 layers' time, 1.656 and 1.595). So: the tiny preset
+# at 2 layers (KDA then Gated MLA, the presets' layout rule at n = 2; AttnRes blocks of 1; LatentMoE 16
+# experts top-4 + 1 shared with QB; SiTU; Per-Head Muon), 16 sequences of 256 tokens per step, WSD with
+# the decay over the last 70% of the steps. Measured on 2 idle cores (--threads auto): 560 steps
+# (2,293,760 tokens) at 5,440 training tokens/s, 7.5 min of training, 7:48 in all (8:31 on a first run,
+# which trains the tokenizer and tokenizes the stdlib), 1.516 bits/byte on the whole validation split
+# (gzip -9: 1.629).
 DEMO_STEPS = 560
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
