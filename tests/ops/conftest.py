@@ -32,3 +32,17 @@ def at_1_and_2_threads():
         finally:
             torch.set_num_threads(threads)
     return run
+
+
+@pytest.fixture
+def autograd_nodes():
+    """``names(t)`` -> the type names of every autograd node behind tensor t (to see which op ran)."""
+    def names(t):
+        seen, todo = [], [t.grad_fn]
+        while todo:
+            f = todo.pop()
+            if f is not None and type(f).__name__ not in seen:
+                seen.append(type(f).__name__)
+                todo.extend(g for g, _ in f.next_functions)
+        return seen
+    return names

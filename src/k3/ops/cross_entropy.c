@@ -15,13 +15,6 @@
 
 #include "k3_vec.h"
 
-static inline v16 load_pad(const float *p, int64_t j, int64_t V, float pad) {
-    if (j + 16 <= V) return load16(p + j);
-    float t[16];
-    for (int i = 0; i < 16; i++) t[i] = j + i < V ? p[j + i] : pad;
-    return load16(t);
-}
-
 static inline float hmax16(v16 v) {
     float t[16];
     store16(t, v);
@@ -33,13 +26,13 @@ static inline float hmax16(v16 v) {
 static float row_lse(const float *z, int64_t V) {
     v16 mv = splat16(-INFINITY);
     for (int64_t j = 0; j < V; j += 16) {
-        const v16 x = load_pad(z, j, V, -INFINITY);
+        const v16 x = load16_pad(z, j, V, -INFINITY);
         mv = select16(x > mv, x, mv);
     }
     const float m = hmax16(mv);
     if (!isfinite(m)) return m;                  /* +inf or NaN logits: the sum is meaningless */
     v16 s = splat16(0.0f);
-    for (int64_t j = 0; j < V; j += 16) s += vexp(load_pad(z, j, V, -INFINITY) - m);
+    for (int64_t j = 0; j < V; j += 16) s += vexp(load16_pad(z, j, V, -INFINITY) - m);
     return m + logf(hsum16(s));
 }
 
@@ -73,13 +66,8 @@ int k3_cross_entropy_bwd(int64_t N, int64_t V, const float *z, const int64_t *y,
         }
         const float *zi = z + i * V;
         const float gi = g[i], li = lse[i];
-        int64_t j = 0;
-        for (; j + 16 <= V; j += 16) store16(di + j, gi * vexp(load16(zi + j) - li));
-        if (j < V) {
-            float t[16];
-            store16(t, gi * vexp(load_pad(zi, j, V, 0.0f) - li));
-            memcpy(di + j, t, sizeof(float) * (size_t)(V - j));
-        }
+        for (int64_t j = 0; j < V; j += 16)
+            store16_part(di, j, V, gi * vexp(load16_pad(zi, j, V, 0.0f) - li));
         di[y[i]] -= gi;
     }
     return 0;

@@ -13,7 +13,6 @@
  * a value does not depend on its position, the thread count or the other elements.
  */
 #include <stdint.h>
-#include <string.h>
 
 #include "k3_vec.h"
 
@@ -45,31 +44,15 @@ static inline void glu_bwd16(v16 g, v16 u, v16 dy, int silu, float beta, float l
     }
 }
 
-/* 16 floats at p + i, or the n - i < 16 left, zero-padded. */
-static inline v16 load_tail(const float *p, int64_t i, int64_t n) {
-    if (i + 16 <= n) return load16(p + i);
-    float t[16] = {0};
-    memcpy(t, p + i, sizeof(float) * (size_t)(n - i));
-    return load16(t);
-}
-
-static inline void store_tail(float *p, int64_t i, int64_t n, v16 v) {
-    if (i + 16 <= n) {
-        store16(p + i, v);
-        return;
-    }
-    float t[16];
-    store16(t, v);
-    memcpy(p + i, t, sizeof(float) * (size_t)(n - i));
-}
-
 int k3_glu(int64_t n, const float *g, const float *u, int silu, float beta, float lb, float *y, int nthreads) {
     const int64_t nchunk = (n + GLU_CHUNK - 1) / GLU_CHUNK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t c = 0; c < nchunk; c++) {
         const int64_t end = (c + 1) * GLU_CHUNK < n ? (c + 1) * GLU_CHUNK : n;
-        for (int64_t i = c * GLU_CHUNK; i < end; i += 16)
-            store_tail(y, i, end, glu_fwd16(load_tail(g, i, end), load_tail(u, i, end), silu, beta, lb));
+        for (int64_t i = c * GLU_CHUNK; i < end; i += 16) {
+            const v16 gv = load16_pad(g, i, end, 0.0f), uv = load16_pad(u, i, end, 0.0f);
+            store16_part(y, i, end, glu_fwd16(gv, uv, silu, beta, lb));
+        }
     }
     return 0;
 }
@@ -82,9 +65,10 @@ int k3_glu_bwd(int64_t n, const float *g, const float *u, const float *dy, int s
         const int64_t end = (c + 1) * GLU_CHUNK < n ? (c + 1) * GLU_CHUNK : n;
         for (int64_t i = c * GLU_CHUNK; i < end; i += 16) {
             v16 a, b;
-            glu_bwd16(load_tail(g, i, end), load_tail(u, i, end), load_tail(dy, i, end), silu, beta, lb, &a, &b);
-            store_tail(dg, i, end, a);
-            store_tail(du, i, end, b);
+            const v16 gv = load16_pad(g, i, end, 0.0f), uv = load16_pad(u, i, end, 0.0f);
+            glu_bwd16(gv, uv, load16_pad(dy, i, end, 0.0f), silu, beta, lb, &a, &b);
+            store16_part(dg, i, end, a);
+            store16_part(du, i, end, b);
         }
     }
     return 0;

@@ -91,6 +91,25 @@ static inline v16 vtanh(v16 x) {
     return select16(a < 0.625f, p * z * x + x, t);
 }
 
+/* The 16 floats at p + i, or the n - i < 16 left with the rest of the vector set to pad. */
+static inline v16 load16_pad(const float *p, int64_t i, int64_t n, float pad) {
+    if (i + 16 <= n) return load16(p + i);
+    float t[16];
+    for (int64_t j = 0; j < 16; j++) t[j] = i + j < n ? p[i + j] : pad;
+    return load16(t);
+}
+
+/* Store v at p + i, only its first n - i lanes when fewer than 16 are left. */
+static inline void store16_part(float *p, int64_t i, int64_t n, v16 v) {
+    if (i + 16 <= n) {
+        store16(p + i, v);
+        return;
+    }
+    float t[16];
+    store16(t, v);
+    memcpy(p + i, t, sizeof(float) * (size_t)(n - i));
+}
+
 /* f applied to n floats in place (16 at a time, the tail through a padded vector). */
 #define K3_MAP(name, f)                                                    \
     static inline void name(float *x, int64_t n) {                        \

@@ -18,27 +18,10 @@
 
 enum { NORM_BLOCK = 64 };
 
-static inline v16 load_zpad(const float *p, int64_t j, int64_t D) {
-    if (j + 16 <= D) return load16(p + j);
-    float t[16] = {0};
-    memcpy(t, p + j, sizeof(float) * (size_t)(D - j));
-    return load16(t);
-}
-
-static inline void store_part(float *p, int64_t j, int64_t D, v16 v) {
-    if (j + 16 <= D) {
-        store16(p + j, v);
-        return;
-    }
-    float t[16];
-    store16(t, v);
-    memcpy(p + j, t, sizeof(float) * (size_t)(D - j));
-}
-
 static float row_rinv(const float *x, int64_t D, float eps) {
     v16 s = splat16(0.0f);
     for (int64_t j = 0; j < D; j += 16) {
-        const v16 v = load_zpad(x, j, D);
+        const v16 v = load16_pad(x, j, D, 0.0f);
         s += v * v;
     }
     return 1.0f / sqrtf(hsum16(s) / (float)D + eps);
@@ -52,7 +35,7 @@ int k3_rms_norm(int64_t M, int64_t D, const float *x, const float *w, float eps,
         const float r = row_rinv(xi, D, eps);
         rinv[i] = r;
         for (int64_t j = 0; j < D; j += 16)
-            store_part(y + i * D, j, D, load_zpad(w, j, D) * (load_zpad(xi, j, D) * r));
+            store16_part(y + i * D, j, D, load16_pad(w, j, D, 0.0f) * (load16_pad(xi, j, D, 0.0f) * r));
     }
     return 0;
 }
@@ -71,14 +54,15 @@ int k3_rms_norm_bwd(int64_t M, int64_t D, const float *x, const float *w, const 
             const float r = rinv[i];
             v16 c = splat16(0.0f);
             for (int64_t j = 0; j < D; j += 16) {
-                const v16 h = load_zpad(xi, j, D) * r, g = load_zpad(gi, j, D);
-                c += g * load_zpad(w, j, D) * h;
-                store_part(acc, j, D, load_zpad(acc, j, D) + g * h);
+                const v16 h = load16_pad(xi, j, D, 0.0f) * r, g = load16_pad(gi, j, D, 0.0f);
+                c += g * load16_pad(w, j, D, 0.0f) * h;
+                store16_part(acc, j, D, load16_pad(acc, j, D, 0.0f) + g * h);
             }
             const float ci = hsum16(c) / (float)D;
             for (int64_t j = 0; j < D; j += 16) {
-                const v16 h = load_zpad(xi, j, D) * r;
-                store_part(dx + i * D, j, D, r * (load_zpad(gi, j, D) * load_zpad(w, j, D) - h * ci));
+                const v16 h = load16_pad(xi, j, D, 0.0f) * r;
+                const v16 g = load16_pad(gi, j, D, 0.0f) * load16_pad(w, j, D, 0.0f);
+                store16_part(dx + i * D, j, D, r * (g - h * ci));
             }
         }
     }

@@ -10,7 +10,7 @@ Notation, per micro-batch: B sequences of T tokens, N = B·T; H hidden; KDA nh h
 conv kernel K; MLA nh_m heads, q rank q_r, latent r, nope n, rope p, value v; MoE k of E experts,
 latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I; vocabulary V.
 
-    rms_norm(D)         = N·(2D + 1)·4                       x (fp32), 1/rms, x/rms  (C op: N·(D + 1)·4, no x/rms)
+    rms_norm(D)         = N·(2D + 1)·4                       x (fp32), 1/rms, x/rms
     attn_res_mix(n)     = n·N·(3H + 2)·4                     stacked sources, keys, logits, weights (n ≥ 2)
     glu(M, W)           = M·W·(6·4 + e)                      SiTU: tanh, gate, sigmoid, tanh, up, product; down input
                         = M·W·4·e                            SwiGLU: g, silu(g), u, down input
@@ -21,11 +21,12 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
     sdpa (math, CPU)    = B·nh_m·T·(2(n+p) + v + T)·4        q, k, v and the T×T probabilities, fp32
     sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
 
-With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` and ``k3::cross_entropy`` in any dtype,
-``k3::attn_res_mix``, ``k3::short_conv_silu``, ``k3::gated_act`` and ``k3::rms_norm`` for fp32 activations)
-these terms are what those ops keep instead (``k3::rms_norm``: x and 1/rms, noted at rms_norm above):
+With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` and ``k3::cross_entropy`` in any
+dtype; ``k3::attn_res_mix``, ``k3::short_conv_silu``, ``k3::gated_act`` and ``k3::rms_norm`` for fp32
+activations) these terms are what those ops keep instead:
 
-    kda_core (C)        = (4·N·P + B·nh·n_c·d²)·4              q, k, v, g (fp32 copies) and the state every 64 tokens
+    rms_norm(D) (C)     = N·(D + 1)·4                           x and 1/rms (no x/rms)
+    kda_core (C)        = (4·N·P + B·nh·n_c·d²)·4              q, k, v, g (fp32 copies), the state every 64 tokens
     short conv (C)      = (2·N·3P + 3P·K)·4                    input, output (the q/k norms' input), taps [K, 3P]
     attn_res_mix(n) (C) = (3·n·N + H)·4 + N·H·4                 α, 1/‖v‖, ⟨q, v⟩ per row and source, the folded
                                                               query, and the newest source (the running partial
