@@ -151,5 +151,8 @@ if __name__ == "__main__":
             muon(out)
         else:
             raise SystemExit(f"unknown mode {mode}")
+        # every rank's collectives done before any rank tears its group down: the rare
+        # "terminate called without an active exception" (SIGABRT) came from that teardown
+        dist.barrier()
     finally:
         dist.destroy_process_group()
