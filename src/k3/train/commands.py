@@ -343,9 +343,9 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
 # at 2 layers (KDA then Gated MLA, the presets' layout rule at n = 2; AttnRes blocks of 1; LatentMoE 16
 # experts top-4 + 1 shared with QB; SiTU; Per-Head Muon), 16 sequences of 256 tokens per step, WSD with
 # the decay over the last 70% of the steps. Measured on 2 idle cores (--threads auto): 560 steps
-# (2,293,760 tokens) at 5,440 training tokens/s, 7.5 min of training, 7:48 in all (8:31 on a first run,
-# which trains the tokenizer and tokenizes the stdlib), 1.516 bits/byte on the whole validation split
-# (gzip -9: 1.629).
+# (2,293,760 tokens) at 5,594 training tokens/s, 7.3 min of training, 7:33 in all (a first run, which
+# trains the tokenizer and tokenizes the stdlib, took 43 s more), 1.521 bits/byte on the whole
+# validation split (gzip -9: 1.629).
 DEMO_STEPS = 560
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
