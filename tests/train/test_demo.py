@@ -14,7 +14,7 @@ from k3.train import commands
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.rundir import MARKER_NAME
 
-# nano cut to 2 layers the way the demo cuts tiny to 4 (model_overrides on the preset)
+# nano cut to 2 layers the way the demo cuts tiny (model_overrides on the preset)
 NANO_2_LAYERS = {"num_hidden_layers": 2, "attn_res_block_size": 1,
                  "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2,
                                         "head_dim": 32}}

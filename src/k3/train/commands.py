@@ -267,8 +267,9 @@ def gzip_bits_per_byte(texts) -> float:
 
 
 def demo_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3 demo", description="Train a 4-layer K3 (the tiny preset, "
-                                "cut to 4 layers) on the Python stdlib, then print validation bits "
+    n = DEMO_CONFIG["model_overrides"]["num_hidden_layers"]
+    p = argparse.ArgumentParser(prog="k3 demo", description=f"Train a {n}-layer K3 (the tiny preset, "
+                                f"cut to {n} layers) on the Python stdlib, then print validation bits "
                                 "per byte and samples.")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--steps", type=int, default=DEMO_STEPS)
