@@ -4,7 +4,7 @@
  *   SwiGLU (silu = 1):  y = g s u,                         s = sigmoid(g)
  *   SiTU   (silu = 0):  y = [beta tanh(g / beta) s] [lb tanh(u / lb)]   (lb <= 0: the second factor is u)
  *
- * Backward, from dy (g and u recomputed from, nothing saved but the inputs):
+ * Backward, from dy and the inputs g, u alone (the forward saves nothing else):
  *   SwiGLU: dg = dy u s (1 + g (1 - s)),                   du = dy g s
  *   SiTU:   with t = tanh(g / beta), a = beta t, gate = a s, v = tanh(u / lb), up = lb v,
  *           dg = dy up [(1 - t^2) s + a s (1 - s)],         du = dy gate (1 - v^2)   (lb <= 0: up = u, du = dy gate)

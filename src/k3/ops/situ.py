@@ -7,8 +7,8 @@
 Both SiTU factors are bounded, so the product stays finite for any input (unlike SwiGLU); it is
 computed in fp32 and cast back to the input dtype. ``situ_glu`` and ``swiglu`` are the torch forms.
 ``gated_act`` (what ``glu_act`` returns) runs fp32 CPU inputs through one C call forward and one
-backward (``k3::gated_act``, ``glu.c``: the gradients fused, g and u recomputed from nothing but
-the inputs) instead of autograd's chain of a dozen elementwise kernels; elsewhere, or where the CPU
+backward (``k3::gated_act``, ``glu.c``: the gradients fused, computed from g and u alone, which are
+all it keeps) instead of autograd's chain of a dozen elementwise kernels; elsewhere, or where the CPU
 kernels cannot be built, the torch forms. The two agree to fp32 rounding.
 """
 
