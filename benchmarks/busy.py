@@ -74,7 +74,8 @@ def worker(mode: str, data: str, out: str, log: str) -> None:
 
     def end(t, rec):
         if rec["kind"] == "train":
-            f.write(json.dumps({"start": marks["t0"], "end": time.monotonic(), "tokens": tc.batch_size * rec["seq_len"],
+            f.write(json.dumps({"start": marks["t0"], "end": time.monotonic(),
+                                "tokens": tc.batch_size * rec["seq_len"],
                                 "threads": rec["threads"]}) + "\n")
 
     tr.on_step_start.append(start)
@@ -180,7 +181,8 @@ def main() -> None:
             res[mode] = run_mode(mode, data, Path(tmp), a)
     load1 = os.getloadavg()
     from k3.train.commands import DEMO_CONFIG
-    shape = f"k3 demo's model ({DEMO_CONFIG['model_overrides']['num_hidden_layers']} layers, B{DEMO_CONFIG['batch_size']})"
+    layers = DEMO_CONFIG["model_overrides"]["num_hidden_layers"]
+    shape = f"k3 demo's model ({layers} layers, B{DEMO_CONFIG['batch_size']})"
     cond = (f"{shape}, {len(os.sched_getaffinity(0))} usable CPUs, one busy-loop competitor; "
             f"load average before {load0[0]:.2f}, after {load1[0]:.2f} (1 min)")
     print(cond)
