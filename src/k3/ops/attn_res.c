@@ -71,7 +71,7 @@ int k3_attn_res_bwd(int64_t n, const float *const *src, const int64_t *ld, int64
                     float *dq, int nthreads) {
     if (n <= 0 || n > MIX_MAX) return 1;
     const int64_t nb = (M + MIX_BLOCK - 1) / MIX_BLOCK;
-    float *part = calloc((size_t)(nb > 0 ? nb : 1) * (size_t)H, sizeof(float));
+    float *part = alloc_parts(nb, H);
     if (!part) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t blk = 0; blk < nb; blk++) {
@@ -96,9 +96,7 @@ int k3_attn_res_bwd(int64_t n, const float *const *src, const int64_t *ld, int64
             }
         }
     }
-    for (int64_t j = 0; j < H; j++) dq[j] = 0.0f;
-    for (int64_t blk = 0; blk < nb; blk++)
-        for (int64_t j = 0; j < H; j++) dq[j] += part[blk * H + j];
+    sum_parts(part, nb, H, dq);
     free(part);
     return 0;
 }

@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -108,6 +109,19 @@ static inline void store16_part(float *p, int64_t i, int64_t n, v16 v) {
     float t[16];
     store16(t, v);
     memcpy(p + i, t, sizeof(float) * (size_t)(n - i));
+}
+
+/* Per-block partial sums of a reduction over rows: n blocks of w floats, zeroed (NULL without memory),
+ * and their total out[j] = sum over b of part[b * w + j], the blocks added in order, so the result
+ * does not depend on which thread ran which block. */
+static inline float *alloc_parts(int64_t n, int64_t w) {
+    return calloc((size_t)(n > 0 ? n : 1) * (size_t)w, sizeof(float));
+}
+
+static inline void sum_parts(const float *part, int64_t n, int64_t w, float *out) {
+    memset(out, 0, sizeof(float) * (size_t)w);
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t j = 0; j < w; j++) out[j] += part[b * w + j];
 }
 
 /* f applied to n floats in place (16 at a time, the tail through a padded vector). */

@@ -43,7 +43,7 @@ int k3_rms_norm(int64_t M, int64_t D, const float *x, const float *w, float eps,
 int k3_rms_norm_bwd(int64_t M, int64_t D, const float *x, const float *w, const float *rinv, const float *dy,
                     float *dx, float *dw, int nthreads) {
     const int64_t nblk = (M + NORM_BLOCK - 1) / NORM_BLOCK;
-    float *part = calloc((size_t)(nblk > 0 ? nblk : 1) * (size_t)D, sizeof(float));
+    float *part = alloc_parts(nblk, D);
     if (!part) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < nblk; b++) {
@@ -66,9 +66,7 @@ int k3_rms_norm_bwd(int64_t M, int64_t D, const float *x, const float *w, const 
             }
         }
     }
-    memset(dw, 0, sizeof(float) * (size_t)D);
-    for (int64_t b = 0; b < nblk; b++)
-        for (int64_t j = 0; j < D; j++) dw[j] += part[b * D + j];
+    sum_parts(part, nblk, D, dw);
     free(part);
     return 0;
 }

@@ -66,7 +66,7 @@ int k3_short_conv_silu_bwd(int64_t B, int64_t T, int64_t C, int64_t K, const flo
     if (K < 1 || K > CONV_MAX_K) return 1;
     const int64_t nblk = (T + CONV_BLOCK - 1) / CONV_BLOCK;
     const int64_t nitems = B * nblk;
-    float *part = calloc((size_t)(nitems > 0 ? nitems : 1) * (size_t)(K * C), sizeof(float));
+    float *part = alloc_parts(nitems, K * C);
     if (!part) return -1;
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -133,11 +133,7 @@ int k3_short_conv_silu_bwd(int64_t B, int64_t T, int64_t C, int64_t K, const flo
         if (tmp != row) free(tmp);
         free(dz);
     }
-    if (!failed) {
-        memset(dwT, 0, sizeof(float) * (size_t)(K * C));
-        for (int64_t item = 0; item < nitems; item++)
-            for (int64_t j = 0; j < K * C; j++) dwT[j] += part[item * K * C + j];
-    }
+    if (!failed) sum_parts(part, nitems, K * C, dwT);
     free(part);
     return failed ? -1 : 0;
 }
