@@ -94,8 +94,9 @@ RECIPES: dict[str, tuple[dict, dict]] = {
                                                 num_experts=8, num_experts_per_token=2)),
 }
 
-# Variants of the live k3 demo recipe: name -> (TrainConfig fields, model_overrides) on top of it.
+# The live k3 demo recipe and variants of it: name -> (TrainConfig fields, model_overrides) on top of it.
 DEMO_VARIANTS: dict[str, tuple[dict, dict]] = {
+    "k3demo": ({}, {}),
     "k3demo_bf16": ({"dtype": "bf16"}, {}),
     "k3demo_b8": ({"batch_size": 8}, {}),
     "k3demo_b32": ({"batch_size": 32}, {}),
@@ -123,13 +124,13 @@ def train_config(name: str, steps: int, threads: int, out: str, **extra):
 
 def _recipe(name: str) -> tuple[dict, dict]:
     """(TrainConfig fields, model_overrides) of ``name``; ``k3demo`` reads k3 demo's live config."""
-    if name != "k3demo" and name not in DEMO_VARIANTS:
+    if name not in DEMO_VARIANTS:
         return RECIPES[name]
     from k3.train.commands import DEMO_CONFIG
     train = {k: v for k, v in DEMO_CONFIG.items() if k not in ("model_overrides", "eval_interval",
              "eval_batches", "final_eval_batches", "ckpt_interval", "log_interval")}
     model = DEMO_CONFIG.get("model_overrides", {})
-    more_train, more_model = DEMO_VARIANTS.get(name, ({}, {}))
+    more_train, more_model = DEMO_VARIANTS[name]
     return {**train, **more_train}, {**model, **more_model}
 
 
