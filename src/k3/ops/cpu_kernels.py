@@ -36,8 +36,7 @@ __all__ = ["library", "unavailable", "kernel_path", "check_dense", "SOURCES", "H
 
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("packed_mm.c", "decode_rows.c", "decode_layers.c", "kda_scan.c", "attn_res.c",
-                          "short_conv.c", "glu.c", "cross_entropy.c",
-                          "rms_norm.c"))
+                          "short_conv.c", "glu.c", "cross_entropy.c", "rms_norm.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("k3_vec.h", "k3_kernels.h"))
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC"]
 _LOCK = threading.Lock()
