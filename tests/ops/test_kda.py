@@ -348,9 +348,12 @@ def _grads(fn, inputs, do, ds, **kw):
 
 @pytest.mark.parametrize("gate,A_log", [("bounded", 0.0), ("softplus", 3.0)])
 @pytest.mark.parametrize("final", [True, False])
-def test_c_backward_matches_float64_autograd_at_model_size(gate, A_log, final, path):
-    # K = 64 (the presets' head size), T = 150: checkpoints at 0, 64, 128 and a 22-token tail.
-    inputs = make_inputs(B=2, T=150, H=2, K=64, V=48, gate=gate, A_log=A_log, seed=12)
+@pytest.mark.parametrize("K,V", [(64, 48), (20, 32), (24, 136)])
+def test_c_backward_matches_float64_autograd_at_model_size(gate, A_log, final, K, V, path):
+    # K = 64 (the presets' head size), T = 150: checkpoints at 0, 64, 128 and a 22-token tail. The C
+    # kernels have vector forms for V a multiple of 16 up to 128 (V = 48; V = 32 with K = 20, rows
+    # past the last full 16 summed one by one) and a scalar form for the rest (V = 136).
+    inputs = make_inputs(B=2, T=150, H=2, K=K, V=V, gate=gate, A_log=A_log, seed=12)
     gen = torch.Generator().manual_seed(2)
     do = torch.randn(inputs[2].shape, generator=gen, dtype=torch.float64)
     ds = torch.randn(inputs[5].shape, generator=gen, dtype=torch.float64) if final else None
