@@ -8,7 +8,10 @@ Cases (each run in its own subprocess so peak RSS is that case's own):
                       the same math in both implementations.
 
 Issue 15's row: ``--preset tiny --batch 4 --seq 512 --threads 2`` (8 layers, d 256, 16 experts
-top-4). Prints a table (median of --repeats) and appends JSON lines to benchmarks/results/model.jsonl.
+top-4). Prints a table and appends JSON lines to benchmarks/results/model.jsonl. Each timing is the median
+of at least --repeats runs that together last at least --min-seconds: a 1-second K3 step and a 13-second
+transformers step are then both sampled over tens of seconds, so a burst of load from outside the run
+moves neither median much (this machine's speed moves by 20-30 % within a minute).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def transformers_model(cfg):
     return KimiLinearForCausalLM(hf)
 
 
-def run_case(case: str, preset: str, batch: int, seq: int, repeats: int, threads: int) -> dict:
+def run_case(case: str, preset: str, batch: int, seq: int, repeats: int, threads: int,
+             min_seconds: float = 0.0) -> dict:
     from k3.threads import configure_openmp
 
     configure_openmp()  # before torch loads libgomp (each case is its own process): no spin collapse
@@ -83,11 +87,12 @@ def run_case(case: str, preset: str, batch: int, seq: int, repeats: int, threads
     for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
         fn()  # warm-up
         times = []
-        for _ in range(repeats):
+        while len(times) < repeats or sum(times) < min_seconds:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
         out[name] = batch * seq / statistics.median(times)
+        out[f"{name}_runs"] = len(times)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["params"] = sum(p.numel() for p in model.parameters())
     return out
@@ -100,22 +105,26 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-seconds", type=float, default=20.0,
+                    help="each timing repeats until its runs add up to this many seconds (and --repeats)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case and print JSON
     a = ap.parse_args()
     if a.case:
-        print(json.dumps(run_case(a.case, a.preset, a.batch, a.seq, a.repeats, a.threads)))
+        print(json.dumps(run_case(a.case, a.preset, a.batch, a.seq, a.repeats, a.threads, a.min_seconds)))
         return
     res = {}
     for case in ("k3", "k3-kl", "transformers"):
         cmd = [sys.executable, __file__, "--case", case, "--preset", a.preset, "--batch", str(a.batch),
-               "--seq", str(a.seq), "--repeats", str(a.repeats), "--threads", str(a.threads)]
+               "--seq", str(a.seq), "--repeats", str(a.repeats), "--threads", str(a.threads),
+               "--min-seconds", str(a.min_seconds)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"case {case} failed:\n{r.stderr}")
         res[case] = json.loads(r.stdout.strip().splitlines()[-1])
     base = res["transformers"]
     config = f"{a.preset} B={a.batch} T={a.seq} threads={a.threads}"
-    print(f"model throughput, {config} (tokens/s, median of {a.repeats}); baseline = transformers kimi_linear")
+    print(f"model throughput, {config} (tokens/s, median of >= {a.repeats} runs over >= {a.min_seconds:g} s); "
+          "baseline = transformers kimi_linear")
     print(f"{'case':<14}{'params':>12}{'fwd tok/s':>12}{'fwd+bwd tok/s':>15}{'peak RSS MB':>13}{'fwd ratio':>11}"
           f"{'f+b ratio':>11}")
     RESULTS.parent.mkdir(exist_ok=True)
@@ -127,7 +136,8 @@ def main() -> None:
             for metric in ("forward", "forward_backward"):
                 f.write(json.dumps({"bench": "model", "config": f"{config} case={case}",
                                     "metric": f"{metric}_tokens_per_s", "value": r[metric],
-                                    "baseline": base[metric], "ratio": r[metric] / base[metric]}) + "\n")
+                                    "baseline": base[metric], "ratio": r[metric] / base[metric],
+                                    "runs": r[f"{metric}_runs"], "baseline_runs": base[f"{metric}_runs"]}) + "\n")
             f.write(json.dumps({"bench": "model", "config": f"{config} case={case}", "metric": "peak_rss_mb",
                                 "value": r["peak_rss_mb"], "baseline": base["peak_rss_mb"],
                                 "ratio": r["peak_rss_mb"] / base["peak_rss_mb"]}) + "\n")
