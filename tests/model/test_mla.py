@@ -209,3 +209,53 @@ def test_bf16_decode_tracks_fp32():
         got = torch.cat([m(xb[:, :8], st)] + [m(xb[:, t:t + 1], st) for t in range(8, 12)], 1)
     assert st.c.dtype == torch.bfloat16 and got.dtype == torch.bfloat16
     assert rel(got.float(), want) < 3e-2
+
+
+def _kernels_run(fn):
+    from torch.profiler import profile
+    with profile() as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_sdpa_pads_v_onto_the_fused_cpu_kernel_in_fp32(mask):
+    # MLA's v is narrower than q and k; torch's fused CPU kernel needs one head size, so _sdpa pads v
+    # with zero columns and cuts them off. Same values and gradients as the unfused math path on the
+    # unpadded tensors, computed here by hand (scores, causal or given mask, softmax, @ v).
+    import torch.nn.functional as F
+
+    from k3.model.mla import _sdpa
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, S, dqk, dv = 2, 3, 24, 40 if mask else 24, 48, 32
+    q, k, v = (torch.randn(B, H, n, d, generator=gen, dtype=torch.float64)
+               for n, d in ((T, dqk), (S, dqk), (S, dv)))
+    allowed = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    kw = {"attn_mask": allowed} if mask else {"is_causal": True}
+    scale = dqk ** -0.5
+
+    def grads(fn, dtype):
+        xs = [x.detach().to(dtype).clone().requires_grad_(True) for x in (q, k, v)]
+        o = fn(*xs)
+        (o.double() * torch.linspace(-1, 1, o.numel(), dtype=torch.float64).view_as(o)).sum().backward()
+        return o.detach().double(), [x.grad.double() for x in xs]
+
+    def by_hand(q, k, v):
+        s = (q @ k.transpose(-1, -2)) * scale
+        return s.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+    want_o, want_g = grads(by_hand, torch.float64)
+    got_o, got_g = grads(lambda q, k, v: _sdpa(q, k, v, scale=scale, **kw), torch.float32)
+    assert got_o.shape == (B, H, T, dv)
+    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    ran = _kernels_run(lambda: _sdpa(q32, k32, v32, scale=scale, **kw))
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ran
+    # Control: unpadded, the same call takes the unfused math path; bf16 keeps it (see _sdpa).
+    ran = _kernels_run(lambda: F.scaled_dot_product_attention(q32, k32, v32, scale=scale, **kw))
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in ran
+    assert "aten::_scaled_dot_product_attention_math" in ran
+    ran = _kernels_run(lambda: _sdpa(q32.bfloat16(), k32.bfloat16(), v32.bfloat16(), scale=scale, **kw))
+    assert "aten::_scaled_dot_product_attention_math" in ran
