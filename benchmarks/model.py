@@ -1,6 +1,7 @@
 """Model throughput: tokens/s of forward and forward+backward, and peak memory.
 
-Cases (each run in its own subprocess so peak RSS is that case's own):
+Cases (timed together in one process, their steps taken in turn; each case's peak RSS from a
+subprocess of its own):
   * ``k3``          – the ``small`` preset (K3 mode: KDA+MLA, AttnRes, LatentMoE, SiTU).
   * ``k3-kl``       – ``small`` geometry in Kimi-Linear mode (SwiGLU, plain MoE, no AttnRes/gates).
   * ``transformers``– transformers' ``KimiLinearForCausalLM`` (pure-PyTorch fallback) on the same
@@ -9,9 +10,10 @@ Cases (each run in its own subprocess so peak RSS is that case's own):
 
 Issue 15's row: ``--preset tiny --batch 4 --seq 512 --threads 2`` (8 layers, d 256, 16 experts
 top-4). Prints a table and appends JSON lines to benchmarks/results/model.jsonl. Each timing is the median
-of at least --repeats runs that together last at least --min-seconds: a 1-second K3 step and a 13-second
-transformers step are then both sampled over tens of seconds, so a burst of load from outside the run
-moves neither median much (this machine's speed moves by 20-30 % within a minute).
+of at least --repeats runs that together last at least --min-seconds, taken in rounds in which each case
+runs for about one step of the slowest (see run_interleaved): this machine's speed moves by 20-30 % (at
+times 2x) within minutes, and measured one case after the other, a slow phase falls on one side of a
+ratio only.
 """
 
 from __future__ import annotations
@@ -54,18 +56,17 @@ def transformers_model(cfg):
     return KimiLinearForCausalLM(hf)
 
 
-def run_case(case: str, preset: str, batch: int, seq: int, repeats: int, threads: int,
-             min_seconds: float = 0.0) -> dict:
-    from k3.threads import configure_openmp
+CASES = ("k3", "k3-kl", "transformers")
+STEPS = ("forward", "forward_backward")
 
-    configure_openmp()  # before torch loads libgomp (each case is its own process): no spin collapse
+
+def _case_steps(case: str, preset: str, batch: int, seq: int):
+    """(model, {step name: callable}) of one case; torch is set up by the caller."""
     import torch
 
     from k3.config import get_preset
     from k3.model.decoder import K3ForCausalLM
 
-    torch.set_num_threads(threads)
-    torch.set_flush_denormal(True)
     torch.manual_seed(0)
     cfg = get_preset(preset)
     if case == "k3":
@@ -83,18 +84,58 @@ def run_case(case: str, preset: str, batch: int, seq: int, repeats: int, threads
     def fwd_bwd():
         model(ids, labels=ids).loss.backward()
 
-    out = {}
-    for name, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
-        fn()  # warm-up
-        times = []
-        while len(times) < repeats or sum(times) < min_seconds:
+    return model, {"forward": fwd, "forward_backward": fwd_bwd}
+
+
+def _setup_torch(threads: int):
+    from k3.threads import configure_openmp
+
+    configure_openmp()  # before torch loads libgomp (each run is its own process): no spin collapse
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    return torch
+
+
+def run_case(case: str, preset: str, batch: int, seq: int, threads: int) -> dict:
+    """One case alone in its process, for its peak RSS: one run of each step."""
+    _setup_torch(threads)
+    model, steps = _case_steps(case, preset, batch, seq)
+    for fn in steps.values():
+        fn()
+    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def run_interleaved(preset: str, batch: int, seq: int, repeats: int, threads: int, min_seconds: float) -> dict:
+    """Every case's tokens/s, the three models in one process and timed in rounds: in each round every
+    case runs its step for about as long as the slowest case's one step takes (a 13 s transformers
+    step: about 13 K3 steps), until each case has at least ``repeats`` runs lasting at least
+    ``min_seconds`` in all. So every case is sampled over the same stretches of time, and a change in
+    the machine's speed during the run reaches all of them alike. Medians per case."""
+    _setup_torch(threads)
+    steps = {case: _case_steps(case, preset, batch, seq)[1] for case in CASES}
+    out = {case: {} for case in CASES}
+    for name in STEPS:
+        times = {case: [] for case in CASES}
+        warm = {}
+        for case in CASES:
             t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = batch * seq / statistics.median(times)
-        out[f"{name}_runs"] = len(times)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out["params"] = sum(p.numel() for p in model.parameters())
+            steps[case][name]()  # warm-up
+            warm[case] = time.perf_counter() - t0
+        while any(len(t) < repeats or sum(t) < min_seconds for t in times.values()):
+            slice_s = max(t[-1] if t else warm[case] for case, t in times.items())
+            for case in CASES:
+                t, spent = times[case], 0.0
+                while spent < 0.9 * slice_s or not spent:
+                    t0 = time.perf_counter()
+                    steps[case][name]()
+                    t.append(time.perf_counter() - t0)
+                    spent += t[-1]
+        for case in CASES:
+            out[case][name] = batch * seq / statistics.median(times[case])
+            out[case][f"{name}_runs"] = len(times[case])
     return out
 
 
@@ -106,25 +147,33 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-seconds", type=float, default=20.0,
-                    help="each timing repeats until its runs add up to this many seconds (and --repeats)")
-    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case and print JSON
+                    help="each case's timed runs of a step add up to at least this many seconds (and --repeats)")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case's RSS, or "interleaved"
     a = ap.parse_args()
     if a.case:
-        print(json.dumps(run_case(a.case, a.preset, a.batch, a.seq, a.repeats, a.threads, a.min_seconds)))
+        if a.case == "interleaved":
+            r = run_interleaved(a.preset, a.batch, a.seq, a.repeats, a.threads, a.min_seconds)
+        else:
+            r = run_case(a.case, a.preset, a.batch, a.seq, a.threads)
+        print(json.dumps(r))
         return
-    res = {}
-    for case in ("k3", "k3-kl", "transformers"):
+
+    def sub(case: str) -> dict:
         cmd = [sys.executable, __file__, "--case", case, "--preset", a.preset, "--batch", str(a.batch),
                "--seq", str(a.seq), "--repeats", str(a.repeats), "--threads", str(a.threads),
                "--min-seconds", str(a.min_seconds)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"case {case} failed:\n{r.stderr}")
-        res[case] = json.loads(r.stdout.strip().splitlines()[-1])
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    res = sub("interleaved")
+    for case in CASES:
+        res[case].update(sub(case))
     base = res["transformers"]
     config = f"{a.preset} B={a.batch} T={a.seq} threads={a.threads}"
-    print(f"model throughput, {config} (tokens/s, median of >= {a.repeats} runs over >= {a.min_seconds:g} s); "
-          "baseline = transformers kimi_linear")
+    print(f"model throughput, {config} (tokens/s: medians of >= {a.repeats} runs over >= {a.min_seconds:g} s per "
+          "case, the cases timed in turn in one process); baseline = transformers kimi_linear")
     print(f"{'case':<14}{'params':>12}{'fwd tok/s':>12}{'fwd+bwd tok/s':>15}{'peak RSS MB':>13}{'fwd ratio':>11}"
           f"{'f+b ratio':>11}")
     RESULTS.parent.mkdir(exist_ok=True)
@@ -133,11 +182,12 @@ def main() -> None:
             rf, rb = r["forward"] / base["forward"], r["forward_backward"] / base["forward_backward"]
             print(f"{case:<14}{r['params']:>12,}{r['forward']:>12.0f}{r['forward_backward']:>15.0f}"
                   f"{r['peak_rss_mb']:>13.0f}{rf:>11.2f}{rb:>11.2f}")
-            for metric in ("forward", "forward_backward"):
+            for metric in STEPS:
                 f.write(json.dumps({"bench": "model", "config": f"{config} case={case}",
                                     "metric": f"{metric}_tokens_per_s", "value": r[metric],
                                     "baseline": base[metric], "ratio": r[metric] / base[metric],
-                                    "runs": r[f"{metric}_runs"], "baseline_runs": base[f"{metric}_runs"]}) + "\n")
+                                    "runs": r[f"{metric}_runs"], "baseline_runs": base[f"{metric}_runs"],
+                                    "interleaved": True}) + "\n")
             f.write(json.dumps({"bench": "model", "config": f"{config} case={case}", "metric": "peak_rss_mb",
                                 "value": r["peak_rss_mb"], "baseline": base["peak_rss_mb"],
                                 "ratio": r["peak_rss_mb"] / base["peak_rss_mb"]}) + "\n")
