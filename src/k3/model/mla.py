@@ -192,7 +192,8 @@ class GatedMLA(nn.Module):
             t1 = min(T, t0 + step)
             end = S - T + t1                     # no query of this chunk reaches a key ≥ end
             mask = _query_mask(starts, t0, t1, end, S - T, q.device)
-            outs.append(_sdpa(q[:, :, t0:t1], k[:, :, :end], v[:, :, :end], attn_mask=mask, scale=self.softmax_scale))
+            outs.append(_sdpa(q[:, :, t0:t1], k[:, :, :end], v[:, :, :end], attn_mask=mask,
+                              scale=self.softmax_scale))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
         return o.transpose(1, 2)
 

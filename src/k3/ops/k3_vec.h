@@ -31,17 +31,20 @@ static inline float hsum16(v16 v) {   /* a fixed tree: halves, quarters, ... (4 
 static inline v16 hsum16x16(const v16 *x) {
     v16 y[8], z[4], w[2];
     for (int m = 0; m < 8; m++)      /* lanes l, l + 8: rows 2m (lanes 0-7) and 2m + 1 (8-15) */
-        y[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + __builtin_shufflevector(x[2 * m], x[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                                       30, 31);
+        y[m] = __builtin_shufflevector(x[2 * m], x[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7,
+                                       16, 17, 18, 19, 20, 21, 22, 23)
+             + __builtin_shufflevector(x[2 * m], x[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                       24, 25, 26, 27, 28, 29, 30, 31);
     for (int n = 0; n < 4; n++)      /* l, l + 4: rows 4n .. 4n + 3, four lanes each */
-        z[n] = __builtin_shufflevector(y[2 * n], y[2 * n + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + __builtin_shufflevector(y[2 * n], y[2 * n + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                                       31);
+        z[n] = __builtin_shufflevector(y[2 * n], y[2 * n + 1], 0, 1, 2, 3, 8, 9, 10, 11,
+                                       16, 17, 18, 19, 24, 25, 26, 27)
+             + __builtin_shufflevector(y[2 * n], y[2 * n + 1], 4, 5, 6, 7, 12, 13, 14, 15,
+                                       20, 21, 22, 23, 28, 29, 30, 31);
     for (int p = 0; p < 2; p++)      /* l, l + 2: rows 8p .. 8p + 7, two lanes each */
-        w[p] = __builtin_shufflevector(z[2 * p], z[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + __builtin_shufflevector(z[2 * p], z[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                       31);
+        w[p] = __builtin_shufflevector(z[2 * p], z[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13,
+                                       16, 17, 20, 21, 24, 25, 28, 29)
+             + __builtin_shufflevector(z[2 * p], z[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15,
+                                       18, 19, 22, 23, 26, 27, 30, 31);
     return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)   /* l, l + 1 */
          + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }

@@ -349,8 +349,8 @@ static void chain_step_any(int64_t K, int64_t V, const float *restrict Spr, cons
                            float *restrict dq, float *restrict dk, float *restrict dv, float *restrict dg,
                            float *restrict dbeta) {
     switch (vector_count(V)) {
-#define K3_NV(n) case n: chain_step_v(n, K, Spr, er, wr, kt, qt, dot, bt, scale, dS, dqs, dka, dq, dk, dv, dg, dbeta); \
-                 return;
+#define K3_NV(n)                                                                                    \
+    case n: chain_step_v(n, K, Spr, er, wr, kt, qt, dot, bt, scale, dS, dqs, dka, dq, dk, dv, dg, dbeta); return;
     K3_NV(1) K3_NV(2) K3_NV(3) K3_NV(4) K3_NV(5) K3_NV(6) K3_NV(7) K3_NV(8)
 #undef K3_NV
     default: chain_step(K, V, Spr, er, wr, kt, qt, dot, bt, scale, dS, u, du, dks, dqs, dka, dq, dk, dv, dg, dbeta);
