@@ -270,7 +270,10 @@ class K3ForCausalLM(nn.Module):
                                  f"{tuple(input_ids.shape)}")
             if logits_to_keep:
                 raise ValueError("labels cannot be combined with logits_to_keep")
-            loss = cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), -100)
+            # position t predicts labels[t + 1]; the last position has no target (ignored), so the
+            # logits go to the loss whole, not as a shifted copy whose backward zero-fills [B, T, V]
+            target = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
+            loss = cross_entropy(logits.flatten(0, 1), target.flatten(), -100)
         return CausalLMOutput(logits=logits, loss=loss, cache=cache)
 
     def moe_layers(self) -> list[LatentMoE]:

@@ -35,7 +35,7 @@ activations) these terms are what those ops keep instead:
                                                               query, and the newest source (the running partial
                                                               sum, which no other op keeps)
     glu(M, W) (C)       = M·W·3·4                               g, u, and the product (the down projection's input)
-    loss (C)            = (N − B)·(V·4 + 8 + 4)                 the shifted logits, targets, log-sum-exp per row
+    loss (C)            = N·(V·4 + 8 + 4)                       the logits, targets, log-sum-exp per row
 
 The ``kda_core`` coefficients are the count of the fp32 numbers ``k3.ops.kda.chunk_kda`` still
 holds for the backward per chunk and head (the padded chunk, P and A blocks, the blockwise solve,
@@ -164,15 +164,16 @@ def layer_bytes(cfg, layer: int, B: int, T: int, e: int, attention: str, kernels
 
 
 def _head(cfg, B: int, T: int, e: int, kernels: str) -> int:
-    """Embedding ids, the output AttnRes mix, final norm, lm_head input, the loss's fp32 [N − B, V]
-    (log-softmax; with the C op its input, the shifted logits) and targets."""
+    """Embedding ids, the output AttnRes mix, final norm, lm_head input, the loss's fp32 [N, V]
+    (log-softmax; with the C op its input, the logits: the last position of each row is an ignored
+    target, not cut off) and targets."""
     N, H = B * T, cfg.hidden_size
     out_mix = 0
     c_op = kernels == "cpu" and e == F32
     if cfg.attn_res_block_size is not None:
         out_mix = _mix(math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) + 1, N, H, c_op)
-    loss = (N - B) * cfg.vocab_size * F32 + (N - B) * I64 + (N - B) * F32 if kernels == "cpu" else \
-        (N - B) * cfg.vocab_size * F32 + (N - B) * I64 + F32
+    loss = N * cfg.vocab_size * F32 + N * I64 + N * F32 if kernels == "cpu" else \
+        N * cfg.vocab_size * F32 + N * I64 + F32
     return N * I64 + out_mix + _norm(N, H, c_op) + N * H * e + loss
 
 
