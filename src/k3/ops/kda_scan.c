@@ -195,74 +195,8 @@ static inline __attribute__((always_inline)) void recompute_v(const int NV, cons
     }
 }
 
-/* One token of the chain rule (the header's formulas), any K and V. Spr, er, wr: the token's S', e^g
- * and w; kt, qt, dot: its k, q and do; dS [K, V] in and out; u, du, dks [V], dqs, dka [K]: scratch;
- * dq, dk, dg [K], dv [V], dbeta: the token's gradient rows. */
-static void chain_step(int64_t K, int64_t V, const float *restrict Spr, const float *restrict er,
-                       const float *restrict wr, const float *restrict kt, const float *restrict qt,
-                       const float *restrict dot, float bt, float scale, float *restrict dS, float *restrict u,
-                       float *restrict du, float *restrict dks, float *restrict dqs, float *restrict dka,
-                       float *restrict dq, float *restrict dk, float *restrict dv, float *restrict dg,
-                       float *restrict dbeta) {
-    for (int64_t j = 0; j < V; j++) { u[j] = bt * wr[j]; du[j] = 0.0f; }
-    for (int64_t i = 0; i < K; i++) {
-        const float ki = kt[i], qi = scale * qt[i];
-        const float *Pi = Spr + i * V;
-        float *dSi = dS + i * V;
-        v16 aq16 = {0}, ak16 = {0};              /* fixed-order sums over j: lanes, then a tail */
-        int64_t j = 0;
-        for (; j + 16 <= V; j += 16) {
-            const v16 U = load16(u + j), Do = load16(dot + j);
-            const v16 d = load16(dSi + j) + qi * Do;
-            store16(dSi + j, d);
-            aq16 += (load16(Pi + j) + ki * U) * Do;
-            store16(du + j, load16(du + j) + d * ki);
-            ak16 += d * U;
-        }
-        float aq = hsum16(aq16), ak = hsum16(ak16);
-        for (; j < V; j++) {
-            const float d = dSi[j] + qi * dot[j];
-            dSi[j] = d;
-            aq += (Pi[j] + ki * u[j]) * dot[j];
-            du[j] += d * ki;
-            ak += d * u[j];
-        }
-        dqs[i] = aq;
-        dka[i] = ak;
-    }
-    for (int64_t j = 0; j < V; j++) {
-        dv[j] = bt * du[j];
-        dks[j] = -bt * du[j];
-    }
-    *dbeta = dot_f(du, wr, V);
-    for (int64_t i = 0; i < K; i++) {
-        const float ki = kt[i], ei = er[i];
-        const float *Pi = Spr + i * V;
-        float *dSi = dS + i * V;
-        v16 ab16 = {0}, ag16 = {0};
-        int64_t j = 0;
-        for (; j + 16 <= V; j += 16) {
-            const v16 P = load16(Pi + j), Dk = load16(dks + j);
-            const v16 dsp = load16(dSi + j) + ki * Dk;
-            ab16 += P * Dk;
-            ag16 += dsp * P;
-            store16(dSi + j, ei * dsp);
-        }
-        float ab = hsum16(ab16), ag = hsum16(ag16);
-        for (; j < V; j++) {
-            const float dsp = dSi[j] + ki * dks[j];
-            ab += Pi[j] * dks[j];
-            ag += dsp * Pi[j];
-            dSi[j] = ei * dsp;
-        }
-        dg[i] = ag;
-        dk[i] = dka[i] + ab;
-        dq[i] = scale * dqs[i];
-    }
-}
-
-/* chain_step for V = 16 NV: the same arithmetic in the same order (the same bits), with u, do, du and
- * dks in registers, and the row sums of 16 rows reduced together (hsum16x16). */
+/* chain_step (below) for V = 16 NV: the same arithmetic in the same order (the same bits), with u, do,
+ * du and dks in registers, and the row sums of 16 rows reduced together (hsum16x16). */
 static inline __attribute__((always_inline)) void chain_step_v(
     const int NV, int64_t K, const float *restrict Spr, const float *restrict er, const float *restrict wr,
     const float *restrict kt, const float *restrict qt, const float *restrict dot, float bt, float scale,
@@ -341,19 +275,77 @@ static inline __attribute__((always_inline)) void chain_step_v(
     }
 }
 
-/* chain_step, through chain_step_v when V is a multiple of 16 up to 16 NV_MAX. */
-static void chain_step_any(int64_t K, int64_t V, const float *restrict Spr, const float *restrict er,
-                           const float *restrict wr, const float *restrict kt, const float *restrict qt,
-                           const float *restrict dot, float bt, float scale, float *restrict dS, float *restrict u,
-                           float *restrict du, float *restrict dks, float *restrict dqs, float *restrict dka,
-                           float *restrict dq, float *restrict dk, float *restrict dv, float *restrict dg,
-                           float *restrict dbeta) {
+/* One token of the chain rule (the header's formulas), any K and V (through chain_step_v when V is a
+ * multiple of 16 up to 16 NV_MAX). Spr, er, wr: the token's S', e^g and w; kt, qt, dot: its k, q and
+ * do; dS [K, V] in and out; u, du, dks [V], dqs, dka [K]: scratch; dq, dk, dg [K], dv [V], dbeta: the
+ * token's gradient rows. */
+static void chain_step(int64_t K, int64_t V, const float *restrict Spr, const float *restrict er,
+                       const float *restrict wr, const float *restrict kt, const float *restrict qt,
+                       const float *restrict dot, float bt, float scale, float *restrict dS, float *restrict u,
+                       float *restrict du, float *restrict dks, float *restrict dqs, float *restrict dka,
+                       float *restrict dq, float *restrict dk, float *restrict dv, float *restrict dg,
+                       float *restrict dbeta) {
     switch (vector_count(V)) {
 #define K3_NV(n)                                                                                    \
     case n: chain_step_v(n, K, Spr, er, wr, kt, qt, dot, bt, scale, dS, dqs, dka, dq, dk, dv, dg, dbeta); return;
     K3_NV(1) K3_NV(2) K3_NV(3) K3_NV(4) K3_NV(5) K3_NV(6) K3_NV(7) K3_NV(8)
 #undef K3_NV
-    default: chain_step(K, V, Spr, er, wr, kt, qt, dot, bt, scale, dS, u, du, dks, dqs, dka, dq, dk, dv, dg, dbeta);
+    default: break;
+    }
+    for (int64_t j = 0; j < V; j++) { u[j] = bt * wr[j]; du[j] = 0.0f; }
+    for (int64_t i = 0; i < K; i++) {
+        const float ki = kt[i], qi = scale * qt[i];
+        const float *Pi = Spr + i * V;
+        float *dSi = dS + i * V;
+        v16 aq16 = {0}, ak16 = {0};              /* fixed-order sums over j: lanes, then a tail */
+        int64_t j = 0;
+        for (; j + 16 <= V; j += 16) {
+            const v16 U = load16(u + j), Do = load16(dot + j);
+            const v16 d = load16(dSi + j) + qi * Do;
+            store16(dSi + j, d);
+            aq16 += (load16(Pi + j) + ki * U) * Do;
+            store16(du + j, load16(du + j) + d * ki);
+            ak16 += d * U;
+        }
+        float aq = hsum16(aq16), ak = hsum16(ak16);
+        for (; j < V; j++) {
+            const float d = dSi[j] + qi * dot[j];
+            dSi[j] = d;
+            aq += (Pi[j] + ki * u[j]) * dot[j];
+            du[j] += d * ki;
+            ak += d * u[j];
+        }
+        dqs[i] = aq;
+        dka[i] = ak;
+    }
+    for (int64_t j = 0; j < V; j++) {
+        dv[j] = bt * du[j];
+        dks[j] = -bt * du[j];
+    }
+    *dbeta = dot_f(du, wr, V);
+    for (int64_t i = 0; i < K; i++) {
+        const float ki = kt[i], ei = er[i];
+        const float *Pi = Spr + i * V;
+        float *dSi = dS + i * V;
+        v16 ab16 = {0}, ag16 = {0};
+        int64_t j = 0;
+        for (; j + 16 <= V; j += 16) {
+            const v16 P = load16(Pi + j), Dk = load16(dks + j);
+            const v16 dsp = load16(dSi + j) + ki * Dk;
+            ab16 += P * Dk;
+            ag16 += dsp * P;
+            store16(dSi + j, ei * dsp);
+        }
+        float ab = hsum16(ab16), ag = hsum16(ag16);
+        for (; j < V; j++) {
+            const float dsp = dSi[j] + ki * dks[j];
+            ab += Pi[j] * dks[j];
+            ag += dsp * Pi[j];
+            dSi[j] = ei * dsp;
+        }
+        dg[i] = ag;
+        dk[i] = dka[i] + ab;
+        dq[i] = scale * dqs[i];
     }
 }
 
@@ -433,8 +425,8 @@ int k3_kda_scan_bwd(int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, const
                 const int64_t row = (b * T + t) * H + h, r = t - t0;
                 const float *Spr = Sp + r * K * V, *er = E + r * K, *wr = W + r * V;
                 const float *kt = k + row * K, *qt = q + row * K, *dot = dO + row * V;
-                chain_step_any(K, V, Spr, er, wr, kt, qt, dot, beta[row], scale, dS, u, du, dks, dqs, dka,
-                               dq + row * K, dk + row * K, dv + row * V, dg + row * K, dbeta + row);
+                chain_step(K, V, Spr, er, wr, kt, qt, dot, beta[row], scale, dS, u, du, dks, dqs, dka,
+                           dq + row * K, dk + row * K, dv + row * V, dg + row * K, dbeta + row);
             }
         }
         if (dS0) memcpy(dS0 + item * K * V, dS, sizeof(float) * (size_t)(K * V));
