@@ -226,9 +226,7 @@ def test_activations_match_saved_tensors(preset, dtype, B, T, kernels, monkeypat
     model = K3ForCausalLM(cfg).to(dtype)
     ids = torch.randint(0, cfg.vocab_size, (B, T))
     _, measured, head, max_layer, inputs = _saved_bytes(model, ids, per_layer=True)
-    # MLA on the CPU: torch's fused kernel in fp32 (k3.model.mla._sdpa pads v for it), the math path in bf16
-    attention = "fused-cpu" if dtype == torch.float32 else "math"
-    plan = activation_bytes(cfg, B, T, torch.tensor([], dtype=dtype).element_size(), attention=attention,
+    plan = activation_bytes(cfg, B, T, torch.tensor([], dtype=dtype).element_size(), attention="math",
                             kernels=kernels)
     # Within 2% (measured: -0.1 .. +1.0%): the plan writes the fp32 norm input of MLA's kv latent, the SiTU and AttnRes
     # terms as separate tensors; in fp32 some of them are views of one storage (counted once).

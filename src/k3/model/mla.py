@@ -45,23 +45,6 @@ __all__ = ["GatedMLA", "ATTN_IMPLS"]
 ATTN_IMPLS = ("naive", "absorb", "auto")
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, **kw) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with v zero-padded to the q/k head size on the CPU.
-
-    torch's fused CPU kernel (flash attention, forward and backward) needs one head size for q, k and
-    v; MLA's v is narrower (v_head_dim < n + p), and unpadded the call falls back to the unfused math
-    path, which materialises the scores (fwd+bwd at `small`'s shape: 1.5x slower). The padded output
-    columns are exact zeros and are cut off, so only the rounding of the fused kernel differs.
-    fp32 only: in bf16 the fused kernel's rounding moved a 200-step `nano` run 2.8 % off its fp32 twin
-    (the math path: 0.6 %, tests/train/test_bf16.py).
-    """
-    dv = v.shape[-1]
-    if q.device.type == "cpu" and q.dtype == torch.float32 and dv < q.shape[-1]:
-        o = F.scaled_dot_product_attention(q, k, F.pad(v, (0, q.shape[-1] - dv)), scale=scale, **kw)
-        return o[..., :dv]
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
-
-
 def _query_mask(starts: torch.Tensor | None, t0: int, t1: int, S: int, offset: int,
                 device: torch.device) -> torch.Tensor:
     """True where new query t (t0 ≤ t < t1) may attend cached key j < S.
@@ -186,14 +169,15 @@ class GatedMLA(nn.Module):
             self.last_max_logits = self._max_logits(q, k, starts)
         step = self._query_chunk(B, S)
         if S == T and starts is None and (T <= step or torch.is_grad_enabled()):
-            return _sdpa(q, k, v, is_causal=True, scale=self.softmax_scale).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            return o.transpose(1, 2)
         outs = []
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
             end = S - T + t1                     # no query of this chunk reaches a key ≥ end
             mask = _query_mask(starts, t0, t1, end, S - T, q.device)
-            outs.append(_sdpa(q[:, :, t0:t1], k[:, :, :end], v[:, :, :end], attn_mask=mask,
-                              scale=self.softmax_scale))
+            outs.append(F.scaled_dot_product_attention(q[:, :, t0:t1], k[:, :, :end], v[:, :, :end],
+                                                       attn_mask=mask, scale=self.softmax_scale))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
         return o.transpose(1, 2)
 

@@ -259,8 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="compute/communication dtype")
     p.add_argument("--attention", choices=ATTENTION_KINDS, default="fused",
                    help="MLA attention kernel: fused (CUDA memory-efficient SDPA: inputs + log-sum-exp "
-                        "saved), fused-cpu (CPU fp32: flash kernel, v padded to the q/k head size) or math "
-                        "(CPU bf16: copies and the T×T probabilities saved)")
+                        "saved) or math (CPU: fp32 copies and the T×T probabilities saved)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

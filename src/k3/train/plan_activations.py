@@ -20,9 +20,6 @@ latent ℓ, expert width F, shared width F_s, S = N·k slots; dense MLP width I;
                           recursive halving, ``k3.ops.kda._diag_halving``)
     sdpa (math, CPU)    = B·nh_m·T·(2(n+p) + v + T)·4        q, k, v and the T×T probabilities, fp32
     sdpa (fused, CUDA)  = B·nh_m·T·((3n + 2p + v)·e + 4)     q, k, the kv_b output v is a view of, log-sum-exp
-    sdpa (fused-cpu)    = B·nh_m·T·((4(n+p) − v)·4 + 4)      CPU fp32 (torch's flash kernel, v zero-padded to
-                                                              n + p): q, k, padded v, the padded output (the
-                                                              gate counts v of its n + p columns), log-sum-exp
 
 With ``kernels="cpu"`` (k3's C ops on the CPU: ``k3::kda_scan`` and ``k3::cross_entropy`` in any
 dtype; ``k3::attn_res_mix``, ``k3::short_conv_silu``, ``k3::gated_act`` and ``k3::rms_norm`` for fp32
@@ -54,7 +51,7 @@ import math
 
 __all__ = ["activation_terms", "activation_bytes", "ATTENTION_KINDS", "KERNEL_KINDS"]
 
-ATTENTION_KINDS = ("math", "fused", "fused-cpu")
+ATTENTION_KINDS = ("math", "fused")
 KERNEL_KINDS = ("torch", "cpu")
 F32 = 4
 I64 = 8
@@ -114,8 +111,6 @@ def _mla(cfg, B: int, T: int, e: int, attention: str, c_norm: bool) -> int:
     kv = x32 + N * F32 + (0 if c_norm else N * r * F32) + N * r * e
     if attention == "math":
         sdpa = B * nh * T * (2 * (n + p) + v + T) * F32
-    elif attention == "fused-cpu":
-        sdpa = B * nh * T * ((4 * (n + p) - v) * F32 + F32)
     else:
         # memory-efficient / flash SDPA: q (view of q_b's output), k (the cat), v's storage (kv_b's
         # output, n + v per head), log-sum-exp; its output is the gate's input, counted there
