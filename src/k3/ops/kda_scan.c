@@ -30,14 +30,19 @@
 
 #include "k3_vec.h"
 
+/* e = e^g over a row of K. */
+static inline void exp_row(float *e, const float *gt, int64_t K) {
+    memcpy(e, gt, sizeof(float) * (size_t)K);
+    map_exp(e, K);
+}
+
 /* One token: S <- S' + k u^T from S; writes e = e^g, u, and when not NULL w = v - S'^T k, S' [K, V]
  * and o (without o, the write only: the backward's recomputation, with the forward's arithmetic). */
 static inline void token_step(float *restrict S, int64_t K, int64_t V, const float *restrict gt,
                               const float *restrict kt, const float *restrict qt, float scale,
                               const float *restrict vt, float bt, float *restrict e, float *restrict u,
                               float *restrict w, float *restrict Sp, float *restrict ot) {
-    memcpy(e, gt, sizeof(float) * (size_t)K);
-    map_exp(e, K);
+    exp_row(e, gt, K);
     for (int64_t j = 0; j < V; j++) u[j] = 0.0f;
     for (int64_t i = 0; i < K; i++) {              /* decay, and S'^T k */
         float *Si = S + i * V;
@@ -138,11 +143,6 @@ static inline __attribute__((always_inline)) void update_v(const int NV, const f
         if (w) store16(w + 16 * n, wn);
         U[n] = bt * wn;
     }
-}
-
-static inline void exp_row(float *e, const float *gt, int64_t K) {
-    memcpy(e, gt, sizeof(float) * (size_t)K);
-    map_exp(e, K);
 }
 
 /* The forward of one head (k3_kda_scan's loop body) for V = 16 NV: S [K, V] in (the initial state)
