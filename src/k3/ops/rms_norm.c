@@ -19,12 +19,7 @@
 enum { NORM_BLOCK = 64 };
 
 static float row_rinv(const float *x, int64_t D, float eps) {
-    v16 s = splat16(0.0f);
-    for (int64_t j = 0; j < D; j += 16) {
-        const v16 v = load16_pad(x, j, D, 0.0f);
-        s += v * v;
-    }
-    return 1.0f / sqrtf(hsum16(s) / (float)D + eps);
+    return 1.0f / sqrtf(sumsq_f(x, D) / (float)D + eps);
 }
 
 int k3_rms_norm(int64_t M, int64_t D, const float *x, const float *w, float eps, float *y, float *rinv,
