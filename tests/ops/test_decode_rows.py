@@ -83,7 +83,7 @@ def _kda_inputs(B, nh, d, K, seed):
 
 
 @pytest.mark.parametrize("lb", [-5.0, None])        # K3's lower-bounded gate, Kimi-Linear's softplus gate
-@pytest.mark.parametrize("B,nh,d,K", [(1, 2, 32, 4), (3, 4, 64, 4), (2, 1, 20, 2)])
+@pytest.mark.parametrize("B,nh,d,K", [(1, 2, 32, 4), (3, 4, 64, 4), (1, 2, 128, 3), (2, 1, 20, 2), (1, 1, 144, 3)])
 def test_kda_step_equals_a_float64_loop(lb, B, nh, d, K):
     qkv, conv, conv_w, dec_in, neg_a, beta_in, gate, S = _kda_inputs(B, nh, d, K, B + d)
     args = (qkv, conv, conv_w, dec_in, lb, neg_a, beta_in, gate, S, 1e-6, d ** -0.5, d * 1e-5)

@@ -10,7 +10,56 @@
 
 #include "k3_vec.h"
 
-enum { KDA_MAX_D = 256 };
+enum { KDA_MAX_D = 256, KDA_ND_MAX = 8 };
+
+/* The state update of one (row, head) for d = 16 ND (ND <= KDA_ND_MAX): the formulas of the scalar loop in
+ * kda_state, element for element in the same order, with k^T S', u and o held in registers. */
+static inline __attribute__((always_inline)) void kda_state_v(const int ND, int64_t d, const float *Si, float *So,
+                                                              const float *e, const float *k, const float *q,
+                                                              const float *v, float beta, float *o_out) {
+    v16 ks[KDA_ND_MAX], u[KDA_ND_MAX], o[KDA_ND_MAX];
+    for (int n = 0; n < ND; n++) ks[n] = splat16(0.0f);
+    for (int64_t i = 0; i < d; i++) {
+        const float ei = e[i], ki = k[i];
+        for (int n = 0; n < ND; n++) ks[n] += ki * (load16(Si + i * d + 16 * n) * ei);
+    }
+    for (int n = 0; n < ND; n++) { u[n] = beta * (load16(v + 16 * n) - ks[n]); o[n] = splat16(0.0f); }
+    for (int64_t i = 0; i < d; i++) {
+        const float ei = e[i], ki = k[i], qi = q[i];
+        for (int n = 0; n < ND; n++) {
+            const v16 s = load16(Si + i * d + 16 * n) * ei + ki * u[n];
+            store16(So + i * d + 16 * n, s);
+            o[n] += qi * s;
+        }
+    }
+    for (int n = 0; n < ND; n++) store16(o_out + 16 * n, o[n]);
+}
+
+/* S_out = diag(e) S + k u^T with u = beta (v - k^T diag(e) S), and o = q^T S_out, for one (row, head). */
+static void kda_state(int64_t d, const float *Si, float *So, const float *e, const float *k, const float *q,
+                      const float *v, float beta, float *o) {
+    switch (d % 16 ? 0 : d / 16) {
+#define K3_ND(n) case n: kda_state_v(n, d, Si, So, e, k, q, v, beta, o); return;
+    K3_ND(1) K3_ND(2) K3_ND(3) K3_ND(4) K3_ND(5) K3_ND(6) K3_ND(7) K3_ND(8)
+#undef K3_ND
+    default: break;
+    }
+    float ks[KDA_MAX_D], u[KDA_MAX_D];
+    for (int64_t j = 0; j < d; j++) ks[j] = 0.0f;
+    for (int64_t i = 0; i < d; i++) {
+        const float ei = e[i], ki = k[i];
+        for (int64_t j = 0; j < d; j++) ks[j] += ki * (Si[i * d + j] * ei);
+    }
+    for (int64_t j = 0; j < d; j++) { u[j] = beta * (v[j] - ks[j]); o[j] = 0.0f; }
+    for (int64_t i = 0; i < d; i++) {
+        const float ei = e[i], ki = k[i], qi = q[i];
+        for (int64_t j = 0; j < d; j++) {
+            const float s = Si[i * d + j] * ei + ki * u[j];
+            So[i * d + j] = s;
+            o[j] += qi * s;
+        }
+    }
+}
 
 /* One KDA recurrent step after the input projections, for B rows of nh heads of size d (P = nh d):
  *
@@ -32,7 +81,7 @@ int k3_kda_step(int64_t B, int64_t nh, int64_t d, int64_t Kc, const float *qkv, 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t item = 0; item < B * nh; item++) {
         const int64_t b = item / nh, h = item % nh;
-        float hq[3 * KDA_MAX_D], e[KDA_MAX_D], ks[KDA_MAX_D], u[KDA_MAX_D], o[KDA_MAX_D], g[KDA_MAX_D];
+        float hq[3 * KDA_MAX_D], e[KDA_MAX_D], o[KDA_MAX_D], g[KDA_MAX_D];
         for (int64_t part = 0; part < 3; part++)
             for (int64_t j = 0; j < d; j++) {
                 const int64_t ch = part * P + h * d + j;
@@ -66,20 +115,7 @@ int k3_kda_step(int64_t B, int64_t nh, int64_t d, int64_t Kc, const float *qkv, 
         float *So = S_out + item * d * d;
         /* S' = diag(e) S is recomputed in the second pass rather than stored, so S_out is written
          * once (the first pass reads S from memory, the second from the cache) */
-        for (int64_t j = 0; j < d; j++) ks[j] = 0.0f;
-        for (int64_t i = 0; i < d; i++) {
-            const float ei = e[i], ki = k[i];
-            for (int64_t j = 0; j < d; j++) ks[j] += ki * (Si[i * d + j] * ei);
-        }
-        for (int64_t j = 0; j < d; j++) { u[j] = beta * (v[j] - ks[j]); o[j] = 0.0f; }
-        for (int64_t i = 0; i < d; i++) {
-            const float ei = e[i], ki = k[i], qi = q[i];
-            for (int64_t j = 0; j < d; j++) {
-                const float s = Si[i * d + j] * ei + ki * u[j];
-                So[i * d + j] = s;
-                o[j] += qi * s;
-            }
-        }
+        kda_state(d, Si, So, e, k, q, v, beta, o);
         const float so = 1.0f / sqrtf(sumsq_f(o, d) + c_o);
         const float *gg = gate + b * ld_gate + h * d;
         for (int64_t j = 0; j < d; j++) g[j] = gg[j];
