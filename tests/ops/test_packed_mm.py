@@ -36,7 +36,7 @@ def test_the_kernel_builds_here_and_shares_torchs_openmp():
 
 
 @pytest.mark.parametrize("K,N", [(64, 2 * NR), (33, 65), (256, 100), (7, 1)])
-@pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 17, 40])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 7, 8, 9, 12, 17, 40])   # 1-2 rows: 4 panels a tile, 3-4: 2
 def test_mm_equals_the_float64_product(K, N, M):
     w = torch.randn(K, N, generator=_g(K + N))
     x = torch.randn(M, K, generator=_g(M))

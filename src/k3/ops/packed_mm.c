@@ -3,7 +3,9 @@
  * A weight W [K, N] (x @ W) is stored as ceil(N/NR) panels, each [K][NR] contiguous (columns past
  * N are zero). A tile of up to MR rows x NR columns keeps MR*NR/16 accumulators in registers and
  * streams its panel once, front to back, with a software prefetch AHEAD rows on: that is what keeps
- * the read stream going while the core is busy with the FMAs (batch 8: 1.8x MKL's sgemm here).
+ * the read stream going while the core is busy with the FMAs (batch 8: 1.6-1.8x MKL's sgemm here). A
+ * tile of 1-4 rows streams 2-4 panels side by side instead, so more reads are in flight (batch 1:
+ * 1.2-1.3x the one-panel tile; benchmarks/packed_mm.py).
  *
  * Every output element is one FMA chain over k = 0..K-1 in order, whatever the number of rows or
  * threads: a row's result does not depend on its batch companions (bitwise).
@@ -18,29 +20,37 @@
 
 #include "k3_vec.h"
 
-enum { NR = 32, MR = 8, AHEAD = 32 };
+enum { NR = 32, MR = 8, AHEAD = 32, PN = 4 };
 
-/* y[m][0:nc] (+)= s[m] * (x[m] @ panel) for m < mr; x[m], y[m]: row pointers; s[m]: row scales. */
-static inline __attribute__((always_inline)) void tile(const int mr, const float *const *x, const float *panel,
-                                                       int64_t K, float *const *y, const float *s, int64_t nc,
-                                                       int acc) {
-    v16 a0[MR], a1[MR];
-    for (int m = 0; m < mr; m++) { a0[m] = (v16){0}; a1[m] = (v16){0}; }
+/* y[m][0:nc] (+)= s[m] * (x[m] @ [panel_0 | .. | panel_{pn-1}]) for m < mr, over pn consecutive panels
+ * (pn <= PN): x[m], y[m]: row pointers; s[m]: row scales. Few rows leave the FMA units idle while
+ * one panel streams in, so they stream pn panels at once (more reads in flight); each output
+ * element is still the same FMA chain over k in order. */
+static inline __attribute__((always_inline)) void tile(const int mr, const int pn, const float *const *x,
+                                                       const float *panel, int64_t K, float *const *y,
+                                                       const float *s, int64_t nc, int acc) {
+    v16 a0[PN][MR], a1[PN][MR];
+    for (int p = 0; p < pn; p++)
+        for (int m = 0; m < mr; m++) { a0[p][m] = (v16){0}; a1[p][m] = (v16){0}; }
     for (int64_t k = 0; k < K; k++) {
-        const float *w = panel + k * NR;
-        __builtin_prefetch(w + AHEAD * NR);
-        __builtin_prefetch(w + AHEAD * NR + 16);
-        v16 w0 = load16(w), w1 = load16(w + 16);
-        for (int m = 0; m < mr; m++) {
-            float b = x[m][k];
-            a0[m] += b * w0;
-            a1[m] += b * w1;
+        for (int p = 0; p < pn; p++) {
+            const float *w = panel + (p * K + k) * NR;
+            __builtin_prefetch(w + AHEAD * NR);
+            __builtin_prefetch(w + AHEAD * NR + 16);
+            v16 w0 = load16(w), w1 = load16(w + 16);
+            for (int m = 0; m < mr; m++) {
+                float b = x[m][k];
+                a0[p][m] += b * w0;
+                a1[p][m] += b * w1;
+            }
         }
     }
     for (int m = 0; m < mr; m++) {
-        float t[NR];
-        store16(t, a0[m]);
-        store16(t + 16, a1[m]);
+        float t[PN * NR];
+        for (int p = 0; p < pn; p++) {
+            store16(t + p * NR, a0[p][m]);
+            store16(t + p * NR + 16, a1[p][m]);
+        }
         float *o = y[m];
         const float sm = s[m];
         if (acc) for (int64_t j = 0; j < nc; j++) o[j] += sm * t[j];
@@ -48,31 +58,39 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
     }
 }
 
-static void tile_any(int mr, const float *const *x, const float *panel, int64_t K, float *const *y, const float *s,
-                     int64_t nc, int acc) {
-    switch (mr) {  /* one specialisation per row count: the accumulators stay in registers */
-    case 1: tile(1, x, panel, K, y, s, nc, acc); break;
-    case 2: tile(2, x, panel, K, y, s, nc, acc); break;
-    case 3: tile(3, x, panel, K, y, s, nc, acc); break;
-    case 4: tile(4, x, panel, K, y, s, nc, acc); break;
-    case 5: tile(5, x, panel, K, y, s, nc, acc); break;
-    case 6: tile(6, x, panel, K, y, s, nc, acc); break;
-    case 7: tile(7, x, panel, K, y, s, nc, acc); break;
-    default: tile(MR, x, panel, K, y, s, nc, acc); break;
+static void tile_any(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
+                     const float *s, int64_t nc, int acc) {
+    /* one specialisation per row and panel count: the accumulators stay in registers */
+#define K3_TILE(r, n) case MR * (n - 1) + r: tile(r, n, x, panel, K, y, s, nc, acc); break;
+    switch (MR * (pn - 1) + mr) {
+    K3_TILE(1, 1) K3_TILE(2, 1) K3_TILE(3, 1) K3_TILE(4, 1) K3_TILE(5, 1) K3_TILE(6, 1) K3_TILE(7, 1)
+    K3_TILE(1, 2) K3_TILE(2, 2) K3_TILE(3, 2) K3_TILE(4, 2)
+    K3_TILE(1, 3) K3_TILE(2, 3) K3_TILE(1, 4) K3_TILE(2, 4)
+    default: tile(MR, 1, x, panel, K, y, s, nc, acc); break;
     }
+#undef K3_TILE
+}
+
+/* Panels per item for a chunk of `rows` rows: 4 for up to 2 rows, 2 for up to 4, else 1 (with 8 rows the
+ * FMAs already cover a panel's read time); the matrix's last group may be shorter (item_panels). */
+static inline int64_t group_panels(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+static inline int64_t item_panels(int64_t rows, int64_t p, int64_t np) {
+    const int64_t g = group_panels(rows);
+    return np - p < g ? np - p : g;
 }
 
 /* The work: row chunk c (rows first[c] .. first[c]+len[c]-1 of the row lists, of matrix mat[c]) times
- * panel p, for each item (chunk[i], panel[i]); scale: one factor per row of the lists, or NULL. */
+ * panels p .. p+pn-1, pn = item_panels(len[c], p, np), for each item (chunk[i], panel[i] = p); scale: one
+ * factor per row of the lists, or NULL. */
 static void run(const float *const *xrows, float *const *yrows, const float *scale, const int64_t *first,
                 const int64_t *len,
                 const int64_t *mat, int64_t items, const int64_t *chunk, const int64_t *panel, int64_t K,
                 const float *W, int64_t N, int acc, int nthreads) {
-    const int64_t msize = (N + NR - 1) / NR * K * NR;
+    const int64_t np = (N + NR - 1) / NR, msize = np * K * NR;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < items; i++) {
-        const int64_t c = chunk[i], p = panel[i];
-        const int64_t nc = N - p * NR < NR ? N - p * NR : NR;
+        const int64_t c = chunk[i], p = panel[i], pn = item_panels(len[c], p, np);
+        const int64_t nc = N - p * NR < pn * NR ? N - p * NR : pn * NR;
         const float *xs[MR];
         float *ys[MR], ss[MR];
         for (int64_t m = 0; m < len[c]; m++) {
@@ -80,7 +98,7 @@ static void run(const float *const *xrows, float *const *yrows, const float *sca
             ys[m] = yrows[first[c] + m] + p * NR;
             ss[m] = scale ? scale[first[c] + m] : 1.0f;
         }
-        tile_any((int)len[c], xs, W + mat[c] * msize + p * K * NR, K, ys, ss, nc, acc);
+        tile_any((int)len[c], (int)pn, xs, W + mat[c] * msize + p * K * NR, K, ys, ss, nc, acc);
     }
 }
 
@@ -93,14 +111,19 @@ int k3_row_inv_norm(const float *x, int64_t ldx, int64_t M, int64_t K, float c, 
 }
 
 /* Items in matrix order, then panel, then the matrix's chunks (a panel's chunks run back to back on
- * one thread); chunks of one matrix are consecutive in mat. Returns the item count. */
-static int64_t order_items(int64_t nchunks, const int64_t *mat, int64_t np, int64_t *chunk, int64_t *panel) {
+ * one thread; a chunk of few rows takes its panels in groups, group_panels); chunks of one matrix are
+ * consecutive in mat. Returns the item count. */
+static int64_t order_items(int64_t nchunks, const int64_t *len, const int64_t *mat, int64_t np, int64_t *chunk,
+                           int64_t *panel) {
     int64_t i = 0;
     for (int64_t b = 0; b < nchunks;) {
         int64_t n = 1;
         while (b + n < nchunks && mat[b + n] == mat[b]) n++;
         for (int64_t p = 0; p < np; p++)
-            for (int64_t c = b; c < b + n; c++) { chunk[i] = c; panel[i] = p; i++; }
+            for (int64_t c = b; c < b + n; c++) {
+                if (p % group_panels(len[c])) continue;   /* the group that starts before p covers it */
+                chunk[i] = c; panel[i] = p; i++;
+            }
         b += n;
     }
     return i;
@@ -131,7 +154,7 @@ int k3_packed_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const float 
         len[c] = M - c * MR < MR ? M - c * MR : MR;
         mat[c] = 0;
     }
-    int64_t items = order_items(nchunks, mat, np, chunk, panel);
+    int64_t items = order_items(nchunks, len, mat, np, chunk, panel);
     run(xr, yr, scale, first, len, mat, items, chunk, panel, K, W, N, acc, nthreads);
     free(xr); free(yr); free(meta); free(scale);
     return 0;
@@ -167,7 +190,7 @@ int k3_packed_rows_mm(const float *x, int64_t ldx, int64_t R, const int64_t *row
             len[nchunks] = count[e] - j < MR ? count[e] - j : MR;
             mat[nchunks++] = e;
         }
-    int64_t items = order_items(nchunks, mat, np, chunk, panel);
+    int64_t items = order_items(nchunks, len, mat, np, chunk, panel);
     run(xr, yr, NULL, first, len, mat, items, chunk, panel, K, W, N, 0, nthreads);
     free(count); free(xr); free(yr); free(meta);
     return 0;
