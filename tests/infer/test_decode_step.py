@@ -144,4 +144,7 @@ def test_the_cache_after_steps_is_ordinary_and_a_forward_with_autograd_continues
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     assert grads and all(torch.isfinite(g).all() for g in grads)
-    torch.testing.assert_close(out.detach(), want, rtol=1e-6, atol=1e-6)
+    # The autograd forward runs other kernels than the no-grad one (saved tensors, the C ops' autograd
+    # forms): equal to fp32 rounding of the logits' scale (AVX2 left 1.6e-6 on one logit of 1,024, at
+    # a scale of ~10).
+    assert (out.detach() - want).abs().max() <= 1e-6 * max(1.0, want.abs().max().item())

@@ -43,7 +43,9 @@ def test_mix_and_its_gradients_match_the_float64_formula(n, shape, path):
     assert ran_c == (path == "c"), out.grad_fn
     ref, want = _run(formula, srcs, query, gamma, dout, torch.float64)
     assert out.dtype == torch.float32 and out.shape == srcs[0].shape
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # Each output is a sum of n terms α_i v_i rounded in fp32: to fp32 rounding of the largest entry
+    # (an entry near 0 can sit beside terms of size 30; AVX2's torch kernels left 1.06e-5 there, at n = 9).
+    assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     for i, (a, b) in enumerate(zip(grads, want)):   # to fp32 rounding of the largest entry (dq sums rows)
         assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max(), f"gradient {i}"
 
