@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from k3.config import get_preset
+from k3.train import optim
 from k3.train.optim import (
     Muon,
     build_optimizer,
@@ -59,6 +60,50 @@ def test_newton_schulz_gives_near_orthogonal_update_aligned_with_uv():
             assert s.min() > 0.6 and s.max() < 1.25
             cos = (x * (u @ vh)).sum() / (x.norm() * (u @ vh).norm())
             assert cos > 0.95
+
+
+def _bf16_iteration(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """NS5 in torch's bf16 ops (oneDNN's bf16 matmul where the CPU has it, a generic loop elsewhere)."""
+    x = g.bfloat16()
+    tall = x.shape[-2] > x.shape[-1]
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    fma = torch.addmm if x.dim() == 2 else torch.baddbmm
+    for _ in range(steps):
+        xxt = x @ x.mT
+        x = fma(x, fma(xxt, xxt, xxt, beta=B_, alpha=C), x, beta=A)
+    return (x.mT if tall else x).float()
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (3, 64, 160)])
+def test_bf16_newton_schulz_on_fp32_matmuls_keeps_bf16_numbers(shape):
+    """Where the CPU has no bf16 matmul kernels, NS5 computes bf16 values with fp32 matmuls; each
+    product of bf16 values is exact in fp32, so it is the bf16 iteration up to summation order."""
+    torch.manual_seed(3)
+    g = torch.randn(*shape)
+    one = optim._bf16_on_fp32(g, 1)
+    assert torch.equal(one, one.bfloat16().float())                      # bf16 values throughout
+    assert (one == _bf16_iteration(g, 1)).float().mean() >= 0.999         # one step: the same bits
+    fp32 = zeropower_via_newtonschulz5(g, dtype=torch.float32)
+    native = _bf16_iteration(g, 5)
+    emulated = optim._bf16_on_fp32(g, 5)
+    # Five steps amplify the rare summation-order flips (here 0.26-0.34 % apart); bf16 vs fp32 is
+    # 1.3 %: the path computes bf16's numbers, not fp32's (control: fp32 is far from both).
+    assert (emulated - native).norm() < 0.4 * (native - fp32).norm()
+    assert (emulated - fp32).norm() > 0.5 * (native - fp32).norm()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_newton_schulz_picks_its_path_by_the_cpu(monkeypatch, native):
+    g = torch.randn(40, 72)
+    monkeypatch.setattr(optim, "cpu_bf16_matmul_is_native", lambda: native)
+    got = zeropower_via_newtonschulz5(g)
+    if native:
+        assert torch.equal(got, _bf16_iteration(g, 5))
+    else:
+        assert torch.equal(got, optim._bf16_on_fp32(g, 5))
+    assert not torch.equal(zeropower_via_newtonschulz5(g, dtype=torch.float32), got)  # fp32 stays fp32
 
 
 def _one_param_opt(w, **kw):

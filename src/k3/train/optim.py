@@ -28,6 +28,7 @@ AdamW (groups with ``use_muon=False``): decoupled weight decay, bias-corrected m
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any, Iterable, Mapping
@@ -38,23 +39,62 @@ from torch import Tensor, nn
 from k3.errors import ConfigError
 from k3.model.mla import GatedMLA
 
-__all__ = ["NS_COEFFS", "zeropower_via_newtonschulz5", "orthogonalize", "Muon",
+__all__ = ["NS_COEFFS", "cpu_bf16_matmul_is_native", "zeropower_via_newtonschulz5", "orthogonalize", "Muon",
            "classify_param", "build_param_groups", "build_optimizer", "describe_param_groups",
            "qk_clip_", "QKClip"]
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_matmul_is_native() -> bool:
+    """Whether torch sends a CPU bf16 matmul to oneDNN's bf16 kernels (AVX-512 and newer, AMX).
+
+    Elsewhere (an AVX2 machine) it runs a generic loop: 25-70x slower than the fp32 matmul of
+    the same shape (measured on NS5's blocks, AMD EPYC AVX2, 2 threads)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _bf16_on_fp32(G: Tensor, steps: int) -> Tensor:
+    """NS5 with bf16 values and fp32 matmuls: every intermediate is rounded to bf16 where the bf16
+    iteration rounds it, and each product of bf16 values is exact in fp32 and summed in fp32, as a
+    bf16 matmul with fp32 accumulation does (only the summation order can differ)."""
+    a, b, c = NS_COEFFS
+
+    def r(t: Tensor) -> Tensor:
+        return t.to(torch.bfloat16).float()
+
+    X = r(G.float())
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    X = r(X / r(r(X.norm(dim=(-2, -1), keepdim=True)) + 1e-7))
+    fma = torch.addmm if X.dim() == 2 else torch.baddbmm
+    for _ in range(steps):
+        A = r(X @ X.mT)
+        X = r(fma(X, r(fma(A, A, A, beta=b, alpha=c)), X, beta=a))
+    if transposed:
+        X = X.mT
+    return X.to(G.dtype)
+
+
 def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
     """Approximate U Vᵀ of each matrix in G [..., m, n] (batched over leading dims).
 
     The iteration runs in bf16 by default on every device, as Muon's reference implementations do
-    (the quintic only has to push the singular values into ~[0.7, 1.2]): on this project's CPU
-    (AMX-bf16) a `small` optimizer step is 2.8× faster than in fp32, with the same training curve
-    (docs/TRAINING_SPEED.md §6). ``dtype`` overrides it (fp32 for an exact comparison)."""
+    (the quintic only has to push the singular values into ~[0.7, 1.2]): on a CPU with oneDNN's
+    bf16 kernels (AMX-bf16) a `small` optimizer step is 2.8× faster than in fp32, with the same
+    training curve (docs/TRAINING_SPEED.md §6). On a CPU without them (AVX2) the same bf16 values
+    are computed with fp32 matmuls (:func:`_bf16_on_fp32`). ``dtype`` overrides it (fp32 for an
+    exact comparison)."""
     a, b, c = NS_COEFFS
     if dtype is None:
         dtype = torch.bfloat16
+    if dtype == torch.bfloat16 and G.device.type == "cpu" and not cpu_bf16_matmul_is_native():
+        return _bf16_on_fp32(G, steps)
     X = G.to(dtype)
     transposed = X.size(-2) > X.size(-1)
     if transposed:
