@@ -130,11 +130,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="profiled steps (after one warm-up)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--demo", action="store_true",
+                    help="the model of `k3 demo` (tiny cut to 2 layers) instead of --preset; B16 T256 unless given")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
-    model = decoder.K3ForCausalLM(get_preset(a.preset))
+    if a.demo:
+        from k3.train.commands import DEMO_CONFIG
+        from k3.train.config import TrainConfig, resolve_model_config
+        model = decoder.K3ForCausalLM(resolve_model_config(TrainConfig.build(overrides=DEMO_CONFIG)))
+        a.preset = "demo"
+    else:
+        model = decoder.K3ForCausalLM(get_preset(a.preset))
     opt = optim.build_optimizer(model, model.config, 3e-3, 0.0)
     bal = RouterBalancer(model, "quantile")
     bal.recording(True)
