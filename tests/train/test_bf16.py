@@ -42,6 +42,24 @@ def test_bf16_runs_matmuls_in_bf16_and_keeps_fp32_master_weights(env):
     assert seen["fp32"] == torch.float32
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_bf16_kernels_says_so(env, monkeypatch, native):
+    from k3.train import loop
+
+    base, data = env
+    monkeypatch.setattr(loop, "cpu_bf16_matmul_is_native", lambda: native)
+    said = []
+    opts = dict(preset="nano", data=str(data), out=str(base / f"warn{native}"), steps=1, batch_size=2,
+                curriculum=[[0, 32]], threads=1, eval_interval=0, final_eval_batches=1, plot=False)
+    Trainer(TrainConfig.build(overrides={**opts, "dtype": "bf16"}), print_fn=said.append, tty=False)
+    warned = [s for s in said if s.startswith("dtype=bf16: this CPU has no oneDNN bf16 matmul kernels")]
+    assert len(warned) == (0 if native else 1), said
+    said.clear()   # control: fp32 never says it
+    Trainer(TrainConfig.build(overrides={**opts, "out": str(base / f"warn32{native}")}), print_fn=said.append,
+            tty=False)
+    assert not any(s.startswith("dtype=bf16") for s in said)
+
+
 def test_dtype_flag_and_validation():
     from k3.train.commands import build_train_parser, train_config_from_args
 

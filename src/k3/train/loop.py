@@ -41,7 +41,7 @@ from k3.ops.loss import cross_entropy
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.metrics import MetricsLog, Progress, plot_run
-from k3.train.optim import QKClip, build_optimizer
+from k3.train.optim import QKClip, build_optimizer, cpu_bf16_matmul_is_native
 from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir, mark_resumed_run
 from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference, write_run_info
 from k3.threads import thread_control
@@ -165,6 +165,9 @@ class Trainer:
         self.balancer = self._make_balancer()
         self.qk_clip = QKClip(self.model, tc.qk_clip, self.model_config) if tc.qk_clip else None
         self.autocast_dtype = _autocast_dtype(tc.dtype, self.device)
+        if self.autocast_dtype is not None and self.device.type == "cpu" and not cpu_bf16_matmul_is_native():
+            self.print("dtype=bf16: this CPU has no oneDNN bf16 matmul kernels (they need AVX-512); torch runs "
+                       "its bf16 matmuls in a generic loop, many times slower than fp32 (--dtype fp32)")
         self.step, self.skips, self.tokens_seen = 0, 0, 0
         self.last_saved_step: int | None = None
         records: list[dict] = []
