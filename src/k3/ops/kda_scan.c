@@ -81,6 +81,16 @@ static inline void token_step(float *restrict S, int64_t K, int64_t V, const flo
 
 enum { NV_MAX = 8 };   /* the vector forms: V = 16 NV <= 128 */
 
+/* With 32 vector registers of 16 floats (AVX-512) a head's NV column blocks of the running sums stay
+ * in registers while a state row is read once. With 16 registers of 8 floats (AVX2) the same loop
+ * spills them on every row (the forward ran at a tenth of the FMA rate on an AMD EPYC), so there the
+ * loops go over one column block at a time: each sum still adds the same terms in the same order. */
+#if defined(__AVX512F__)
+#define K3_WIDE_REGISTERS 1
+#else
+#define K3_WIDE_REGISTERS 0
+#endif
+
 /* NV when V = 16 NV with NV <= NV_MAX (the vector forms), else 0 (the scalar token_step / chain_step). */
 static inline int vector_count(int64_t V) { return V % 16 || V / 16 > NV_MAX ? 0 : (int)(V / 16); }
 
@@ -93,6 +103,7 @@ static inline int vector_count(int64_t V) { return V % 16 || V / 16 > NV_MAX ? 0
 static inline __attribute__((always_inline)) void decay_v(const int NV, const float *src, float *dst, int64_t K,
                                                           const float *e, const float *kt, v16 *a) {
     const int64_t V = 16 * NV;
+#if K3_WIDE_REGISTERS
     for (int n = 0; n < NV; n++) a[n] = (v16){0};
     for (int64_t i = 0; i < K; i++) {
         const float ei = e[i], ki = kt[i];
@@ -102,6 +113,17 @@ static inline __attribute__((always_inline)) void decay_v(const int NV, const fl
             a[n] += ki * s;
         }
     }
+#else
+    for (int n = 0; n < NV; n++) {   /* one column block at a time: the same sums in the same order */
+        v16 an = {0};
+        for (int64_t i = 0; i < K; i++) {
+            const v16 s = load16(src + i * V + 16 * n) * e[i];
+            store16(dst + i * V + 16 * n, s);
+            an += kt[i] * s;
+        }
+        a[n] = an;
+    }
+#endif
 }
 
 /* S_t = src + k U^T (U = u), with o = S_t^T qs when OUT; written to dst, or with FUSE decayed by the
@@ -111,6 +133,26 @@ static inline __attribute__((always_inline)) void write_v(const int NV, const in
                                                           const v16 *U, const float *qt, float scale, float *ot,
                                                           const float *e2, const float *k2, v16 *a2) {
     const int64_t V = 16 * NV;
+#if !K3_WIDE_REGISTERS
+    for (int n = 0; n < NV; n++) {   /* one column block at a time: the same sums in the same order */
+        const v16 Un = U[n];
+        v16 accn = {0}, a2n = {0};
+        for (int64_t i = 0; i < K; i++) {
+            const v16 s = load16(src + i * V + 16 * n) + kt[i] * Un;
+            if (OUT) accn += (scale * qt[i]) * s;
+            if (FUSE) {
+                const v16 s2 = s * e2[i];
+                store16(dst + i * V + 16 * n, s2);
+                a2n += k2[i] * s2;
+            } else {
+                store16(dst + i * V + 16 * n, s);
+            }
+        }
+        if (OUT) store16(ot + 16 * n, accn);
+        if (FUSE) a2[n] = a2n;
+    }
+    return;
+#endif
     v16 acc[NV_MAX];
     for (int n = 0; n < NV; n++) {
         acc[n] = (v16){0};
