@@ -82,12 +82,12 @@ def test_bf16_newton_schulz_on_fp32_matmuls_keeps_bf16_numbers(shape):
     product of bf16 values is exact in fp32, so it is the bf16 iteration up to summation order."""
     torch.manual_seed(3)
     g = torch.randn(*shape)
-    one = optim._bf16_on_fp32(g, 1)
+    one = optim._newton_schulz(g, 1, torch.bfloat16, bf16_on_fp32=True)
     assert torch.equal(one, one.bfloat16().float())                      # bf16 values throughout
     assert (one == _bf16_iteration(g, 1)).float().mean() >= 0.999         # one step: the same bits
     fp32 = zeropower_via_newtonschulz5(g, dtype=torch.float32)
     native = _bf16_iteration(g, 5)
-    emulated = optim._bf16_on_fp32(g, 5)
+    emulated = optim._newton_schulz(g, 5, torch.bfloat16, bf16_on_fp32=True)
     # Five steps amplify the rare summation-order flips (here 0.26-0.34 % apart); bf16 vs fp32 is
     # 1.3 %: the path computes bf16's numbers, not fp32's (control: fp32 is far from both).
     assert (emulated - native).norm() < 0.4 * (native - fp32).norm()
@@ -102,7 +102,7 @@ def test_bf16_newton_schulz_picks_its_path_by_the_cpu(monkeypatch, native):
     if native:
         assert torch.equal(got, _bf16_iteration(g, 5))
     else:
-        assert torch.equal(got, optim._bf16_on_fp32(g, 5))
+        assert torch.equal(got, optim._newton_schulz(g, 5, torch.bfloat16, bf16_on_fp32=True))
     assert not torch.equal(zeropower_via_newtonschulz5(g, dtype=torch.float32), got)  # fp32 stays fp32
 
 

@@ -9,8 +9,9 @@ Muon, for a matrix parameter W [A, B] with gradient G (Moonlight form):
 
 NS5: X₀ = U/‖U‖_F (transposed so rows ≤ cols), X ← a·X + (b·XXᵀ + c·(XXᵀ)²)·X with
 (a, b, c) = (3.4445, −4.7750, 2.0315). The quintic pushes every singular value into roughly
-[0.7, 1.2] rather than exactly 1 — fast, and good enough for an update direction. It runs in fp32
-on CPU (bf16 matmuls are slow there and gain nothing) and in bf16 on CUDA, as Muon was designed.
+[0.7, 1.2] rather than exactly 1 — fast, and good enough for an update direction. It runs in bf16
+by default (``ns_dtype``), as Muon was designed; on a CPU without bf16 matmul kernels its bf16
+values are computed with fp32 matmuls (:func:`zeropower_via_newtonschulz5`).
 
 Why 0.2·sqrt(max(A, B)): an orthogonalized [A, B] matrix has min(A, B) unit singular values, so
 its RMS is 1/sqrt(max(A, B)); the factor sets the update RMS to 0.2, the typical AdamW update RMS,
@@ -58,24 +59,26 @@ def cpu_bf16_matmul_is_native() -> bool:
         return False
 
 
-def _bf16_on_fp32(G: Tensor, steps: int) -> Tensor:
-    """NS5 with bf16 values and fp32 matmuls: every intermediate is rounded to bf16 where the bf16
-    iteration rounds it, and each product of bf16 values is exact in fp32 and summed in fp32, as a
-    bf16 matmul with fp32 accumulation does (only the summation order can differ)."""
+def _round_bf16(t: Tensor) -> Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def _newton_schulz(G: Tensor, steps: int, dtype: torch.dtype, bf16_on_fp32: bool) -> Tensor:
+    """NS5 in ``dtype``; with ``bf16_on_fp32`` the bf16 iteration's values through fp32 matmuls: every
+    intermediate is rounded to bf16 where the bf16 iteration rounds it, and each product of bf16 values
+    is exact in fp32 and summed in fp32, as a bf16 matmul with fp32 accumulation does (only the
+    summation order can differ)."""
     a, b, c = NS_COEFFS
-
-    def r(t: Tensor) -> Tensor:
-        return t.to(torch.bfloat16).float()
-
-    X = r(G.float())
+    r = _round_bf16 if bf16_on_fp32 else (lambda t: t)
+    X = r(G.float()) if bf16_on_fp32 else G.to(dtype)
     transposed = X.size(-2) > X.size(-1)
     if transposed:
         X = X.mT
     X = r(X / r(r(X.norm(dim=(-2, -1), keepdim=True)) + 1e-7))
-    fma = torch.addmm if X.dim() == 2 else torch.baddbmm
+    fma = torch.addmm if X.dim() == 2 else torch.baddbmm       # beta·C + alpha·(A @ B) in one op
     for _ in range(steps):
         A = r(X @ X.mT)
-        X = r(fma(X, r(fma(A, A, A, beta=b, alpha=c)), X, beta=a))
+        X = r(fma(X, r(fma(A, A, A, beta=b, alpha=c)), X, beta=a))   # a·X + (b·A + c·A²) X
     if transposed:
         X = X.mT
     return X.to(G.dtype)
@@ -88,25 +91,11 @@ def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype | 
     (the quintic only has to push the singular values into ~[0.7, 1.2]): on a CPU with oneDNN's
     bf16 kernels (AMX-bf16) a `small` optimizer step is 2.8× faster than in fp32, with the same
     training curve (docs/TRAINING_SPEED.md §6). On a CPU without them (AVX2) the same bf16 values
-    are computed with fp32 matmuls (:func:`_bf16_on_fp32`). ``dtype`` overrides it (fp32 for an
-    exact comparison)."""
-    a, b, c = NS_COEFFS
-    if dtype is None:
-        dtype = torch.bfloat16
-    if dtype == torch.bfloat16 and G.device.type == "cpu" and not cpu_bf16_matmul_is_native():
-        return _bf16_on_fp32(G, steps)
-    X = G.to(dtype)
-    transposed = X.size(-2) > X.size(-1)
-    if transposed:
-        X = X.mT
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    fma = torch.addmm if X.dim() == 2 else torch.baddbmm       # beta·C + alpha·(A @ B) in one op
-    for _ in range(steps):
-        A = X @ X.mT
-        X = fma(X, fma(A, A, A, beta=b, alpha=c), X, beta=a)   # a·X + (b·A + c·A²) X
-    if transposed:
-        X = X.mT
-    return X.to(G.dtype)
+    are computed with fp32 matmuls (docs/TRAINING_SPEED.md §10). ``dtype`` overrides it (fp32 for
+    an exact comparison)."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    emulate = dtype == torch.bfloat16 and G.device.type == "cpu" and not cpu_bf16_matmul_is_native()
+    return _newton_schulz(G, steps, dtype, emulate)
 
 
 def orthogonalize(U: Tensor, block_rows: int | None = None, steps: int = 5,
