@@ -10,6 +10,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* 32 registers of 16 floats (AVX-512), or fewer and narrower (AVX2: 16 of 8): a kernel that keeps many
+ * v16 accumulators live picks a narrower loop on the latter, with each sum's terms in the same order. */
+#if defined(__AVX512F__)
+#define K3_WIDE_REGISTERS 1
+#else
+#define K3_WIDE_REGISTERS 0
+#endif
+
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
 

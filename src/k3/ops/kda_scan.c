@@ -83,13 +83,9 @@ enum { NV_MAX = 8 };   /* the vector forms: V = 16 NV <= 128 */
 
 /* With 32 vector registers of 16 floats (AVX-512) a head's NV column blocks of the running sums stay
  * in registers while a state row is read once. With 16 registers of 8 floats (AVX2) the same loop
- * spills them on every row (the forward ran at a tenth of the FMA rate on an AMD EPYC), so there the
- * loops go over one column block at a time: each sum still adds the same terms in the same order. */
-#if defined(__AVX512F__)
-#define K3_WIDE_REGISTERS 1
-#else
-#define K3_WIDE_REGISTERS 0
-#endif
+ * spills them on every row (the forward ran at a tenth of the FMA rate on an AMD EPYC), so there
+ * (K3_WIDE_REGISTERS 0) the loops go over one column block at a time: each sum still adds the same
+ * terms in the same order. */
 
 /* NV when V = 16 NV with NV <= NV_MAX (the vector forms), else 0 (the scalar token_step / chain_step). */
 static inline int vector_count(int64_t V) { return V % 16 || V / 16 > NV_MAX ? 0 : (int)(V / 16); }

@@ -58,8 +58,61 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
     }
 }
 
+/* 16-register targets (K3_WIDE_REGISTERS 0): tile()'s 2 MR accumulators would spill on every k (a
+ * batch of 8 ran at 4 GFLOP/s on an AMD EPYC), so the tile goes over half panels (16 columns) and
+ * groups of up to RG rows, each a pass over k with RG accumulators. Each output element is the same
+ * FMA chain over k in order as in tile(), so the same bits. */
+enum { RG = 4 };
+
+static inline __attribute__((always_inline)) void half_panel(const int rg, const float *const *x, const float *w,
+                                                             int64_t K, v16 *out) {
+    v16 a[RG];
+    for (int m = 0; m < rg; m++) a[m] = (v16){0};
+    for (int64_t k = 0; k < K; k++) {
+        const float *wk = w + k * NR;
+        __builtin_prefetch(wk + AHEAD * NR);
+        const v16 w0 = load16(wk);
+        for (int m = 0; m < rg; m++) {
+            float b = x[m][k];
+            a[m] += b * w0;
+        }
+    }
+    for (int m = 0; m < rg; m++) out[m] = a[m];
+}
+
+static void tile_narrow(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
+                        const float *s, int64_t nc, int acc) {
+    for (int64_t c0 = 0; c0 < nc; c0 += 16) {             /* half panel c0 / 16 of the pn panels */
+        const float *w = panel + (c0 / NR) * K * NR + c0 % NR;
+        const int64_t cn = nc - c0 < 16 ? nc - c0 : 16;
+        for (int m0 = 0; m0 < mr; m0 += RG) {
+            const int rg = mr - m0 < RG ? mr - m0 : RG;
+            v16 t[RG];
+            switch (rg) {
+            case 1: half_panel(1, x + m0, w, K, t); break;
+            case 2: half_panel(2, x + m0, w, K, t); break;
+            case 3: half_panel(3, x + m0, w, K, t); break;
+            default: half_panel(RG, x + m0, w, K, t); break;
+            }
+            for (int m = 0; m < rg; m++) {
+                float u[16];
+                store16(u, t[m]);
+                float *o = y[m0 + m] + c0;
+                const float sm = s[m0 + m];
+                if (acc) for (int64_t j = 0; j < cn; j++) o[j] += sm * u[j];
+                else for (int64_t j = 0; j < cn; j++) o[j] = sm * u[j];
+            }
+        }
+    }
+    (void)pn;
+}
+
 static void tile_any(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
                      const float *s, int64_t nc, int acc) {
+    if (!K3_WIDE_REGISTERS && mr > 2) {   /* 1-2 rows: tile() was faster (0.24 vs 0.50 ms at 1 row) */
+        tile_narrow(mr, pn, x, panel, K, y, s, nc, acc);
+        return;
+    }
     /* one specialisation per row and panel count: the accumulators stay in registers */
 #define K3_TILE(r, n) case MR * (n - 1) + r: tile(r, n, x, panel, K, y, s, nc, acc); break;
     switch (MR * (pn - 1) + mr) {
