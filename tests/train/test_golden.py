@@ -9,13 +9,13 @@ The last bits of a float32 step depend on the machine's vector unit: torch's CPU
 k3's C kernels (built with -march=native) each pick a code path by ISA, and the Per-Head Muon's
 bf16 Newton-Schulz turns a last-bit difference of a gradient into a 1e-4-level difference of the
 next loss (seen: an AVX2 AMD machine agrees with the AVX-512 Intel golden for steps 0-2 within
-7.7e-6, then moves 1.2e-4 at step 3 and 1.1e-2 by step 7). So the file keeps one list per numerics key (architecture,
-CPU vendor, torch's CPU capability): all 20 losses are compared with this machine's list; the
-first ``CROSS_STEPS`` with every list, whatever machine recorded it.
+7.7e-6, then moves 1.2e-4 at step 3 and 1.1e-2 by step 7). So the file keeps one list per
+numerics key (architecture, CPU vendor, torch's CPU capability): all 20 losses are compared with
+this machine's list; the first ``CROSS_STEPS`` with every list, whatever machine recorded it.
 
 A deliberate change regenerates the file (and the diff shows in review); ``--update`` keeps only
 this machine's list (the others are stale after a change of the math), ``--add`` adds this
-machine's list to a file recorded by the same code elsewhere:
+machine's list to a file recorded by the same code elsewhere::
 
     PYTHONPATH=src python tests/train/test_golden.py --update
 """
