@@ -11,12 +11,12 @@ from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
 
 
-def _trainer(base, data, name, dtype, steps, **kw):
+def _trainer(base, data, name, dtype, steps, print_fn=lambda *a: None, **kw):
     opts = dict(preset="nano", data=str(data), out=str(base / name), steps=steps, batch_size=2,
                 curriculum=[[0, 32]], threads=1, eval_interval=0, final_eval_batches=1,
                 ckpt_interval=0, log_interval=1000, plot=False, dtype=dtype, seed=0)
     opts.update(kw)
-    return Trainer(TrainConfig.build(overrides=opts), print_fn=lambda *a: None, tty=False)
+    return Trainer(TrainConfig.build(overrides=opts), print_fn=print_fn, tty=False)
 
 
 def test_bf16_runs_matmuls_in_bf16_and_keeps_fp32_master_weights(env):
@@ -49,14 +49,11 @@ def test_bf16_on_a_cpu_without_bf16_kernels_says_so(env, monkeypatch, native):
     base, data = env
     monkeypatch.setattr(loop, "cpu_bf16_matmul_is_native", lambda: native)
     said = []
-    opts = dict(preset="nano", data=str(data), out=str(base / f"warn{native}"), steps=1, batch_size=2,
-                curriculum=[[0, 32]], threads=1, eval_interval=0, final_eval_batches=1, plot=False)
-    Trainer(TrainConfig.build(overrides={**opts, "dtype": "bf16"}), print_fn=said.append, tty=False)
+    _trainer(base, data, f"warn{native}", "bf16", 1, print_fn=said.append)
     warned = [s for s in said if s.startswith("dtype=bf16: this CPU has no oneDNN bf16 matmul kernels")]
     assert len(warned) == (0 if native else 1), said
     said.clear()   # control: fp32 never says it
-    Trainer(TrainConfig.build(overrides={**opts, "out": str(base / f"warn32{native}")}), print_fn=said.append,
-            tty=False)
+    _trainer(base, data, f"warn32{native}", "fp32", 1, print_fn=said.append)
     assert not any(s.startswith("dtype=bf16") for s in said)
 
 

@@ -129,26 +129,7 @@ static inline __attribute__((always_inline)) void write_v(const int NV, const in
                                                           const v16 *U, const float *qt, float scale, float *ot,
                                                           const float *e2, const float *k2, v16 *a2) {
     const int64_t V = 16 * NV;
-#if !K3_WIDE_REGISTERS
-    for (int n = 0; n < NV; n++) {   /* one column block at a time: the same sums in the same order */
-        const v16 Un = U[n];
-        v16 accn = {0}, a2n = {0};
-        for (int64_t i = 0; i < K; i++) {
-            const v16 s = load16(src + i * V + 16 * n) + kt[i] * Un;
-            if (OUT) accn += (scale * qt[i]) * s;
-            if (FUSE) {
-                const v16 s2 = s * e2[i];
-                store16(dst + i * V + 16 * n, s2);
-                a2n += k2[i] * s2;
-            } else {
-                store16(dst + i * V + 16 * n, s);
-            }
-        }
-        if (OUT) store16(ot + 16 * n, accn);
-        if (FUSE) a2[n] = a2n;
-    }
-    return;
-#endif
+#if K3_WIDE_REGISTERS
     v16 acc[NV_MAX];
     for (int n = 0; n < NV; n++) {
         acc[n] = (v16){0};
@@ -171,6 +152,25 @@ static inline __attribute__((always_inline)) void write_v(const int NV, const in
     }
     if (OUT)
         for (int n = 0; n < NV; n++) store16(ot + 16 * n, acc[n]);
+#else
+    for (int n = 0; n < NV; n++) {   /* one column block at a time: the same sums in the same order */
+        const v16 Un = U[n];
+        v16 accn = {0}, a2n = {0};
+        for (int64_t i = 0; i < K; i++) {
+            const v16 s = load16(src + i * V + 16 * n) + kt[i] * Un;
+            if (OUT) accn += (scale * qt[i]) * s;
+            if (FUSE) {
+                const v16 s2 = s * e2[i];
+                store16(dst + i * V + 16 * n, s2);
+                a2n += k2[i] * s2;
+            } else {
+                store16(dst + i * V + 16 * n, s);
+            }
+        }
+        if (OUT) store16(ot + 16 * n, accn);
+        if (FUSE) a2[n] = a2n;
+    }
+#endif
 }
 
 /* U = bt (v - a), and w = v - a when w is not NULL. */
