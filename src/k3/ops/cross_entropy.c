@@ -27,12 +27,12 @@ static float row_lse(const float *z, int64_t V) {
     v16 mv = splat16(-INFINITY);
     for (int64_t j = 0; j < V; j += 16) {
         const v16 x = load16_pad(z, j, V, -INFINITY);
-        mv = select16(x > mv, x, mv);
+        mv = select16(gt16(x, mv), x, mv);
     }
     const float m = hmax16(mv);
     if (!isfinite(m)) return m;                  /* +inf or NaN logits: the sum is meaningless */
     v16 s = splat16(0.0f);
-    for (int64_t j = 0; j < V; j += 16) s += vexp(load16_pad(z, j, V, -INFINITY) - m);
+    for (int64_t j = 0; j < V; j += 16) s = add16(s, vexp(sub16(load16_pad(z, j, V, -INFINITY), splat16(m))));
     return m + logf(hsum16(s));
 }
 
@@ -67,7 +67,7 @@ int k3_cross_entropy_bwd(int64_t N, int64_t V, const float *z, const int64_t *y,
         const float *zi = z + i * V;
         const float gi = g[i], li = lse[i];
         for (int64_t j = 0; j < V; j += 16)
-            store16_part(di, j, V, gi * vexp(load16_pad(zi, j, V, 0.0f) - li));
+            store16_part(di, j, V, mul16(splat16(gi), vexp(sub16(load16_pad(zi, j, V, 0.0f), splat16(li)))));
         di[y[i]] -= gi;
     }
     return 0;

@@ -21,15 +21,15 @@ static inline __attribute__((always_inline)) void kda_state_v(const int ND, int6
     for (int n = 0; n < ND; n++) ks[n] = splat16(0.0f);
     for (int64_t i = 0; i < d; i++) {
         const float ei = e[i], ki = k[i];
-        for (int n = 0; n < ND; n++) ks[n] += ki * (load16(Si + i * d + 16 * n) * ei);
+        for (int n = 0; n < ND; n++) ks[n] = add16(ks[n], mul16(splat16(ki), mul16(load16(Si + i * d + 16 * n), splat16(ei))));
     }
-    for (int n = 0; n < ND; n++) { u[n] = beta * (load16(v + 16 * n) - ks[n]); o[n] = splat16(0.0f); }
+    for (int n = 0; n < ND; n++) { u[n] = mul16(splat16(beta), sub16(load16(v + 16 * n), ks[n])); o[n] = splat16(0.0f); }
     for (int64_t i = 0; i < d; i++) {
         const float ei = e[i], ki = k[i], qi = q[i];
         for (int n = 0; n < ND; n++) {
-            const v16 s = load16(Si + i * d + 16 * n) * ei + ki * u[n];
+            const v16 s = add16(mul16(load16(Si + i * d + 16 * n), splat16(ei)), mul16(splat16(ki), u[n]));
             store16(So + i * d + 16 * n, s);
-            o[n] += qi * s;
+            o[n] = add16(o[n], mul16(splat16(qi), s));
         }
     }
     for (int n = 0; n < ND; n++) store16(o_out + 16 * n, o[n]);
@@ -154,9 +154,9 @@ int k3_gated_act(int64_t rows, int64_t F, const float *g, int64_t ldg, const flo
             memcpy(tu, ur + j, (size_t)n * sizeof(float));
             const v16 gv = load16(tg), uv = load16(tu);
             v16 y;
-            if (silu) y = vsilu(gv) * uv;
-            else y = vtanh(gv * inv_beta) * vsigmoid(gv) * (tanh_up ? vtanh(uv) : uv);
-            store16(tg, y * w);
+            if (silu) y = mul16(vsilu(gv), uv);
+            else y = mul16(mul16(vtanh(mul16(gv, splat16(inv_beta))), vsigmoid(gv)), (tanh_up ? vtanh(uv) : uv));
+            store16(tg, mul16(y, splat16(w)));
             memcpy(o + j, tg, (size_t)n * sizeof(float));
         }
     }

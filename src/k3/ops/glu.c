@@ -20,27 +20,27 @@ enum { GLU_CHUNK = 4096 };
 
 static inline v16 glu_fwd16(v16 g, v16 u, int silu, float beta, float lb) {
     const v16 s = vsigmoid(g);
-    if (silu) return g * s * u;
-    const v16 gate = beta * vtanh(g * (1.0f / beta)) * s;
-    return lb > 0.0f ? gate * (lb * vtanh(u * (1.0f / lb))) : gate * u;
+    if (silu) return mul16(mul16(g, s), u);
+    const v16 gate = mul16(mul16(splat16(beta), vtanh(mul16(g, splat16(1.0f / beta)))), s);
+    return lb > 0.0f ? mul16(gate, mul16(splat16(lb), vtanh(mul16(u, splat16(1.0f / lb))))) : mul16(gate, u);
 }
 
 static inline void glu_bwd16(v16 g, v16 u, v16 dy, int silu, float beta, float lb, v16 *dg, v16 *du) {
     const v16 s = vsigmoid(g);
     if (silu) {
-        *dg = dy * u * s * (1.0f + g * (1.0f - s));
-        *du = dy * g * s;
+        *dg = mul16(mul16(mul16(dy, u), s), add16(splat16(1.0f), mul16(g, sub16(splat16(1.0f), s))));
+        *du = mul16(mul16(dy, g), s);
         return;
     }
-    const v16 t = vtanh(g * (1.0f / beta)), a = beta * t, gate = a * s;
-    const v16 dgate = (1.0f - t * t) * s + a * s * (1.0f - s);
+    const v16 t = vtanh(mul16(g, splat16(1.0f / beta))), a = mul16(splat16(beta), t), gate = mul16(a, s);
+    const v16 dgate = add16(mul16(sub16(splat16(1.0f), mul16(t, t)), s), mul16(mul16(a, s), sub16(splat16(1.0f), s)));
     if (lb > 0.0f) {
-        const v16 v = vtanh(u * (1.0f / lb));
-        *dg = dy * (lb * v) * dgate;
-        *du = dy * gate * (1.0f - v * v);
+        const v16 v = vtanh(mul16(u, splat16(1.0f / lb)));
+        *dg = mul16(mul16(dy, mul16(splat16(lb), v)), dgate);
+        *du = mul16(mul16(dy, gate), sub16(splat16(1.0f), mul16(v, v)));
     } else {
-        *dg = dy * u * dgate;
-        *du = dy * gate;
+        *dg = mul16(mul16(dy, u), dgate);
+        *du = mul16(dy, gate);
     }
 }
 

@@ -1,7 +1,7 @@
-/* Vector helpers shared by the CPU kernels (k3.ops.cpu_kernels): 16-float vectors in GCC's vector
- * extension (one AVX-512 register, or two AVX2 ones), fixed-order reductions, and exp / sigmoid /
- * tanh / silu accurate to a few ulp (Cody-Waite range reduction and a degree-6 polynomial for
- * exp). Every function gives the same bits for the same inputs wherever it is called. */
+/* Vector helpers shared by the CPU kernels (k3.ops.cpu_kernels): 16-float vectors (one AVX-512
+ * register, or a pair of 8-float vectors elsewhere), fixed-order reductions, and exp / sigmoid /
+ * tanh / silu accurate to a few ulp (Cody-Waite range reduction and a degree-6 polynomial for exp).
+ * Every function gives the same bits for the same inputs wherever it is called. */
 #ifndef K3_VEC_H
 #define K3_VEC_H
 
@@ -18,9 +18,23 @@
 #define K3_WIDE_REGISTERS 0
 #endif
 
+/* Arithmetic on v16 goes through add16 / sub16 / mul16 / div16 (and splat16 for a scalar operand),
+ * comparisons through lt16 / gt16, never through C's operators, so that one source serves both forms:
+ *
+ * - with AVX-512, v16 is GCC's 64-byte vector and the macros are its operators;
+ * - elsewhere, v16 is a struct of two 32-byte vectors (lanes 0-7, 8-15), operated on half by half.
+ *   GCC has no machine mode for a 64-byte vector there: it kept every such value in the stack frame
+ *   and moved it through general-purpose registers on each update (a four-accumulator dot product:
+ *   172 instructions for 8 FMAs, 96 of them stack references); a struct of two is split into two
+ *   registers.
+ *
+ * Every lane sees the same operations either way. -ffp-contract=fast fuses a product into the add
+ * that uses it, and which of two products is fused depends on the order they are computed in: the
+ * pair macros evaluate their left operand first, as C does for an operator's operands (a function
+ * call's arguments are evaluated right to left here), so both forms fuse the same products. */
+#if K3_WIDE_REGISTERS
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
-
 /* Loads and stores go through a may_alias vector type, not memcpy: GCC expands a 64-byte memcpy as
  * two 32-byte moves on targets that prefer 256-bit vectors (-march=native on Sapphire Rapids), and a
  * v16 built that way goes through the stack (two stores, one reload that waits for them). In the
@@ -28,8 +42,61 @@ typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
 typedef float v16_alias __attribute__((vector_size(64), aligned(4), may_alias));
 static inline v16 load16(const float *p) { return *(const v16_alias *)p; }
 static inline void store16(float *p, v16 v) { *(v16_alias *)p = v; }
-static inline v16 splat16(float a) { return (v16){0} + a; }
+static inline v16 splat16(float a) { return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
+#define add16(a, b) ((a) + (b))
+#define sub16(a, b) ((a) - (b))
+#define mul16(a, b) ((a) * (b))
+#define div16(a, b) ((a) / (b))
+#define lt16(a, b) ((a) < (b))
+#define gt16(a, b) ((a) > (b))
+static inline float lane16(v16 v, int i) { return v[i]; }
+/* m ? a : b lane by lane (m: all ones or all zeros per lane, as comparisons give). */
+static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
+/* 2^n for whole-numbered n in [-126, 127] (exp's scale): the exponent bits built directly. */
+static inline v16 pow2i16(v16 n) {
+    const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+    v16 r;
+    memcpy(&r, &e, sizeof e);
+    return r;
+}
+#else
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8v __attribute__((vector_size(32), aligned(4)));
+typedef float v8_alias __attribute__((vector_size(32), aligned(4), may_alias));
+typedef struct { v8 lo, hi; } v16;
+typedef struct { i8v lo, hi; } i16v;
+static inline v16 load16(const float *p) { return (v16){*(const v8_alias *)p, *(const v8_alias *)(p + 8)}; }
+static inline void store16(float *p, v16 v) {
+    *(v8_alias *)p = v.lo;
+    *(v8_alias *)(p + 8) = v.hi;
+}
+static inline v16 splat16(float a) { return (v16){(v8){a, a, a, a, a, a, a, a}, (v8){a, a, a, a, a, a, a, a}}; }
+static inline v16 k3_add16(v16 a, v16 b) { return (v16){a.lo + b.lo, a.hi + b.hi}; }
+static inline v16 k3_sub16(v16 a, v16 b) { return (v16){a.lo - b.lo, a.hi - b.hi}; }
+static inline v16 k3_mul16(v16 a, v16 b) { return (v16){a.lo * b.lo, a.hi * b.hi}; }
+static inline v16 k3_div16(v16 a, v16 b) { return (v16){a.lo / b.lo, a.hi / b.hi}; }
+static inline i16v k3_lt16(v16 a, v16 b) { return (i16v){a.lo < b.lo, a.hi < b.hi}; }
+#define K3_LEFT_FIRST(f, a, b) ({ const v16 k3_left_ = (a); f(k3_left_, (b)); })
+#define add16(a, b) K3_LEFT_FIRST(k3_add16, a, b)
+#define sub16(a, b) K3_LEFT_FIRST(k3_sub16, a, b)
+#define mul16(a, b) K3_LEFT_FIRST(k3_mul16, a, b)
+#define div16(a, b) K3_LEFT_FIRST(k3_div16, a, b)
+#define lt16(a, b) K3_LEFT_FIRST(k3_lt16, a, b)
+#define gt16(a, b) ({ const v16 k3_left_ = (a); k3_lt16((b), k3_left_); })
+static inline float lane16(v16 v, int i) { return i < 8 ? v.lo[i] : v.hi[i - 8]; }
+static inline v16 select16(i16v m, v16 a, v16 b) {
+    return (v16){(v8)(((i8v)a.lo & m.lo) | ((i8v)b.lo & ~m.lo)), (v8)(((i8v)a.hi & m.hi) | ((i8v)b.hi & ~m.hi))};
+}
+static inline v16 pow2i16(v16 n) {
+    const i8v lo = (__builtin_convertvector(n.lo, i8v) + 127) << 23, hi = (__builtin_convertvector(n.hi, i8v) + 127) << 23;
+    v16 r;
+    memcpy(&r.lo, &lo, sizeof lo);
+    memcpy(&r.hi, &hi, sizeof hi);
+    return r;
+}
+#endif
 
+#if K3_WIDE_REGISTERS
 static inline float hsum16(v16 v) {   /* a fixed tree: halves, quarters, ... (4 dependent adds) */
     v16 t = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     t = t + __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
@@ -61,12 +128,46 @@ static inline v16 hsum16x16(const v16 *x) {
     return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)   /* l, l + 1 */
          + __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#else
+/* The same trees over the halves: lanes l and l + 8 are added first (lo + hi), then within 8 lanes
+ * l + 4, l + 2, l + 1, so every sum pairs the same terms in the same order as the wide form. */
+static inline float hsum8_of(v8 t) {
+    t = t + __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3);
+    t = t + __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5);
+    t = t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6);
+    return t[0];
+}
+static inline float hsum16(v16 v) { return hsum8_of(v.lo + v.hi); }
+
+/* Lane r of the result is hsum16(x[r]): y[r] = lanes l + (l + 8) of row r; then rows two at a time
+ * (l + 4: four lanes each), four at a time (l + 2: two lanes each), eight at a time (l + 1). */
+static inline v16 hsum16x16(const v16 *x) {
+    v8 y[16], z[8], w[4], f[2];
+    for (int r = 0; r < 16; r++) y[r] = x[r].lo + x[r].hi;
+    for (int m = 0; m < 8; m++)      /* lanes 0-3: row 2m, 4-7: row 2m + 1 */
+        z[m] = __builtin_shufflevector(y[2 * m], y[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+             + __builtin_shufflevector(y[2 * m], y[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int n = 0; n < 4; n++)      /* lanes 2j, 2j + 1: row 4n + j */
+        w[n] = __builtin_shufflevector(z[2 * n], z[2 * n + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+             + __builtin_shufflevector(z[2 * n], z[2 * n + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int p = 0; p < 2; p++)      /* lane j: row 8p + j */
+        f[p] = __builtin_shufflevector(w[2 * p], w[2 * p + 1], 0, 2, 4, 6, 8, 10, 12, 14)
+             + __builtin_shufflevector(w[2 * p], w[2 * p + 1], 1, 3, 5, 7, 9, 11, 13, 15);
+    return (v16){f[0], f[1]};
+}
+#endif
+
+#if K3_WIDE_REGISTERS
+#define neg16(a) (-(a))
+#else
+static inline v16 neg16(v16 a) { return (v16){-a.lo, -a.hi}; }
+#endif
 
 /* sum of a[k] * b[k], k < n, in 16 lanes then a tail: one fixed order per n. */
 static inline float dot_f(const float *a, const float *b, int64_t n) {
-    v16 acc = {0};
+    v16 acc = splat16(0.0f);
     int64_t k = 0;
-    for (; k + 16 <= n; k += 16) acc += load16(a + k) * load16(b + k);
+    for (; k + 16 <= n; k += 16) acc = add16(acc, mul16(load16(a + k), load16(b + k)));
     float s = hsum16(acc);
     for (; k < n; k++) s += a[k] * b[k];
     return s;
@@ -76,57 +177,51 @@ static inline float sumsq_f(const float *a, int64_t n) { return dot_f(a, a, n); 
 
 /* dot_f(a, b, n) + dot_f(c, d, m) with one reduction. */
 static inline float dot2_f(const float *a, const float *b, int64_t n, const float *c, const float *d, int64_t m) {
-    v16 acc = {0};
+    v16 acc = splat16(0.0f);
     int64_t k = 0, l = 0;
-    for (; k + 16 <= n; k += 16) acc += load16(a + k) * load16(b + k);
-    for (; l + 16 <= m; l += 16) acc += load16(c + l) * load16(d + l);
+    for (; k + 16 <= n; k += 16) acc = add16(acc, mul16(load16(a + k), load16(b + k)));
+    for (; l + 16 <= m; l += 16) acc = add16(acc, mul16(load16(c + l), load16(d + l)));
     float s = hsum16(acc);
     for (; k < n; k++) s += a[k] * b[k];
     for (; l < m; l++) s += c[l] * d[l];
     return s;
 }
 
-/* m ? a : b lane by lane (m: all ones or all zeros per lane, as comparisons give). */
-static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
-
 /* exp(x), x clamped to [-87.3, 88.7] (exp's fp32 range; below it, 0 is returned). */
 static inline v16 vexp(v16 x) {
     const v16 hi = splat16(88.7f), lo = splat16(-87.3f);
-    const i16v under = x < lo;
-    x = select16(x > hi, hi, x);
+    const i16v under = lt16(x, lo);
+    x = select16(gt16(x, hi), hi, x);
     x = select16(under, lo, x);
     const v16 magic = splat16(12582912.0f);               /* 1.5 * 2^23: round to nearest */
-    v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693359375f;                          /* ln 2 = 0.693359375 - 2.12194440e-4 */
-    r = r + n * 2.12194440e-4f;
+    v16 n = sub16(add16(mul16(x, splat16(1.44269504088896341f)), magic), magic);
+    v16 r = sub16(x, mul16(n, splat16(0.693359375f)));     /* ln 2 = 0.693359375 - 2.12194440e-4 */
+    r = add16(r, mul16(n, splat16(2.12194440e-4f)));
     v16 p = splat16(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
-    v16 two_n;
-    memcpy(&two_n, &e, sizeof e);
-    return select16(under, splat16(0.0f), p * two_n);
+    p = add16(mul16(p, r), splat16(1.3981999507e-3f));
+    p = add16(mul16(p, r), splat16(8.3334519073e-3f));
+    p = add16(mul16(p, r), splat16(4.1665795894e-2f));
+    p = add16(mul16(p, r), splat16(1.6666665459e-1f));
+    p = add16(mul16(p, r), splat16(5.0000001201e-1f));
+    p = add16(add16(mul16(mul16(p, r), r), r), splat16(1.0f));
+    return select16(under, splat16(0.0f), mul16(p, pow2i16(n)));
 }
 
-static inline v16 vsigmoid(v16 x) { return 1.0f / (1.0f + vexp(-x)); }
-static inline v16 vsilu(v16 x) { return x / (1.0f + vexp(-x)); }
+static inline v16 vsigmoid(v16 x) { return div16(splat16(1.0f), add16(splat16(1.0f), vexp(neg16(x)))); }
+static inline v16 vsilu(v16 x) { return div16(x, add16(splat16(1.0f), vexp(neg16(x)))); }
 static inline v16 vtanh(v16 x) {
     /* |x| < 0.625: x + x^3 P(x^2) (Cephes' tanhf); else sign(x) (1 - 2 / (exp(2|x|) + 1)) */
-    const i16v neg = x < 0.0f;
-    const v16 a = select16(neg, -x, x);
-    v16 t = 1.0f - 2.0f / (vexp(2.0f * a) + 1.0f);
-    t = select16(neg, -t, t);
-    const v16 z = x * x;
+    const i16v neg = lt16(x, splat16(0.0f));
+    const v16 a = select16(neg, neg16(x), x);
+    v16 t = sub16(splat16(1.0f), div16(splat16(2.0f), add16(vexp(mul16(splat16(2.0f), a)), splat16(1.0f))));
+    t = select16(neg, neg16(t), t);
+    const v16 z = mul16(x, x);
     v16 p = splat16(-5.70498872745e-3f);
-    p = p * z + 2.06390887954e-2f;
-    p = p * z - 5.37397155531e-2f;
-    p = p * z + 1.33314422036e-1f;
-    p = p * z - 3.33332819422e-1f;
-    return select16(a < 0.625f, p * z * x + x, t);
+    p = add16(mul16(p, z), splat16(2.06390887954e-2f));
+    p = sub16(mul16(p, z), splat16(5.37397155531e-2f));
+    p = add16(mul16(p, z), splat16(1.33314422036e-1f));
+    p = sub16(mul16(p, z), splat16(3.33332819422e-1f));
+    return select16(lt16(a, splat16(0.625f)), add16(mul16(mul16(p, z), x), x), t);
 }
 
 /* The 16 floats at p + i, or the n - i < 16 left with the rest of the vector set to pad. */

@@ -104,18 +104,18 @@ static inline __attribute__((always_inline)) void decay_v(const int NV, const fl
     for (int64_t i = 0; i < K; i++) {
         const float ei = e[i], ki = kt[i];
         for (int n = 0; n < NV; n++) {
-            const v16 s = load16(src + i * V + 16 * n) * ei;
+            const v16 s = mul16(load16(src + i * V + 16 * n), splat16(ei));
             store16(dst + i * V + 16 * n, s);
-            a[n] += ki * s;
+            a[n] = add16(a[n], mul16(splat16(ki), s));
         }
     }
 #else
     for (int n = 0; n < NV; n++) {   /* one column block at a time: the same sums in the same order */
         v16 an = {0};
         for (int64_t i = 0; i < K; i++) {
-            const v16 s = load16(src + i * V + 16 * n) * e[i];
+            const v16 s = mul16(load16(src + i * V + 16 * n), splat16(e[i]));
             store16(dst + i * V + 16 * n, s);
-            an += kt[i] * s;
+            an = add16(an, mul16(splat16(kt[i]), s));
         }
         a[n] = an;
     }
@@ -139,12 +139,12 @@ static inline __attribute__((always_inline)) void write_v(const int NV, const in
         const float ki = kt[i], qi = OUT ? scale * qt[i] : 0.0f;
         const float ei = FUSE ? e2[i] : 0.0f, k2i = FUSE ? k2[i] : 0.0f;
         for (int n = 0; n < NV; n++) {
-            const v16 s = load16(src + i * V + 16 * n) + ki * U[n];
-            if (OUT) acc[n] += qi * s;
+            const v16 s = add16(load16(src + i * V + 16 * n), mul16(splat16(ki), U[n]));
+            if (OUT) acc[n] = add16(acc[n], mul16(splat16(qi), s));
             if (FUSE) {
-                const v16 s2 = s * ei;
+                const v16 s2 = mul16(s, splat16(ei));
                 store16(dst + i * V + 16 * n, s2);
-                a2[n] += k2i * s2;
+                a2[n] = add16(a2[n], mul16(splat16(k2i), s2));
             } else {
                 store16(dst + i * V + 16 * n, s);
             }
@@ -157,12 +157,12 @@ static inline __attribute__((always_inline)) void write_v(const int NV, const in
         const v16 Un = U[n];
         v16 accn = {0}, a2n = {0};
         for (int64_t i = 0; i < K; i++) {
-            const v16 s = load16(src + i * V + 16 * n) + kt[i] * Un;
-            if (OUT) accn += (scale * qt[i]) * s;
+            const v16 s = add16(load16(src + i * V + 16 * n), mul16(splat16(kt[i]), Un));
+            if (OUT) accn = add16(accn, mul16(splat16(scale * qt[i]), s));
             if (FUSE) {
-                const v16 s2 = s * e2[i];
+                const v16 s2 = mul16(s, splat16(e2[i]));
                 store16(dst + i * V + 16 * n, s2);
-                a2n += k2[i] * s2;
+                a2n = add16(a2n, mul16(splat16(k2[i]), s2));
             } else {
                 store16(dst + i * V + 16 * n, s);
             }
@@ -177,9 +177,9 @@ static inline __attribute__((always_inline)) void write_v(const int NV, const in
 static inline __attribute__((always_inline)) void update_v(const int NV, const float *vt, float bt, const v16 *a,
                                                            float *w, v16 *U) {
     for (int n = 0; n < NV; n++) {
-        const v16 wn = load16(vt + 16 * n) - a[n];
+        const v16 wn = sub16(load16(vt + 16 * n), a[n]);
         if (w) store16(w + 16 * n, wn);
-        U[n] = bt * wn;
+        U[n] = mul16(splat16(bt), wn);
     }
 }
 
@@ -243,7 +243,7 @@ static inline __attribute__((always_inline)) void chain_step_v(
     const int64_t V = 16 * NV;
     v16 U[NV_MAX], Do[NV_MAX], du[NV_MAX], Dk[NV_MAX], sa[16], sb[16];
     for (int n = 0; n < NV; n++) {
-        U[n] = bt * load16(wr + 16 * n);
+        U[n] = mul16(splat16(bt), load16(wr + 16 * n));
         Do[n] = load16(dot + 16 * n);
         du[n] = (v16){0};
     }
@@ -256,11 +256,11 @@ static inline __attribute__((always_inline)) void chain_step_v(
             float *dSi = dS + i * V;
             v16 aq = {0}, ak = {0};
             for (int n = 0; n < NV; n++) {
-                const v16 d = load16(dSi + 16 * n) + qi * Do[n];
+                const v16 d = add16(load16(dSi + 16 * n), mul16(splat16(qi), Do[n]));
                 store16(dSi + 16 * n, d);
-                aq += (load16(Pi + 16 * n) + ki * U[n]) * Do[n];
-                du[n] += d * ki;
-                ak += d * U[n];
+                aq = add16(aq, mul16(add16(load16(Pi + 16 * n), mul16(splat16(ki), U[n])), Do[n]));
+                du[n] = add16(du[n], mul16(d, splat16(ki)));
+                ak = add16(ak, mul16(d, U[n]));
             }
             sa[r] = aq;
             sb[r] = ak;
@@ -274,9 +274,9 @@ static inline __attribute__((always_inline)) void chain_step_v(
     }
     v16 acc = {0};
     for (int n = 0; n < NV; n++) {
-        store16(dv + 16 * n, bt * du[n]);
-        Dk[n] = -bt * du[n];
-        acc += du[n] * load16(wr + 16 * n);
+        store16(dv + 16 * n, mul16(splat16(bt), du[n]));
+        Dk[n] = mul16(splat16(-bt), du[n]);
+        acc = add16(acc, mul16(du[n], load16(wr + 16 * n)));
     }
     *dbeta = hsum16(acc);
     for (int64_t i0 = 0; i0 < K; i0 += 16) {
@@ -289,10 +289,10 @@ static inline __attribute__((always_inline)) void chain_step_v(
             v16 ab = {0}, ag = {0};
             for (int n = 0; n < NV; n++) {
                 const v16 P = load16(Pi + 16 * n);
-                const v16 dsp = load16(dSi + 16 * n) + ki * Dk[n];
-                ab += P * Dk[n];
-                ag += dsp * P;
-                store16(dSi + 16 * n, ei * dsp);
+                const v16 dsp = add16(load16(dSi + 16 * n), mul16(splat16(ki), Dk[n]));
+                ab = add16(ab, mul16(P, Dk[n]));
+                ag = add16(ag, mul16(dsp, P));
+                store16(dSi + 16 * n, mul16(splat16(ei), dsp));
             }
             sa[r] = ab;
             sb[r] = ag;
@@ -339,11 +339,11 @@ static void chain_step(int64_t K, int64_t V, const float *restrict Spr, const fl
         int64_t j = 0;
         for (; j + 16 <= V; j += 16) {
             const v16 U = load16(u + j), Do = load16(dot + j);
-            const v16 d = load16(dSi + j) + qi * Do;
+            const v16 d = add16(load16(dSi + j), mul16(splat16(qi), Do));
             store16(dSi + j, d);
-            aq16 += (load16(Pi + j) + ki * U) * Do;
-            store16(du + j, load16(du + j) + d * ki);
-            ak16 += d * U;
+            aq16 = add16(aq16, mul16(add16(load16(Pi + j), mul16(splat16(ki), U)), Do));
+            store16(du + j, add16(load16(du + j), mul16(d, splat16(ki))));
+            ak16 = add16(ak16, mul16(d, U));
         }
         float aq = hsum16(aq16), ak = hsum16(ak16);
         for (; j < V; j++) {
@@ -369,10 +369,10 @@ static void chain_step(int64_t K, int64_t V, const float *restrict Spr, const fl
         int64_t j = 0;
         for (; j + 16 <= V; j += 16) {
             const v16 P = load16(Pi + j), Dk = load16(dks + j);
-            const v16 dsp = load16(dSi + j) + ki * Dk;
-            ab16 += P * Dk;
-            ag16 += dsp * P;
-            store16(dSi + j, ei * dsp);
+            const v16 dsp = add16(load16(dSi + j), mul16(splat16(ki), Dk));
+            ab16 = add16(ab16, mul16(P, Dk));
+            ag16 = add16(ag16, mul16(dsp, P));
+            store16(dSi + j, mul16(splat16(ei), dsp));
         }
         float ab = hsum16(ab16), ag = hsum16(ag16);
         for (; j < V; j++) {

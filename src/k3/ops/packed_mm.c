@@ -40,8 +40,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
             v16 w0 = load16(w), w1 = load16(w + 16);
             for (int m = 0; m < mr; m++) {
                 float b = x[m][k];
-                a0[p][m] += b * w0;
-                a1[p][m] += b * w1;
+                a0[p][m] = add16(a0[p][m], mul16(splat16(b), w0));
+                a1[p][m] = add16(a1[p][m], mul16(splat16(b), w1));
             }
         }
     }
@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void half_panel(const int rg, const
         const v16 w0 = load16(wk);
         for (int m = 0; m < rg; m++) {
             float b = x[m][k];
-            a[m] += b * w0;
+            a[m] = add16(a[m], mul16(splat16(b), w0));
         }
     }
     for (int m = 0; m < rg; m++) out[m] = a[m];

@@ -30,7 +30,7 @@ int k3_rms_norm(int64_t M, int64_t D, const float *x, const float *w, float eps,
         const float r = row_rinv(xi, D, eps);
         rinv[i] = r;
         for (int64_t j = 0; j < D; j += 16)
-            store16_part(y + i * D, j, D, load16_pad(w, j, D, 0.0f) * (load16_pad(xi, j, D, 0.0f) * r));
+            store16_part(y + i * D, j, D, mul16(load16_pad(w, j, D, 0.0f), mul16(load16_pad(xi, j, D, 0.0f), splat16(r))));
     }
     return 0;
 }
@@ -49,15 +49,15 @@ int k3_rms_norm_bwd(int64_t M, int64_t D, const float *x, const float *w, const 
             const float r = rinv[i];
             v16 c = splat16(0.0f);
             for (int64_t j = 0; j < D; j += 16) {
-                const v16 h = load16_pad(xi, j, D, 0.0f) * r, g = load16_pad(gi, j, D, 0.0f);
-                c += g * load16_pad(w, j, D, 0.0f) * h;
-                store16_part(acc, j, D, load16_pad(acc, j, D, 0.0f) + g * h);
+                const v16 h = mul16(load16_pad(xi, j, D, 0.0f), splat16(r)), g = load16_pad(gi, j, D, 0.0f);
+                c = add16(c, mul16(mul16(g, load16_pad(w, j, D, 0.0f)), h));
+                store16_part(acc, j, D, add16(load16_pad(acc, j, D, 0.0f), mul16(g, h)));
             }
             const float ci = hsum16(c) / (float)D;
             for (int64_t j = 0; j < D; j += 16) {
-                const v16 h = load16_pad(xi, j, D, 0.0f) * r;
-                const v16 g = load16_pad(gi, j, D, 0.0f) * load16_pad(w, j, D, 0.0f);
-                store16_part(dx + i * D, j, D, r * (g - h * ci));
+                const v16 h = mul16(load16_pad(xi, j, D, 0.0f), splat16(r));
+                const v16 g = mul16(load16_pad(gi, j, D, 0.0f), load16_pad(w, j, D, 0.0f));
+                store16_part(dx + i * D, j, D, mul16(splat16(r), sub16(g, mul16(h, splat16(ci)))));
             }
         }
     }

@@ -87,7 +87,7 @@ int k3_short_conv_silu_bwd(int64_t B, int64_t T, int64_t C, int64_t K, const flo
             int64_t c = 0;
             for (; c + 16 <= C; c += 16) {
                 const v16 z = load16(r + c), s = vsigmoid(z);
-                store16(r + c, load16(g + c) * s * (1.0f + z * (1.0f - s)));
+                store16(r + c, mul16(mul16(load16(g + c), s), add16(splat16(1.0f), mul16(z, sub16(splat16(1.0f), s)))));
             }
             for (; c < C; c++) {
                 const float z = r[c], s = 1.0f / (1.0f + expf(-z));
