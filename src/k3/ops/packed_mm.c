@@ -25,18 +25,19 @@ enum { NR = 32, MR = 8, AHEAD = 32, PN = 4 };
 /* y[m][0:nc] (+)= s[m] * (x[m] @ [panel_0 | .. | panel_{pn-1}]) for m < mr, over pn consecutive panels
  * (pn <= PN): x[m], y[m]: row pointers; s[m]: row scales. Few rows leave the FMA units idle while
  * one panel streams in, so they stream pn panels at once (more reads in flight); each output
- * element is still the same FMA chain over k in order. */
+ * element is still the same FMA chain over k in order. The software prefetch for row k of panel p
+ * goes to pf + (p K + k) NR (pf = panel + AHEAD NR: AHEAD rows ahead in the same panel). */
 static inline __attribute__((always_inline)) void tile(const int mr, const int pn, const float *const *x,
                                                        const float *panel, int64_t K, float *const *y,
-                                                       const float *s, int64_t nc, int acc) {
+                                                       const float *s, int64_t nc, int acc, const float *pf) {
     v16 a0[PN][MR], a1[PN][MR];
     for (int p = 0; p < pn; p++)
         for (int m = 0; m < mr; m++) { a0[p][m] = (v16){0}; a1[p][m] = (v16){0}; }
     for (int64_t k = 0; k < K; k++) {
         for (int p = 0; p < pn; p++) {
             const float *w = panel + (p * K + k) * NR;
-            __builtin_prefetch(w + AHEAD * NR);
-            __builtin_prefetch(w + AHEAD * NR + 16);
+            __builtin_prefetch(pf + (p * K + k) * NR);
+            __builtin_prefetch(pf + (p * K + k) * NR + 16);
             v16 w0 = load16(w), w1 = load16(w + 16);
             for (int m = 0; m < mr; m++) {
                 float b = x[m][k];
@@ -59,49 +60,29 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
 }
 
 /* 16-register targets (K3_WIDE_REGISTERS 0): tile()'s 2 MR accumulators (4 MR registers of 8 floats)
- * would spill on every k, so the tile goes over half panels (16 columns) and groups of up to RG rows,
- * each a pass over k with RG accumulators. Each output element is the same FMA chain over k in order
- * as in tile(), so the same bits. On an AMD EPYC (AVX2, 2 threads), [M, 512] @ [512, 2120]: M = 8
- * 0.37 ms with tile(), 0.16 ms here; M = 2 0.108 and 0.063 ms; M = 1 the same. */
-enum { RG = 4 };
+ * would spill on every k, so 2 or more rows go one panel at a time, in passes of up to RG rows (2 RG
+ * accumulators, 4 RG registers). The first pass over a panel streams it in, with the prefetch ahead
+ * in that panel; the later passes read it from cache and prefetch the next panel of the matrix
+ * (contiguous after it) instead, so the memory stream goes on while they compute. Each output element
+ * is the same FMA chain over k in order as in tile(), so the same bits. On an AMD EPYC (AVX2, 1
+ * thread), [M, 512] @ [512, 2048] cycling through 24 matrices (out of cache): M = 8 0.517 ms with
+ * half panels of 16 columns and passes of 4 rows, 0.40-0.43 ms here; M = 2 0.40 and 0.24-0.30 ms. */
+enum { RG = 3 };
 
-static inline __attribute__((always_inline)) void half_panel(const int rg, const float *const *x, const float *w,
-                                                             int64_t K, v16 *out) {
-    v16 a[RG];
-    for (int m = 0; m < rg; m++) a[m] = (v16){0};
-    for (int64_t k = 0; k < K; k++) {
-        const float *wk = w + k * NR;
-        __builtin_prefetch(wk + AHEAD * NR);
-        const v16 w0 = load16(wk);
-        for (int m = 0; m < rg; m++) {
-            float b = x[m][k];
-            a[m] = add16(a[m], mul16(splat16(b), w0));
-        }
-    }
-    for (int m = 0; m < rg; m++) out[m] = a[m];
-}
-
-static void tile_narrow(int mr, const float *const *x, const float *panel, int64_t K, float *const *y,
+static void tile_passes(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
                         const float *s, int64_t nc, int acc) {
-    for (int64_t c0 = 0; c0 < nc; c0 += 16) {             /* half panel c0 / 16 of the item's panels */
-        const float *w = panel + (c0 / NR) * K * NR + c0 % NR;
-        const int64_t cn = nc - c0 < 16 ? nc - c0 : 16;
+    for (int p = 0; p < pn; p++) {
+        const int64_t c0 = (int64_t)p * NR, cn = nc - c0 < NR ? nc - c0 : NR;
+        const float *w = panel + c0 * K;
         for (int m0 = 0; m0 < mr; m0 += RG) {
             const int rg = mr - m0 < RG ? mr - m0 : RG;
-            v16 t[RG];
+            const float *pf = m0 == 0 ? w + AHEAD * NR : w + K * NR;
+            float *yp[RG];
+            for (int m = 0; m < rg; m++) yp[m] = y[m0 + m] + c0;
             switch (rg) {
-            case 1: half_panel(1, x + m0, w, K, t); break;
-            case 2: half_panel(2, x + m0, w, K, t); break;
-            case 3: half_panel(3, x + m0, w, K, t); break;
-            default: half_panel(RG, x + m0, w, K, t); break;
-            }
-            for (int m = 0; m < rg; m++) {
-                float u[16];
-                store16(u, t[m]);
-                float *o = y[m0 + m] + c0;
-                const float sm = s[m0 + m];
-                if (acc) for (int64_t j = 0; j < cn; j++) o[j] += sm * u[j];
-                else for (int64_t j = 0; j < cn; j++) o[j] = sm * u[j];
+            case 1: tile(1, 1, x + m0, w, K, yp, s + m0, cn, acc, pf); break;
+            case 2: tile(2, 1, x + m0, w, K, yp, s + m0, cn, acc, pf); break;
+            default: tile(RG, 1, x + m0, w, K, yp, s + m0, cn, acc, pf); break;
             }
         }
     }
@@ -109,17 +90,17 @@ static void tile_narrow(int mr, const float *const *x, const float *panel, int64
 
 static void tile_any(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
                      const float *s, int64_t nc, int acc) {
-    if (!K3_WIDE_REGISTERS && mr > 1) {
-        tile_narrow(mr, x, panel, K, y, s, nc, acc);
+    if (!K3_WIDE_REGISTERS && mr > 1) {   /* one row: tile()'s 2-4 panels side by side stream faster */
+        tile_passes(mr, pn, x, panel, K, y, s, nc, acc);
         return;
     }
     /* one specialisation per row and panel count: the accumulators stay in registers */
-#define K3_TILE(r, n) case MR * (n - 1) + r: tile(r, n, x, panel, K, y, s, nc, acc); break;
+#define K3_TILE(r, n) case MR * (n - 1) + r: tile(r, n, x, panel, K, y, s, nc, acc, panel + AHEAD * NR); break;
     switch (MR * (pn - 1) + mr) {
     K3_TILE(1, 1) K3_TILE(2, 1) K3_TILE(3, 1) K3_TILE(4, 1) K3_TILE(5, 1) K3_TILE(6, 1) K3_TILE(7, 1)
     K3_TILE(1, 2) K3_TILE(2, 2) K3_TILE(3, 2) K3_TILE(4, 2)
     K3_TILE(1, 3) K3_TILE(2, 3) K3_TILE(1, 4) K3_TILE(2, 4)
-    default: tile(MR, 1, x, panel, K, y, s, nc, acc); break;
+    default: tile(MR, 1, x, panel, K, y, s, nc, acc, panel + AHEAD * NR); break;
     }
 #undef K3_TILE
 }
