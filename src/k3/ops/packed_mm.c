@@ -5,7 +5,8 @@
  * streams its panel once, front to back, with a software prefetch AHEAD rows on: that is what keeps
  * the read stream going while the core is busy with the FMAs (batch 8: 1.6-1.8x MKL's sgemm here). A
  * tile of 1-4 rows streams 2-4 panels side by side instead, so more reads are in flight (batch 1:
- * 1.2-1.3x the one-panel tile; benchmarks/packed_mm.py).
+ * 1.2-1.3x the one-panel tile; benchmarks/packed_mm.py). On 16-register targets (AVX2) only one row
+ * does; more rows go one panel at a time in passes of 3 (tile_passes).
  *
  * Every output element is one FMA chain over k = 0..K-1 in order, whatever the number of rows or
  * threads: a row's result does not depend on its batch companions (bitwise).
