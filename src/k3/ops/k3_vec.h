@@ -18,8 +18,9 @@
 #define K3_WIDE_REGISTERS 0
 #endif
 
-/* Arithmetic on v16 goes through add16 / sub16 / mul16 / div16 (and splat16 for a scalar operand),
- * comparisons through lt16 / gt16, never through C's operators, so that one source serves both forms:
+/* Arithmetic on v16 goes through add16 / sub16 / mul16 / div16 / neg16 (and splat16 for a scalar
+ * operand), comparisons through lt16 / gt16, never through C's operators, so that one source serves
+ * both forms:
  *
  * - with AVX-512, v16 is GCC's 64-byte vector and the macros are its operators;
  * - elsewhere, v16 is a struct of two 32-byte vectors (lanes 0-7, 8-15), operated on half by half.
@@ -49,7 +50,6 @@ static inline v16 splat16(float a) { return (v16){a, a, a, a, a, a, a, a, a, a, 
 #define div16(a, b) ((a) / (b))
 #define lt16(a, b) ((a) < (b))
 #define gt16(a, b) ((a) > (b))
-static inline float lane16(v16 v, int i) { return v[i]; }
 /* m ? a : b lane by lane (m: all ones or all zeros per lane, as comparisons give). */
 static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
 /* 2^n for whole-numbered n in [-126, 127] (exp's scale): the exponent bits built directly. */
@@ -83,7 +83,6 @@ static inline i16v k3_lt16(v16 a, v16 b) { return (i16v){a.lo < b.lo, a.hi < b.h
 #define div16(a, b) K3_LEFT_FIRST(k3_div16, a, b)
 #define lt16(a, b) K3_LEFT_FIRST(k3_lt16, a, b)
 #define gt16(a, b) ({ const v16 k3_left_ = (a); k3_lt16((b), k3_left_); })
-static inline float lane16(v16 v, int i) { return i < 8 ? v.lo[i] : v.hi[i - 8]; }
 static inline v16 select16(i16v m, v16 a, v16 b) {
     return (v16){(v8)(((i8v)a.lo & m.lo) | ((i8v)b.lo & ~m.lo)), (v8)(((i8v)a.hi & m.hi) | ((i8v)b.hi & ~m.hi))};
 }
