@@ -11,6 +11,10 @@ one shared object:
 * ``short_conv.c``: KDA's short convolution with SiLU, forward and backward;
 * ``k3_vec.h``, ``k3_kernels.h``: their vector helpers and entry points.
 
+``$K3_KERNEL_CFLAGS`` (whitespace-separated) is appended to those flags: ``-mno-avx512f`` builds the
+AVX2 form of ``k3_vec.h`` on an AVX-512 CPU (``vector_form()`` says which form is loaded), which is
+how tests compare the two forms there.
+
 The object lives under ``$K3_KERNEL_CACHE`` (default ``~/.cache/k3/kernels``; a temporary folder
 where that cannot be written), named by a hash of the sources, the flags, the compiler's version
 and the CPU's flags, and is loaded with ctypes. The OpenMP loops run on the libgomp torch has
@@ -32,7 +36,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["library", "unavailable", "kernel_path", "check_dense", "SOURCES", "HEADERS"]
+__all__ = ["library", "unavailable", "kernel_path", "vector_form", "check_dense", "SOURCES", "HEADERS"]
 
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("packed_mm.c", "decode_rows.c", "decode_layers.c", "kda_scan.c", "attn_res.c",
@@ -49,6 +53,7 @@ _SIGNATURES = {
     "k3_packed_mm": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT],
     "k3_packed_rows_mm": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT],
     "k3_map": [_INT, _PTR, _I64],
+    "k3_wide_registers": [],
     "k3_sort_desc": [_PTR, _I64, _I64, _PTR, _PTR, _INT],
     "k3_gated_act": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT, _PTR, _PTR],
     "k3_route": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _F32, _PTR, _PTR],
@@ -99,10 +104,15 @@ def _compiler() -> tuple[str, str]:
     return cc, out.stdout
 
 
+def _flags() -> list[str]:
+    return _FLAGS + os.environ.get("K3_KERNEL_CFLAGS", "").split()
+
+
 def _build() -> Path:
     cc, version = _compiler()
+    flags = _flags()
     parts = [src.read_bytes() for src in SOURCES + HEADERS]
-    parts += [" ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]
+    parts += [" ".join(flags).encode(), version.encode(), _cpu_flags().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     name = f"k3_cpu-{key}.so"
     try:   # the cache folder, or this process's own temporary one where it cannot be written
@@ -118,7 +128,7 @@ def _build() -> Path:
     path = d / name
     os.close(fd)
     try:
-        out = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
+        out = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True,
                              timeout=300)
         if out.returncode != 0:
             raise OSError(f"{cc} failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -177,6 +187,13 @@ def kernel_path() -> Path | None:
     """The shared object in use (None when ``unavailable()``)."""
     _load()
     return _PATH
+
+
+def vector_form() -> str | None:
+    """``"avx512"`` when the loaded kernels hold a 16-float vector in one register, ``"pair"`` when in
+    two 8-float halves (k3_vec.h); None when ``unavailable()``."""
+    lib = _load()
+    return None if lib is None else ("avx512" if lib.k3_wide_registers() else "pair")
 
 
 def check_dense(op: str, **tensors) -> None:

@@ -254,3 +254,6 @@ int k3_sort_desc(const float *x, int64_t rows, int64_t n, float *vals, int64_t *
     }
     return failed ? -1 : 0;
 }
+
+/* 1 when k3_vec.h's v16 is one 16-float register here (AVX-512), 0 when a pair of 8-float halves. */
+int k3_wide_registers(void) { return K3_WIDE_REGISTERS; }
