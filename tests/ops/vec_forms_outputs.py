@@ -36,7 +36,8 @@ def outputs() -> dict:
     P = PackedMatrix(torch.randn(4, 256, 96, generator=g))
     for S in (1, 3, 13):
         x = torch.randn(6, 256, generator=g)
-        out[f"rows_mm {S}"] = [P.rows_mm(x, torch.randint(0, 6, (S,), generator=g), torch.randint(0, 4, (S,), generator=g))]
+        rows, experts = torch.randint(0, 6, (S,), generator=g), torch.randint(0, 4, (S,), generator=g)
+        out[f"rows_mm {S}"] = [P.rows_mm(x, rows, experts)]
     lib = cpu_kernels.library()
     for kind in range(4):
         x = torch.randn(1003, generator=g) * 30

@@ -21,9 +21,13 @@ static inline __attribute__((always_inline)) void kda_state_v(const int ND, int6
     for (int n = 0; n < ND; n++) ks[n] = splat16(0.0f);
     for (int64_t i = 0; i < d; i++) {
         const float ei = e[i], ki = k[i];
-        for (int n = 0; n < ND; n++) ks[n] = add16(ks[n], mul16(splat16(ki), mul16(load16(Si + i * d + 16 * n), splat16(ei))));
+        for (int n = 0; n < ND; n++)
+            ks[n] = add16(ks[n], mul16(splat16(ki), mul16(load16(Si + i * d + 16 * n), splat16(ei))));
     }
-    for (int n = 0; n < ND; n++) { u[n] = mul16(splat16(beta), sub16(load16(v + 16 * n), ks[n])); o[n] = splat16(0.0f); }
+    for (int n = 0; n < ND; n++) {
+        u[n] = mul16(splat16(beta), sub16(load16(v + 16 * n), ks[n]));
+        o[n] = splat16(0.0f);
+    }
     for (int64_t i = 0; i < d; i++) {
         const float ei = e[i], ki = k[i], qi = q[i];
         for (int n = 0; n < ND; n++) {

@@ -87,7 +87,8 @@ static inline v16 select16(i16v m, v16 a, v16 b) {
     return (v16){(v8)(((i8v)a.lo & m.lo) | ((i8v)b.lo & ~m.lo)), (v8)(((i8v)a.hi & m.hi) | ((i8v)b.hi & ~m.hi))};
 }
 static inline v16 pow2i16(v16 n) {
-    const i8v lo = (__builtin_convertvector(n.lo, i8v) + 127) << 23, hi = (__builtin_convertvector(n.hi, i8v) + 127) << 23;
+    const i8v lo = (__builtin_convertvector(n.lo, i8v) + 127) << 23;
+    const i8v hi = (__builtin_convertvector(n.hi, i8v) + 127) << 23;
     v16 r;
     memcpy(&r.lo, &lo, sizeof lo);
     memcpy(&r.hi, &hi, sizeof hi);

@@ -30,7 +30,8 @@ int k3_rms_norm(int64_t M, int64_t D, const float *x, const float *w, float eps,
         const float r = row_rinv(xi, D, eps);
         rinv[i] = r;
         for (int64_t j = 0; j < D; j += 16)
-            store16_part(y + i * D, j, D, mul16(load16_pad(w, j, D, 0.0f), mul16(load16_pad(xi, j, D, 0.0f), splat16(r))));
+            store16_part(y + i * D, j, D,
+                         mul16(load16_pad(w, j, D, 0.0f), mul16(load16_pad(xi, j, D, 0.0f), splat16(r))));
     }
     return 0;
 }
