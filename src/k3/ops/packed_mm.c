@@ -66,8 +66,9 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
  * in that panel; the later passes read it from cache and prefetch the next panel of the matrix
  * (contiguous after it) instead, so the memory stream goes on while they compute. Each output element
  * is the same FMA chain over k in order as in tile(), so the same bits. On an AMD EPYC (AVX2, 1
- * thread), [M, 512] @ [512, 2048] cycling through 24 matrices (out of cache): M = 8 0.517 ms with
- * half panels of 16 columns and passes of 4 rows, 0.40-0.43 ms here; M = 2 0.40 and 0.24-0.30 ms. */
+ * thread), [M, 512] @ [512, 2048] cycling through 24 matrices (out of cache): M = 8 took 0.517 ms
+ * over half panels of 16 columns in passes of 4 rows, and takes 0.40-0.43 ms here; M = 2 took 0.40
+ * ms and takes 0.24-0.30 ms. */
 enum { RG = 3 };
 
 static void tile_passes(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
