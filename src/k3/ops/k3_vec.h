@@ -76,13 +76,14 @@ static inline v16 k3_sub16(v16 a, v16 b) { return (v16){a.lo - b.lo, a.hi - b.hi
 static inline v16 k3_mul16(v16 a, v16 b) { return (v16){a.lo * b.lo, a.hi * b.hi}; }
 static inline v16 k3_div16(v16 a, v16 b) { return (v16){a.lo / b.lo, a.hi / b.hi}; }
 static inline i16v k3_lt16(v16 a, v16 b) { return (i16v){a.lo < b.lo, a.hi < b.hi}; }
+static inline i16v k3_gt16(v16 a, v16 b) { return (i16v){a.lo > b.lo, a.hi > b.hi}; }
 #define K3_LEFT_FIRST(f, a, b) ({ const v16 k3_left_ = (a); f(k3_left_, (b)); })
 #define add16(a, b) K3_LEFT_FIRST(k3_add16, a, b)
 #define sub16(a, b) K3_LEFT_FIRST(k3_sub16, a, b)
 #define mul16(a, b) K3_LEFT_FIRST(k3_mul16, a, b)
 #define div16(a, b) K3_LEFT_FIRST(k3_div16, a, b)
 #define lt16(a, b) K3_LEFT_FIRST(k3_lt16, a, b)
-#define gt16(a, b) ({ const v16 k3_left_ = (a); k3_lt16((b), k3_left_); })
+#define gt16(a, b) K3_LEFT_FIRST(k3_gt16, a, b)
 static inline v16 select16(i16v m, v16 a, v16 b) {
     return (v16){(v8)(((i8v)a.lo & m.lo) | ((i8v)b.lo & ~m.lo)), (v8)(((i8v)a.hi & m.hi) | ((i8v)b.hi & ~m.hi))};
 }
