@@ -141,6 +141,8 @@ if __name__ == "__main__":
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "train":
         sys.exit(train(sys.argv[3:]))
+    from k3.train.distributed import destroy
+
     dist.init_process_group("gloo")
     try:
         if mode == "dispatch":
@@ -151,8 +153,6 @@ if __name__ == "__main__":
             muon(out)
         else:
             raise SystemExit(f"unknown mode {mode}")
-        # every rank's collectives done before any rank tears its group down: the rare
-        # "terminate called without an active exception" (SIGABRT) came from that teardown
-        dist.barrier()
+        dist.barrier()   # every rank's collectives done before any rank tears its group down
     finally:
-        dist.destroy_process_group()
+        destroy()        # k3's teardown: the group freed before interpreter finalization

@@ -25,6 +25,7 @@ Layout of W = dp · ep ranks (rank = dp_index · ep + ep_index):
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from dataclasses import dataclass
@@ -384,6 +385,17 @@ class DistTrainer(Trainer):
 
 
 def destroy() -> None:
-    """Tear the process group down (end of a distributed ``k3 train``)."""
+    """Tear the process group down (end of a distributed ``k3 train``).
+
+    ``destroy_process_group`` only unregisters the group; the gloo group itself, and its worker
+    threads, live on while a Python object refers to it (an ``ExpertParallel`` dispatcher in a module
+    cycle does). If they live into interpreter finalization, a worker thread that drops a finished
+    work item (a barrier that holds an all-to-all's tensors) must take the GIL to free those
+    tensors' Python objects, and a thread that takes the GIL during finalization exits in the middle
+    of a C++ destructor: ``terminate called without an active exception`` (SIGABRT), after the run's
+    results were written (seen in core dumps of the distributed tests, ~1 run in 10). Collecting the
+    cycles here frees the group while the interpreter is whole: its destructor releases the GIL and
+    joins its threads."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
