@@ -22,6 +22,8 @@
 #include "k3_vec.h"
 
 enum { NR = 32, MR = 8, AHEAD = 32, PN = 4 };
+/* Rows per work item: tile()'s MR, or 16 on 16-register targets (tile_passes takes them 3 at a time) */
+enum { CHUNK = K3_WIDE_REGISTERS ? MR : 16 };
 
 /* y[m][0:nc] (+)= s[m] * (x[m] @ [panel_0 | .. | panel_{pn-1}]) for m < mr, over pn consecutive panels
  * (pn <= PN): x[m], y[m]: row pointers; s[m]: row scales. Few rows leave the FMA units idle while
@@ -61,41 +63,93 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
 }
 
 /* 16-register targets (K3_WIDE_REGISTERS 0): tile()'s 2 MR accumulators (4 MR registers of 8 floats)
- * would spill on every k, so 2 or more rows go one panel at a time, in passes of up to RG rows (2 RG
- * accumulators, 4 RG registers). The first pass over a panel streams it in, with the prefetch ahead
- * in that panel; the later passes read it from cache and prefetch the next panel of the matrix
- * (contiguous after it) instead, so the memory stream goes on while they compute. Each output element
- * is the same FMA chain over k in order as in tile(), so the same bits. On an AMD EPYC (AVX2, 1
- * thread), [M, 512] @ [512, 2048] cycling through 24 matrices (out of cache): M = 8 took 0.517 ms
- * over half panels of 16 columns in passes of 4 rows, and takes 0.40-0.43 ms here; M = 2 took 0.40
- * ms and takes 0.24-0.30 ms. */
-enum { RG = 3 };
+ * would spill on every k, so 2 or more rows go one panel at a time, in passes of up to RG rows: 4 RG
+ * accumulators, the RG rows' x[k] broadcast, and one register for each 8 columns of the panel row in
+ * turn (16 registers for RG = 3). Loading each 8 columns once for the RG rows (not once per row, as
+ * GCC does for tile()'s loop, an FMA with a memory operand) keeps the loop on the FMA units: 7 loads
+ * per 12 FMAs instead of 15.
+ *
+ * K goes in blocks of KB rows, the accumulators kept in a small buffer between blocks (a store and a
+ * reload do not change a float: each output element is still the same FMA chain over k in order as
+ * in tile(), so the same bits). While the passes over a panel compute, they prefetch the next panel
+ * of the work (`next`; the next item's first panel after an item's last): the pass j of P prefetches
+ * the rows k of the block with k mod P = j, so each row of the next panel is asked for once and the
+ * memory stream runs under the FMAs instead of after them. */
+#if !K3_WIDE_REGISTERS
+enum { RG = 3, KB = 64 };
 
+static inline __attribute__((always_inline)) void pass_rows(const int rg, const float *const *x, const float *w,
+                                                            int64_t kn, float *part, int acc, const float *nx,
+                                                            int64_t P, int64_t j) {
+    v8 a[RG][NR / 8];
+    for (int m = 0; m < rg; m++)
+        for (int c = 0; c < NR / 8; c++) a[m][c] = acc ? (v8)*(const v8_alias *)(part + m * NR + 8 * c) : (v8){0};
+    for (int64_t k = 0; k < kn; k++) {
+        const float *wk = w + k * NR;
+        if (k % P == j) {
+            __builtin_prefetch(nx + k * NR);
+            __builtin_prefetch(nx + k * NR + 16);
+        }
+        v8 b[RG];
+        for (int m = 0; m < rg; m++) { const float t = x[m][k]; b[m] = (v8){t, t, t, t, t, t, t, t}; }
+        for (int c = 0; c < NR / 8; c++) {
+            v8 wc = *(const v8_alias *)(wk + 8 * c);
+#if defined(__x86_64__)
+            __asm__("" : "+x"(wc));   /* keep it in a register: one load for the RG rows */
+#endif
+            for (int m = 0; m < rg; m++) a[m][c] += b[m] * wc;
+        }
+    }
+    for (int m = 0; m < rg; m++)
+        for (int c = 0; c < NR / 8; c++) *(v8_alias *)(part + m * NR + 8 * c) = a[m][c];
+}
+
+/* Rows mr <= CHUNK of pn consecutive panels, pass by pass (above). */
 static void tile_passes(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
-                        const float *s, int64_t nc, int acc) {
+                        const float *s, int64_t nc, int acc, const float *next) {
+    const int64_t P = (mr + RG - 1) / RG;
+    float part[CHUNK * NR];
     for (int p = 0; p < pn; p++) {
         const int64_t c0 = (int64_t)p * NR, cn = nc - c0 < NR ? nc - c0 : NR;
         const float *w = panel + c0 * K;
-        for (int m0 = 0; m0 < mr; m0 += RG) {
-            const int rg = mr - m0 < RG ? mr - m0 : RG;
-            const float *pf = m0 == 0 ? w + AHEAD * NR : w + K * NR;
-            float *yp[RG];
-            for (int m = 0; m < rg; m++) yp[m] = y[m0 + m] + c0;
-            switch (rg) {
-            case 1: tile(1, 1, x + m0, w, K, yp, s + m0, cn, acc, pf); break;
-            case 2: tile(2, 1, x + m0, w, K, yp, s + m0, cn, acc, pf); break;
-            default: tile(RG, 1, x + m0, w, K, yp, s + m0, cn, acc, pf); break;
+        /* one pass (3 rows or fewer) is bound by the read: it streams its own panel, AHEAD rows on */
+        const float *nx = P == 1 ? w + AHEAD * NR : p + 1 < pn ? w + K * NR : next;
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+            const int64_t kn = K - k0 < KB ? K - k0 : KB;
+            const float *xk[CHUNK];
+            for (int m = 0; m < mr; m++) xk[m] = x[m] + k0;
+            for (int64_t j = 0; j < P; j++) {
+                const int m0 = (int)j * RG, rg = mr - m0 < RG ? mr - m0 : RG;
+                const float *wk = w + k0 * NR, *nk = nx + k0 * NR;
+                float *pt = part + m0 * NR;
+                switch (rg) {
+                case 1: pass_rows(1, xk + m0, wk, kn, pt, k0 > 0, nk, P, j); break;
+                case 2: pass_rows(2, xk + m0, wk, kn, pt, k0 > 0, nk, P, j); break;
+                default: pass_rows(RG, xk + m0, wk, kn, pt, k0 > 0, nk, P, j); break;
+                }
             }
+        }
+        for (int m = 0; m < mr; m++) {
+            float *o = y[m] + c0;
+            const float sm = s[m], *t = part + m * NR;
+            if (acc) for (int64_t c = 0; c < cn; c++) o[c] += sm * t[c];
+            else for (int64_t c = 0; c < cn; c++) o[c] = sm * t[c];
         }
     }
 }
+#endif
 
+/* next: the panel the thread's next item starts with (for the prefetch of tile_passes). */
 static void tile_any(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
-                     const float *s, int64_t nc, int acc) {
-    if (!K3_WIDE_REGISTERS && mr > 1) {   /* one row: tile()'s 2-4 panels side by side stream faster */
-        tile_passes(mr, pn, x, panel, K, y, s, nc, acc);
+                     const float *s, int64_t nc, int acc, const float *next) {
+#if !K3_WIDE_REGISTERS
+    if (mr > 1) {   /* one row: tile()'s 2-4 panels side by side stream faster */
+        tile_passes(mr, pn, x, panel, K, y, s, nc, acc, next);
         return;
     }
+#else
+    (void)next;
+#endif
     /* one specialisation per row and panel count: the accumulators stay in registers */
 #define K3_TILE(r, n) case MR * (n - 1) + r: tile(r, n, x, panel, K, y, s, nc, acc, panel + AHEAD * NR); break;
     switch (MR * (pn - 1) + mr) {
@@ -127,14 +181,16 @@ static void run(const float *const *xrows, float *const *yrows, const float *sca
     for (int64_t i = 0; i < items; i++) {
         const int64_t c = chunk[i], p = panel[i], pn = item_panels(len[c], p, np);
         const int64_t nc = N - p * NR < pn * NR ? N - p * NR : pn * NR;
-        const float *xs[MR];
-        float *ys[MR], ss[MR];
+        const float *xs[CHUNK];
+        float *ys[CHUNK], ss[CHUNK];
         for (int64_t m = 0; m < len[c]; m++) {
             xs[m] = xrows[first[c] + m];
             ys[m] = yrows[first[c] + m] + p * NR;
             ss[m] = scale ? scale[first[c] + m] : 1.0f;
         }
-        tile_any((int)len[c], (int)pn, xs, W + mat[c] * msize + p * K * NR, K, ys, ss, nc, acc);
+        const float *w = W + mat[c] * msize + p * K * NR;
+        const float *next = i + 1 < items ? W + mat[chunk[i + 1]] * msize + panel[i + 1] * K * NR : w;
+        tile_any((int)len[c], (int)pn, xs, w, K, ys, ss, nc, acc, next);
     }
 }
 
@@ -172,7 +228,7 @@ static int64_t order_items(int64_t nchunks, const int64_t *len, const int64_t *m
 int k3_packed_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *W, int64_t N, float *y,
                  int64_t ldy, int acc, float norm_c, int nthreads) {
     if (M <= 0) return 0;
-    const int64_t nchunks = (M + MR - 1) / MR, np = (N + NR - 1) / NR;
+    const int64_t nchunks = (M + CHUNK - 1) / CHUNK, np = (N + NR - 1) / NR;
     const float **xr = malloc(sizeof *xr * M);
     float **yr = malloc(sizeof *yr * M);
     float *scale = norm_c >= 0 ? malloc(sizeof *scale * M) : NULL;
@@ -186,8 +242,8 @@ int k3_packed_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const float 
     int64_t *first = meta, *len = meta + nchunks, *mat = meta + 2 * nchunks;
     int64_t *chunk = meta + 3 * nchunks, *panel = chunk + nchunks * np;
     for (int64_t c = 0; c < nchunks; c++) {
-        first[c] = c * MR;
-        len[c] = M - c * MR < MR ? M - c * MR : MR;
+        first[c] = c * CHUNK;
+        len[c] = M - c * CHUNK < CHUNK ? M - c * CHUNK : CHUNK;
         mat[c] = 0;
     }
     int64_t items = order_items(nchunks, len, mat, np, chunk, panel);
@@ -197,7 +253,7 @@ int k3_packed_mm(const float *x, int64_t ldx, int64_t M, int64_t K, const float 
 }
 
 /* Slot s: y[s] = x[rows[s]] @ W[experts[s]] (x: R rows of stride ldx; W: E packed matrices; y: [S, N]
- * contiguous). Slots are grouped by expert (stably), so each expert's panels are read once per MR of
+ * contiguous). Slots are grouped by expert (stably), so each expert's panels are read once per CHUNK of
  * its slots. Returns 1 when a row index is outside [0, R), 2 when an expert index is outside [0, E),
  * -1 when memory for the work lists is not there. */
 int k3_packed_rows_mm(const float *x, int64_t ldx, int64_t R, const int64_t *rows, const int64_t *experts,
@@ -221,9 +277,9 @@ int k3_packed_rows_mm(const float *x, int64_t ldx, int64_t R, const int64_t *row
     for (int64_t j = 0; j < S; j++) { xr[j] = x + rows[order[j]] * ldx; yr[j] = y + order[j] * N; }
     int64_t nchunks = 0;
     for (int64_t e = 0, start = 0; e < E; start = count[e], e++)
-        for (int64_t j = start; j < count[e]; j += MR) {
+        for (int64_t j = start; j < count[e]; j += CHUNK) {
             first[nchunks] = j;
-            len[nchunks] = count[e] - j < MR ? count[e] - j : MR;
+            len[nchunks] = count[e] - j < CHUNK ? count[e] - j : CHUNK;
             mat[nchunks++] = e;
         }
     int64_t items = order_items(nchunks, len, mat, np, chunk, panel);
