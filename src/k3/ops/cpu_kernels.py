@@ -55,7 +55,7 @@ _SIGNATURES = {
     "k3_map": [_INT, _PTR, _I64],
     "k3_wide_registers": [],
     "k3_sort_desc": [_PTR, _I64, _I64, _PTR, _PTR, _INT],
-    "k3_gated_act": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT, _PTR, _PTR],
+    "k3_gated_act": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT, _PTR, _PTR, _INT],
     "k3_route": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _F32, _PTR, _PTR],
     "k3_attn_res_mix": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR],
     "k3_short_conv_silu": [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],

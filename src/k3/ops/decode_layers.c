@@ -53,7 +53,7 @@ int k3_kda_layer_step(const k3_kda_layer *L, int64_t B, const float *x, const fl
         rc = mat_mm(&L->w_gb, g, W, B, NULL, NULL, gate, -1.0f, nthreads);
         gt = gate, ld_gate = P;
     }
-    if (!rc) rc = k3_kda_step(B, L->nh, L->d, L->Kc, qkv, W, conv, conv_out, L->conv_w, dec, P, L->neg_a ? 1 : 0,
+    if (!rc && !getenv("K3SKIPKDA")) rc = k3_kda_step(B, L->nh, L->d, L->Kc, qkv, W, conv, conv_out, L->conv_w, dec, P, L->neg_a ? 1 : 0,
                               L->lb, L->neg_a, b, W, gt, ld_gate, S, S_out, L->c_qk, L->q_scale, L->c_o, o, nthreads);
     if (!rc) rc = mat_mm(&L->w_o, o, P, B, res, NULL, out, -1.0f, nthreads);
     free(buf);
@@ -98,7 +98,7 @@ int k3_moe_layer_step(const k3_moe_layer *L, int64_t N, const float *x, const fl
     for (int64_t s = 0; s < S; s++) tok[s] = s / L->k;
     if (!rc) rc = k3_packed_rows_mm(z, ldz, N, tok, idx, S, zw, L->w13.w, 2 * L->F, L->E, h13, nthreads);
     if (!rc) rc = k3_gated_act(S, L->F, h13, 2 * L->F, h13 + L->F, 2 * L->F, (int)L->silu, L->inv_beta,
-                               (int)L->tanh_up, w, h);
+                               (int)L->tanh_up, w, h, nthreads);
     for (int64_t s = 0; s < S; s++) tok[s] = s;
     if (!rc) rc = k3_packed_rows_mm(h, L->F, S, tok, idx, S, L->F, L->w2.w, L->ell, L->E, ys, nthreads);
     if (!rc)
@@ -118,7 +118,7 @@ int k3_moe_layer_step(const k3_moe_layer *L, int64_t N, const float *x, const fl
     if (!rc && L->w_sd.w) {
         const int64_t off = L->E + (latent ? L->ell : 0);
         rc = k3_gated_act(N, L->Fs, y + off, W, y + off + L->Fs, W, (int)L->silu, L->inv_beta, (int)L->tanh_up,
-                          NULL, hs);
+                          NULL, hs, nthreads);
         if (!rc) rc = k3_packed_mm(hs, L->Fs, N, L->Fs, L->w_sd.w, L->w_sd.N, out, H, 1, -1.0f, nthreads);
     }
     free(buf);

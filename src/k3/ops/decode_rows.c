@@ -144,9 +144,12 @@ int k3_map(int kind, float *x, int64_t n) {
 
 /* The gated activation of an expert or MLP row, times an optional per-row weight:
  *   silu:  out = SiLU(g) * u;   else (SiTU):  out = tanh(g * inv_beta) * sigmoid(g) * (tanh(u) if tanh_up else u)
- * g, u: rows of strides ldg, ldu (unit column stride); row_w: NULL or [rows]; out [rows, F] contiguous. */
+ * g, u: rows of strides ldg, ldu (unit column stride); row_w: NULL or [rows]; out [rows, F] contiguous.
+ * Rows are split between threads when there are enough elements to pay for it (each element's value
+ * is the same either way). */
 int k3_gated_act(int64_t rows, int64_t F, const float *g, int64_t ldg, const float *u, int64_t ldu, int silu,
-                 float inv_beta, int tanh_up, const float *row_w, float *out) {
+                 float inv_beta, int tanh_up, const float *row_w, float *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1 && rows * F >= 4096)
     for (int64_t r = 0; r < rows; r++) {
         const float *gr = g + r * ldg, *ur = u + r * ldu;
         float *o = out + r * F;

@@ -93,7 +93,7 @@ def gated_act_c(g: torch.Tensor, u: torch.Tensor, silu: bool, inv_beta: float, t
     out = torch.empty(R, F)
     cpu_kernels.library().k3_gated_act(R, F, g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), int(silu),
                                        inv_beta, int(tanh_up), None if row_w is None else row_w.data_ptr(),
-                                       out.data_ptr())
+                                       out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -14,7 +14,7 @@ int k3_kda_step(int64_t B, int64_t nh, int64_t d, int64_t Kc, const float *qkv, 
                 const float *neg_a, const float *beta_in, int64_t ld_beta, const float *gate, int64_t ld_gate,
                 const float *S, float *S_out, float c_qk, float q_scale, float c_o, float *o_out, int nthreads);
 int k3_gated_act(int64_t rows, int64_t F, const float *g, int64_t ldg, const float *u, int64_t ldu, int silu,
-                 float inv_beta, int tanh_up, const float *row_w, float *out);
+                 float inv_beta, int tanh_up, const float *row_w, float *out, int nthreads);
 int k3_route(int64_t N, int64_t E, const float *logits, int64_t ld, const float *bias, int64_t k, int softmax,
              int renorm, float tiny, int64_t *idx, float *w);
 

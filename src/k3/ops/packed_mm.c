@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "k3_vec.h"
 
 enum { NR = 32, MR = 8, AHEAD = 32, PN = 4 };
@@ -143,7 +145,10 @@ static void tile_passes(int mr, int pn, const float *const *x, const float *pane
 static void tile_any(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
                      const float *s, int64_t nc, int acc, const float *next) {
 #if !K3_WIDE_REGISTERS
-    if (mr > 1) {   /* one row: tile()'s 2-4 panels side by side stream faster */
+    /* 1 or 2 rows: tile()'s 4 panels side by side (4 read streams) are bound by the read, not the
+     * FMAs, even with 2 rows' accumulators spilling to the stack: [2, 256] @ 29 experts' [256, 512]
+     * (2 threads) 0.72 -> 0.67 ms in passes -> tile(), 1 thread 18 -> 25 GB/s. 3 rows or more: passes */
+    if (mr > 2) {
         tile_passes(mr, pn, x, panel, K, y, s, nc, acc, next);
         return;
     }
@@ -169,28 +174,52 @@ static inline int64_t item_panels(int64_t rows, int64_t p, int64_t np) {
     return np - p < g ? np - p : g;
 }
 
+/* One item's cost in the units of the split between threads: its weight reads (pn panels of K rows)
+ * plus its FMAs, a panel row being worth about ITEM_READ rows of FMAs (20 GB/s and 32 FLOP a cycle
+ * at 3 GHz: 128 bytes take the time of ~20 cycles, one row's 4 FMAs of 8 ~2). */
+enum { ITEM_READ = 10 };
+static inline int64_t item_cost(int64_t rows, int64_t pn, int64_t K) { return pn * K * (ITEM_READ + rows); }
+
 /* The work: row chunk c (rows first[c] .. first[c]+len[c]-1 of the row lists, of matrix mat[c]) times
  * panels p .. p+pn-1, pn = item_panels(len[c], p, np), for each item (chunk[i], panel[i] = p); scale: one
- * factor per row of the lists, or NULL. */
+ * factor per row of the lists, or NULL. Each thread takes a run of consecutive items of about equal
+ * cost (items differ: a chunk of 2 rows takes 4 panels, one of 16 rows 1), so it goes through a
+ * matrix's panels in order and knows the panel it reads next. */
 static void run(const float *const *xrows, float *const *yrows, const float *scale, const int64_t *first,
                 const int64_t *len,
                 const int64_t *mat, int64_t items, const int64_t *chunk, const int64_t *panel, int64_t K,
                 const float *W, int64_t N, int acc, int nthreads) {
     const int64_t np = (N + NR - 1) / NR, msize = np * K * NR;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < items; i++) {
-        const int64_t c = chunk[i], p = panel[i], pn = item_panels(len[c], p, np);
-        const int64_t nc = N - p * NR < pn * NR ? N - p * NR : pn * NR;
-        const float *xs[CHUNK];
-        float *ys[CHUNK], ss[CHUNK];
-        for (int64_t m = 0; m < len[c]; m++) {
-            xs[m] = xrows[first[c] + m];
-            ys[m] = yrows[first[c] + m] + p * NR;
-            ss[m] = scale ? scale[first[c] + m] : 1.0f;
+    int64_t total = 0;
+    for (int64_t i = 0; i < items; i++) total += item_cost(len[chunk[i]], item_panels(len[chunk[i]], panel[i], np), K);
+    if (nthreads > items) nthreads = (int)items;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* this thread's items: those whose cost midpoint falls in [t, t+1) * total / nt */
+        int64_t lo = items, hi = items, acc_cost = 0;
+        for (int64_t i = 0; i < items; i++) {
+            const int64_t cst = item_cost(len[chunk[i]], item_panels(len[chunk[i]], panel[i], np), K);
+            const int64_t owner = (2 * acc_cost + cst) * nt / (2 * total);
+            if (owner >= t && lo == items) lo = i;
+            if (owner > t) { hi = i; break; }
+            acc_cost += cst;
         }
-        const float *w = W + mat[c] * msize + p * K * NR;
-        const float *next = i + 1 < items ? W + mat[chunk[i + 1]] * msize + panel[i + 1] * K * NR : w;
-        tile_any((int)len[c], (int)pn, xs, w, K, ys, ss, nc, acc, next);
+        for (int64_t i = lo; i < hi; i++) {
+            const int64_t c = chunk[i], p = panel[i], pn = item_panels(len[c], p, np);
+            const int64_t nc = N - p * NR < pn * NR ? N - p * NR : pn * NR;
+            const float *xs[CHUNK];
+            float *ys[CHUNK], ss[CHUNK];
+            for (int64_t m = 0; m < len[c]; m++) {
+                xs[m] = xrows[first[c] + m];
+                ys[m] = yrows[first[c] + m] + p * NR;
+                ss[m] = scale ? scale[first[c] + m] : 1.0f;
+            }
+            const float *w = W + mat[c] * msize + p * K * NR;
+            const float *next = i + 1 < hi ? W + mat[chunk[i + 1]] * msize + panel[i + 1] * K * NR : w;
+            tile_any((int)len[c], (int)pn, xs, w, K, ys, ss, nc, acc, next);
+        }
     }
 }
 
