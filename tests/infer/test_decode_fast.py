@@ -85,11 +85,22 @@ def variant_model():
     return _sharpen(m, 7)
 
 
+@pytest.fixture(scope="module")
+def odd_mla_model():
+    """nano with MLA sizes off the C kernel's 16-float runs (latent 24, rope 8: its scalar tails) and 5
+    heads (head blocks of 4 and 1)."""
+    torch.manual_seed(3)
+    m = K3ForCausalLM(get_preset("nano", kv_lora_rank=24, qk_rope_head_dim=8, num_attention_heads=5))
+    with torch.no_grad():
+        m.lm_head.weight.mul_(20)
+    return _sharpen(m, 8)
+
+
 def _rows(B, H, seed):
     return torch.randn(B, H, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("name", ["k3_model", "kimi_model", "variant_model"])
+@pytest.mark.parametrize("name", ["k3_model", "kimi_model", "variant_model", "odd_mla_model"])
 @torch.no_grad()
 def test_each_sublayer_equals_its_module(request, name):
     model = request.getfixturevalue(name)

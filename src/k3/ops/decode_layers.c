@@ -126,6 +126,71 @@ int k3_moe_layer_step(const k3_moe_layer *L, int64_t N, const float *x, const fl
     return rc;
 }
 
+/* Heads of one MLA row at a time, MLA_HB together: the latent row (or a run of 16 of its floats) is read
+ * once for them, and their sums are independent chains. */
+enum { MLA_HB = 4 };
+
+/* s[hh * lds] = q_pe[hh] . pe + q_lat[hh] . c for hh < nb heads (q_lat rows of stride r, q_pe of p;
+ * r, p multiples of 16): dot2_f's sums, term for term in its order, so the same bits. */
+static inline __attribute__((always_inline)) void head_scores_n(const int nb, const float *ql, const float *qp, int64_t r, int64_t p, const float *c,
+                               const float *pe, float *s, int64_t lds) {
+    v16 acc[MLA_HB];
+    for (int hh = 0; hh < nb; hh++) acc[hh] = splat16(0.0f);
+    for (int64_t k = 0; k < p; k += 16) {
+        const v16 v = load16(pe + k);
+        for (int hh = 0; hh < nb; hh++) acc[hh] = add16(acc[hh], mul16(load16(qp + hh * p + k), v));
+    }
+    for (int64_t k = 0; k < r; k += 16) {
+        const v16 v = load16(c + k);
+        for (int hh = 0; hh < nb; hh++) acc[hh] = add16(acc[hh], mul16(load16(ql + hh * r + k), v));
+    }
+    for (int hh = 0; hh < nb; hh++) s[hh * lds] = hsum16(acc[hh]);
+}
+
+/* o[hh] = sum_j a[hh][j] c_j (j < ns: the n cached latents cb, then this token's cn) for hh < nb heads, a
+ * rows of stride ns, o rows of r: each element the chain o = 0; o += a_j c_j over j in order, as the
+ * loop it replaces, with the nb heads' sums kept in registers across j, 16 floats of r at a time. */
+static inline __attribute__((always_inline)) void head_mix_n(const int nb, const float *a, int64_t ns, int64_t n, const float *cb, const float *cn,
+                            int64_t r, float *o) {
+    int64_t i = 0;
+    for (; i + 16 <= r; i += 16) {
+        v16 acc[MLA_HB];
+        for (int hh = 0; hh < nb; hh++) acc[hh] = splat16(0.0f);
+        for (int64_t j = 0; j < ns; j++) {
+            const v16 c = load16((j < n ? cb + j * r : cn) + i);
+            for (int hh = 0; hh < nb; hh++) acc[hh] = add16(acc[hh], mul16(splat16(a[hh * ns + j]), c));
+        }
+        for (int hh = 0; hh < nb; hh++) store16(o + hh * r + i, acc[hh]);
+    }
+    for (; i < r; i++)
+        for (int hh = 0; hh < nb; hh++) {
+            float t = 0.0f;
+            for (int64_t j = 0; j < ns; j++) t += a[hh * ns + j] * (j < n ? cb + j * r : cn)[i];
+            o[hh * r + i] = t;
+        }
+}
+
+/* The two above with nb a constant, so that their sums stay in registers. */
+static void head_scores(int nb, const float *ql, const float *qp, int64_t r, int64_t p, const float *c,
+                        const float *pe, float *s, int64_t lds) {
+    switch (nb) {
+    case 1: head_scores_n(1, ql, qp, r, p, c, pe, s, lds); break;
+    case 2: head_scores_n(2, ql, qp, r, p, c, pe, s, lds); break;
+    case 3: head_scores_n(3, ql, qp, r, p, c, pe, s, lds); break;
+    default: head_scores_n(MLA_HB, ql, qp, r, p, c, pe, s, lds); break;
+    }
+}
+
+static void head_mix(int nb, const float *a, int64_t ns, int64_t n, const float *cb, const float *cn, int64_t r,
+                     float *o) {
+    switch (nb) {
+    case 1: head_mix_n(1, a, ns, n, cb, cn, r, o); break;
+    case 2: head_mix_n(2, a, ns, n, cb, cn, r, o); break;
+    case 3: head_mix_n(3, a, ns, n, cb, cn, r, o); break;
+    default: head_mix_n(MLA_HB, a, ns, n, cb, cn, r, o); break;
+    }
+}
+
 typedef struct {
     k3_mat w_in, w_q, w_o;                    /* w_q.w NULL: no q LoRA (the query is in w_in's output) */
     const float *w_uv_t, *kv_w;               /* w_uv_t [nh, r, v]: the latent to each head's values */
@@ -170,12 +235,16 @@ int k3_mla_layer_step(const k3_mla_layer *L, int64_t B, const float *x, const fl
         const float *cb = c_buf + b * ldc, *pb = pe_buf + b * ldp, *cn = c_new + b * r, *pn = pe_new + b * p;
         float *sc = work + b * nh * (S + 1 + r);          /* [nh][ns] scores, then [nh][r] latents */
         float *ol = sc + nh * (S + 1);
+        const float *qb_ = q + b * ldq;
         for (int64_t j = 0; j < ns; j++) {
             const float *cj = j < n ? cb + j * r : cn, *pj = j < n ? pb + j * p : pn;
-            for (int64_t h = h0; h < h1; h++) {
-                const float *ql = q + b * ldq + h * r, *qp = q + b * ldq + nh * r + h * p;
-                sc[h * ns + j] = dot2_f(qp, pj, p, ql, cj, r);
-            }
+            if (p % 16 == 0 && r % 16 == 0)
+                for (int64_t h = h0; h < h1; h += MLA_HB)
+                    head_scores(h1 - h < MLA_HB ? (int)(h1 - h) : MLA_HB, qb_ + h * r, qb_ + nh * r + h * p, r, p,
+                                cj, pj, sc + h * ns + j, ns);
+            else
+                for (int64_t h = h0; h < h1; h++)
+                    sc[h * ns + j] = dot2_f(qb_ + nh * r + h * p, pj, p, qb_ + h * r, cj, r);
         }
         for (int64_t h = h0; h < h1; h++) {
             float *sh = sc + h * ns, mx = -INFINITY, total = 0.0f;
@@ -185,16 +254,9 @@ int k3_mla_layer_step(const k3_mla_layer *L, int64_t B, const float *x, const fl
             for (int64_t j = 0; j < ns; j++) total += sh[j];
             const float inv = 1.0f / total;
             for (int64_t j = 0; j < ns; j++) sh[j] *= inv;
-            for (int64_t i = 0; i < r; i++) ol[h * r + i] = 0.0f;
         }
-        for (int64_t j = 0; j < ns; j++) {
-            const float *cj = j < n ? cb + j * r : cn;
-            for (int64_t h = h0; h < h1; h++) {
-                const float a = sc[h * ns + j];
-                float *oh = ol + h * r;
-                for (int64_t i = 0; i < r; i++) oh[i] += a * cj[i];
-            }
-        }
+        for (int64_t h = h0; h < h1; h += MLA_HB)
+            head_mix(h1 - h < MLA_HB ? (int)(h1 - h) : MLA_HB, sc + h * ns, ns, n, cb, cn, r, ol + h * r);
         for (int64_t h = h0; h < h1; h++) {
             float *oh = o + b * nh * vd + h * vd;
             const float *wu = L->w_uv_t + h * r * vd, *lh = ol + h * r;
