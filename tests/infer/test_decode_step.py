@@ -148,3 +148,29 @@ def test_the_cache_after_steps_is_ordinary_and_a_forward_with_autograd_continues
     # forms): equal to fp32 rounding of the logits' scale (AVX2 left 1.6e-6 on one logit of 1,024, at
     # a scale of ~10).
     assert (out.detach() - want).abs().max() <= 1e-6 * max(1.0, want.abs().max().item())
+
+
+@torch.no_grad()
+def test_in_place_state_gives_the_same_step_and_only_it_overwrites_the_old_state(mixing_model):
+    """``in_place_state`` (the engine's setting) writes each KDA state over the cache's tensor: the
+    logits and caches are bit-equal to the default's, step after step; a state tensor taken before a
+    step keeps its values by default, and is overwritten with the new state in place (the control
+    that the in-place path ran)."""
+    plain, inplace = _prefilled(mixing_model, [5, 12, 7], 11), _prefilled(mixing_model, [5, 12, 7], 11)
+    steps = {False: DecodeStep(mixing_model), True: DecodeStep(mixing_model, in_place_state=True)}
+    tok = torch.tensor([3, 9, 27])
+    for _ in range(3):
+        held = {k: [s.recurrent for s in c.layers if isinstance(s, KDAState)] for k, c in
+                ((False, plain), (True, inplace))}
+        before = {k: [t.clone() for t in v] for k, v in held.items()}
+        a, b = steps[False].step(tok, plain), steps[True].step(tok, inplace)
+        assert torch.equal(a, b)
+        for x, y in zip(plain.layers, inplace.layers):
+            if isinstance(x, KDAState):
+                assert torch.equal(x.recurrent, y.recurrent) and torch.equal(x.conv, y.conv)
+        new = [s.recurrent for s in inplace.layers if isinstance(s, KDAState)]
+        for t, t0 in zip(held[False], before[False]):
+            assert torch.equal(t, t0)                                   # the default leaves it alone
+        for t, t0, n in zip(held[True], before[True], new):
+            assert t is n and not torch.equal(t, t0)                    # in place: it is the new state
+        tok = a.argmax(-1)

@@ -37,10 +37,10 @@ from k3.ops.packed_mm import PackedMatrix
 __all__ = ["DecodePlan", "fast_forward", "kda_step", "mla_step", "moe_step", "mlp_step"]
 
 
-def kda_step(p: PreparedKDA, x, res, conv, S):
+def kda_step(p: PreparedKDA, x, res, conv, S, in_place: bool = False):
     """x [B,H] (pre-norm), res [B,H] | None, conv [B,3P,K−1], S [B,nh,d,d] fp32 ->
-    (res + out [B,H], conv', S'): one C call (``k3.ops.decode_layers``)."""
-    return kda_layer_step(p.c, x, res, conv, S)
+    (res + out [B,H], conv', S'): one C call (``k3.ops.decode_layers``; ``in_place``: S' over S)."""
+    return kda_layer_step(p.c, x, res, conv, S, in_place)
 
 
 def mla_step(p: PreparedMLA, x, res, c_buf, pe_buf, lengths):
@@ -102,15 +102,17 @@ class DecodePlan:
             self.w_lm = PackedMatrix((model.lm_head.weight.detach() * (m.norm.weight.detach() * H ** 0.5)).t())
 
 
-def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bufs):
+def fast_forward(plan: DecodePlan, tokens, lengths, convs, states, c_bufs, pe_bufs, in_place: bool = False):
     """``decode_forward``'s contract over a ``DecodePlan`` (``lengths``: the MLA tokens each row
-    holds; its buffers may be longer). Returns (logits [B, V], convs', states', c_new, pe_new)."""
+    holds; its buffers may be longer). Returns (logits [B, V], convs', states', c_new, pe_new).
+    ``in_place``: each KDA state' is written over its state (``kda_layer_step``), which the caller
+    must own: nothing else may hold it."""
     new_conv, new_S, new_c, new_pe = [], [], [], []
     it_kda, it_mla = iter(zip(convs, states)), iter(zip(c_bufs, pe_bufs))
 
     def attn(L, h, res):
         if L.is_kda:
-            out, conv, S = kda_step(L.attn, h, res, *next(it_kda))
+            out, conv, S = kda_step(L.attn, h, res, *next(it_kda), in_place)
             new_conv.append(conv), new_S.append(S)
         else:
             out, c, pe = mla_step(L.attn, h, res, *next(it_mla), lengths)

@@ -95,11 +95,17 @@ class DecodeStep:
     ``cache`` by one token per row as ``model(tokens[:, None], cache=cache)`` does (same math, fewer
     kernels; ``prepared``: over ``k3.infer.decode_prep``'s prepared weights where they apply).
     Only for a model with ``unsupported(model) is None`` and a cache that ``accepts(cache)``:
-    the engine checks both before every step (a model's flags may change between steps)."""
+    the engine checks both before every step (a model's flags may change between steps).
 
-    def __init__(self, model, prepared: bool = True):
+    ``in_place_state``: the prepared step writes each KDA layer's new recurrent state over the
+    cache's tensor instead of a new one (fewer bytes moved at large batch), for a caller that owns
+    its caches, as the engine does; by default a state tensor taken from the cache before a step
+    keeps its values."""
+
+    def __init__(self, model, prepared: bool = True, in_place_state: bool = False):
         self.model = model
         self.prepared = prepared   # the prepared-weights step (k3.infer.decode_fast) when it applies
+        self.in_place_state = in_place_state
         self._plan: DecodePlan | None = None
         self._watch: WeightWatch | None = None
         self._key, self._why = None, None     # the weights' key and prepare_unsupported at that key
@@ -164,7 +170,7 @@ class DecodeStep:
             if plan is not None:
                 logits, convs, Ss, cs, pes = fast_forward(plan, tokens, lengths, [s.conv for s in kda],
                                                           [s.recurrent for s in kda], [s.c for s in mla],
-                                                          [s.k_pe for s in mla])
+                                                          [s.k_pe for s in mla], self.in_place_state)
             else:
                 logits, convs, Ss, cs, pes = decode_forward(self.model, tokens, lengths,
                                                             [s.conv for s in kda], [s.recurrent for s in kda],

@@ -89,7 +89,7 @@ class Engine(PrefillSteps):
         self.max_batch, self.prefill_chunk, self.cache_block = max_batch, prefill_chunk, cache_block
         self.max_cache_bytes = max_cache_bytes
         self.fast_decode = bool(fast_decode)
-        self._decode_step = DecodeStep(self.model)
+        self._decode_step = DecodeStep(self.model, in_place_state=True)   # the groups' caches are its own
         self.prefix_cache = None
         if prefix_cache_bytes:
             from k3.infer.prefix_cache import PrefixCache

@@ -62,9 +62,13 @@ def _rows(x: torch.Tensor, B: int, H: int, what: str) -> None:
                          f"contiguous={x.is_contiguous()}")
 
 
-def kda_layer_step(L: KDALayer, x: torch.Tensor, res: torch.Tensor | None, conv: torch.Tensor, S: torch.Tensor):
+def kda_layer_step(L: KDALayer, x: torch.Tensor, res: torch.Tensor | None, conv: torch.Tensor, S: torch.Tensor,
+                   in_place: bool = False):
     """x [B, H] (pre-norm), res [B, H] | None, conv [B, 3P, K−1], S [B, nh, d, d] ->
-    (res + KDA(n(x)) [B, H], conv', S'); conv' and S' are ordinary tensors even under inference mode."""
+    (res + KDA(n(x)) [B, H], conv', S'); conv' and S' are ordinary tensors even under inference mode.
+    ``in_place``: S' is written over S (returned as S') when S is contiguous fp32 and not an inference
+    tensor: the step then writes the state once instead of reading a fresh buffer in to write it (each
+    element of S is read before it is overwritten, so the values are the same)."""
     B, H = x.shape
     P = L.nh * L.d
     _rows(x, B, L.w_in.K, "kda_layer_step: x")
@@ -76,7 +80,8 @@ def kda_layer_step(L: KDALayer, x: torch.Tensor, res: torch.Tensor | None, conv:
     conv, S = conv.float().contiguous(), S.float().contiguous()
     out = torch.empty(B, L.w_o.N)
     with torch.inference_mode(False):
-        conv_out, S_out = torch.empty_like(conv), torch.empty_like(S)
+        conv_out = torch.empty_like(conv)
+        S_out = S if in_place and not S.is_inference() else torch.empty_like(S)
     rc = cpu_kernels.library().k3_kda_layer_step(
         ctypes.byref(L), B, x.data_ptr(), None if res is None else res.data_ptr(), conv.data_ptr(), S.data_ptr(),
         out.data_ptr(), conv_out.data_ptr(), S_out.data_ptr(), torch.get_num_threads())

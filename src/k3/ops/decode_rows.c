@@ -16,11 +16,14 @@ enum { KDA_MAX_D = 256, KDA_ND_MAX = 8 };
  * kda_state, element for element in the same order, with k^T S', u and o held in registers. */
 static inline __attribute__((always_inline)) void kda_state_v(const int ND, int64_t d, const float *Si, float *So,
                                                               const float *e, const float *k, const float *q,
-                                                              const float *v, float beta, float *o_out) {
+                                                              const float *v, float beta, float *o_out,
+                                                              const float *Snext) {
     v16 ks[KDA_ND_MAX], u[KDA_ND_MAX], o[KDA_ND_MAX];
     for (int n = 0; n < ND; n++) ks[n] = splat16(0.0f);
     for (int64_t i = 0; i < d; i++) {
         const float ei = e[i], ki = k[i];
+        if (Snext)   /* the next (row, head)'s state, while this one is read from memory */
+            for (int n = 0; n < ND; n++) __builtin_prefetch(Snext + i * d + 16 * n);
         for (int n = 0; n < ND; n++)
             ks[n] = add16(ks[n], mul16(splat16(ki), mul16(load16(Si + i * d + 16 * n), splat16(ei))));
     }
@@ -41,9 +44,9 @@ static inline __attribute__((always_inline)) void kda_state_v(const int ND, int6
 
 /* S_out = diag(e) S + k u^T with u = beta (v - k^T diag(e) S), and o = q^T S_out, for one (row, head). */
 static void kda_state(int64_t d, const float *Si, float *So, const float *e, const float *k, const float *q,
-                      const float *v, float beta, float *o) {
+                      const float *v, float beta, float *o, const float *Snext) {
     switch (d % 16 ? 0 : d / 16) {
-#define K3_ND(n) case n: kda_state_v(n, d, Si, So, e, k, q, v, beta, o); return;
+#define K3_ND(n) case n: kda_state_v(n, d, Si, So, e, k, q, v, beta, o, Snext); return;
     K3_ND(1) K3_ND(2) K3_ND(3) K3_ND(4) K3_ND(5) K3_ND(6) K3_ND(7) K3_ND(8)
 #undef K3_ND
     default: break;
@@ -119,7 +122,7 @@ int k3_kda_step(int64_t B, int64_t nh, int64_t d, int64_t Kc, const float *qkv, 
         float *So = S_out + item * d * d;
         /* S' = diag(e) S is recomputed in the second pass rather than stored, so S_out is written
          * once (the first pass reads S from memory, the second from the cache) */
-        kda_state(d, Si, So, e, k, q, v, beta, o);
+        kda_state(d, Si, So, e, k, q, v, beta, o, item + 1 < B * nh ? Si + d * d : NULL);
         const float so = 1.0f / sqrtf(sumsq_f(o, d) + c_o);
         const float *gg = gate + b * ld_gate + h * d;
         for (int64_t j = 0; j < d; j++) g[j] = gg[j];
