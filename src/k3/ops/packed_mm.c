@@ -86,11 +86,12 @@ static inline __attribute__((always_inline)) void pass_rows(const int rg, const 
     v8 a[RG][NR / 8];
     for (int m = 0; m < rg; m++)
         for (int c = 0; c < NR / 8; c++) a[m][c] = acc ? (v8)*(const v8_alias *)(part + m * NR + 8 * c) : (v8){0};
-    for (int64_t k = 0; k < kn; k++) {
+    for (int64_t k = 0, kp = j; k < kn; k++) {   /* kp: the next k with k mod P = j (no division in the loop) */
         const float *wk = w + k * NR;
-        if (k % P == j) {
+        if (k == kp) {
             __builtin_prefetch(nx + k * NR);
             __builtin_prefetch(nx + k * NR + 16);
+            kp += P;
         }
         v8 b[RG];
         for (int m = 0; m < rg; m++) { const float t = x[m][k]; b[m] = (v8){t, t, t, t, t, t, t, t}; }
