@@ -31,12 +31,18 @@ static inline __attribute__((always_inline)) void kda_state_v(const int ND, int6
         u[n] = mul16(splat16(beta), sub16(load16(v + 16 * n), ks[n]));
         o[n] = splat16(0.0f);
     }
-    for (int64_t i = 0; i < d; i++) {
-        const float ei = e[i], ki = k[i], qi = q[i];
-        for (int n = 0; n < ND; n++) {
-            const v16 s = add16(mul16(load16(Si + i * d + 16 * n), splat16(ei)), mul16(splat16(ki), u[n]));
-            store16(So + i * d + 16 * n, s);
-            o[n] = add16(o[n], mul16(splat16(qi), s));
+    /* the second pass in column groups of G vectors: u and o of a group stay in registers (AVX2 has
+     * room for 2 of each: ND = 4 at once spilled both on every row); each column's sums are the same */
+    enum { G = K3_WIDE_REGISTERS ? KDA_ND_MAX : 2 };
+    for (int n0 = 0; n0 < ND; n0 += G) {
+        const int n1 = n0 + G < ND ? n0 + G : ND;
+        for (int64_t i = 0; i < d; i++) {
+            const float ei = e[i], ki = k[i], qi = q[i];
+            for (int n = n0; n < n1; n++) {
+                const v16 s = add16(mul16(load16(Si + i * d + 16 * n), splat16(ei)), mul16(splat16(ki), u[n]));
+                store16(So + i * d + 16 * n, s);
+                o[n] = add16(o[n], mul16(splat16(qi), s));
+            }
         }
     }
     for (int n = 0; n < ND; n++) store16(o_out + 16 * n, o[n]);
@@ -68,6 +74,20 @@ static void kda_state(int64_t d, const float *Si, float *So, const float *e, con
     }
 }
 
+/* The short convolution of n channels at one step (T = Kc - 1 cached inputs each, cs [n, T]; weights
+ * w [n, Kc]; this step's inputs x [n]): h[j] = sum_t w[j, t] cs[j, t] + w[j, T] x[j], summed in t
+ * order, and co [n, T] the last T inputs. T a constant where it can be, so the loops unroll. */
+static inline __attribute__((always_inline)) void conv_taps(const int64_t T, int64_t n, const float *cs,
+                                                            const float *w, const float *x, float *h, float *co) {
+    for (int64_t j = 0; j < n; j++, cs += T, w += T + 1, co += T) {
+        float acc = 0.0f;
+        for (int64_t t = 0; t < T; t++) acc += w[t] * cs[t];
+        h[j] = acc + w[T] * x[j];
+        for (int64_t t = 0; t + 1 < T; t++) co[t] = cs[t + 1];
+        co[T - 1] = x[j];
+    }
+}
+
 /* One KDA recurrent step after the input projections, for B rows of nh heads of size d (P = nh d):
  *
  *   h = SiLU(sum_t conv_w[c, t] [conv[b, c, :] | qkv[b, c]]_t)    c < 3P  (conv_out: the last Kc-1 inputs)
@@ -89,18 +109,13 @@ int k3_kda_step(int64_t B, int64_t nh, int64_t d, int64_t Kc, const float *qkv, 
     for (int64_t item = 0; item < B * nh; item++) {
         const int64_t b = item / nh, h = item % nh;
         float hq[3 * KDA_MAX_D], e[KDA_MAX_D], o[KDA_MAX_D], g[KDA_MAX_D];
-        for (int64_t part = 0; part < 3; part++)
-            for (int64_t j = 0; j < d; j++) {
-                const int64_t ch = part * P + h * d + j;
-                const float *cs = conv + (b * 3 * P + ch) * T, *w = conv_w + ch * Kc;
-                const float x = qkv[b * ld_qkv + ch];
-                float acc = 0.0f;
-                for (int64_t t = 0; t < T; t++) acc += w[t] * cs[t];
-                hq[part * d + j] = acc + w[T] * x;
-                float *co = conv_out + (b * 3 * P + ch) * T;
-                for (int64_t t = 0; t + 1 < T; t++) co[t] = cs[t + 1];
-                co[T - 1] = x;
-            }
+        for (int64_t part = 0; part < 3; part++) {
+            const int64_t ch = part * P + h * d;
+            const float *cs = conv + (b * 3 * P + ch) * T, *w = conv_w + ch * Kc, *x = qkv + b * ld_qkv + ch;
+            float *co = conv_out + (b * 3 * P + ch) * T;
+            if (T == 3) conv_taps(3, d, cs, w, x, hq + part * d, co);   /* the usual kernel of 4: unrolled */
+            else conv_taps(T, d, cs, w, x, hq + part * d, co);
+        }
         map_silu(hq, 3 * d);
         float *q = hq, *k = hq + d, *v = hq + 2 * d;
         const float sq = q_scale / sqrtf(sumsq_f(q, d) + c_qk), sk = 1.0f / sqrtf(sumsq_f(k, d) + c_qk);
