@@ -5,15 +5,17 @@
  * streams its panel once, front to back, with a software prefetch AHEAD rows on: that is what keeps
  * the read stream going while the core is busy with the FMAs (batch 8: 1.6-1.8x MKL's sgemm here). A
  * tile of 1-4 rows streams 2-4 panels side by side instead, so more reads are in flight (batch 1:
- * 1.2-1.3x the one-panel tile; benchmarks/packed_mm.py). On 16-register targets (AVX2) only one row
- * does; more rows go one panel at a time in passes of 3 (tile_passes).
+ * 1.2-1.3x the one-panel tile; benchmarks/packed_mm.py). On 16-register targets (AVX2) tile() is
+ * used for 1 or 2 rows (4 panels side by side); 3 rows or more go one panel at a time in passes of 3
+ * that prefetch the next panel while they compute (tile_passes).
  *
  * Every output element is one FMA chain over k = 0..K-1 in order, whatever the number of rows or
  * threads: a row's result does not depend on its batch companions (bitwise).
  *
- * Threads: one OpenMP loop over (matrix, panel, row chunk) items, panel-major inside a matrix, so a
- * thread re-reads a panel for its next row chunk from cache rather than memory. It runs on the
- * process's libgomp (torch's), with the thread count the caller passes.
+ * Threads: the (matrix, panel, row chunk) items are in panel-major order inside a matrix, so a thread
+ * re-reads a panel for its next row chunk from cache rather than memory, and each thread takes a run
+ * of consecutive items of about equal cost (run). It runs on the process's libgomp (torch's), with
+ * the thread count the caller passes.
  */
 #include <stdint.h>
 #include <stdlib.h>
