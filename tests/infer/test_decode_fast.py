@@ -225,3 +225,26 @@ def test_the_prepared_step_refuses_other_devices_and_oversized_models(k3_model):
     assert prepare_unsupported(k3_model, max_bytes=size) is None
     assert "more than" in prepare_unsupported(k3_model, max_bytes=size - 1)
     assert "not on the CPU" in prepare_unsupported(copy.deepcopy(k3_model).to("meta"))
+
+
+@pytest.mark.parametrize("preset", ["nano", "tiny"])   # head_dim 32 and 64: one column group and two
+@torch.no_grad()
+def test_kda_step_in_place_writes_the_same_state_over_its_input(preset):
+    """``in_place``: the new state is written over S (the same tensor comes back) with the bits of the
+    fresh-buffer step; the control: without it, S keeps its values."""
+    torch.manual_seed(5)
+    model = K3ForCausalLM(get_preset(preset)).eval()
+    plan = DecodePlan(model)
+    layer = next(l for l in model.model.layers if l.is_kda)
+    L, a = plan.layers[layer.layer_idx], layer.self_attn
+    B = 5
+    g = torch.Generator().manual_seed(1)
+    x, res = _rows(B, model.config.hidden_size, 30), _rows(B, model.config.hidden_size, 31)
+    conv = torch.randn(B, 3 * a.num_heads * a.head_dim, a.conv_kernel_size - 1, generator=g)
+    S = torch.randn(B, a.num_heads, a.head_dim, a.head_dim, generator=g) * 0.1
+    S0 = S.clone()
+    want, wconv, wS = kda_step(L.attn, x, res, conv, S)
+    assert torch.equal(S, S0) and not torch.equal(wS, S0)          # fresh buffer: S untouched
+    got, gconv, gS = kda_step(L.attn, x, res, conv, S, in_place=True)
+    assert gS is S and torch.equal(S, wS)                          # in place: S is the new state
+    assert torch.equal(got, want) and torch.equal(gconv, wconv)
