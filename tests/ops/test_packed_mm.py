@@ -120,6 +120,13 @@ def test_rows_mm_refuses_bad_indices_and_shapes():
     assert P.rows_mm(x, torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)).shape == (0, 8)
 
 
+def test_an_empty_matrix_is_refused_by_name():
+    assert PackedMatrix(torch.randn(1, 1)).mm(torch.ones(2, 1)).shape == (2, 1)    # the control: 1 x 1 packs
+    for shape in ((0, 5), (5, 0), (0, 3, 4)):
+        with pytest.raises(ValueError, match="no empty dimension"):
+            PackedMatrix(torch.zeros(shape))
+
+
 def test_mm_refuses_wrong_rows():
     P = PackedMatrix(torch.randn(16, 8))
     with pytest.raises(ValueError, match=r"\[M, 16\]"):

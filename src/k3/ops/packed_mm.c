@@ -195,6 +195,7 @@ static void run(const float *const *xrows, float *const *yrows, const float *sca
     const int64_t np = (N + NR - 1) / NR, msize = np * K * NR;
     int64_t total = 0;
     for (int64_t i = 0; i < items; i++) total += item_cost(len[chunk[i]], item_panels(len[chunk[i]], panel[i], np), K);
+    if (total < 1) total = 1;   /* K = 0: every item costs nothing */
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)

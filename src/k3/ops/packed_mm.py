@@ -41,8 +41,9 @@ class PackedMatrix:
 
     def __init__(self, w: torch.Tensor):
         self._lib = cpu_kernels.library()
-        if w.dtype != torch.float32 or w.dim() not in (2, 3):
-            raise ValueError(f"PackedMatrix: expected fp32 [K, N] or [E, K, N], got {w.dtype} {tuple(w.shape)}")
+        if w.dtype != torch.float32 or w.dim() not in (2, 3) or w.numel() == 0:
+            raise ValueError(f"PackedMatrix: expected fp32 [K, N] or [E, K, N] with no empty dimension, got "
+                             f"{w.dtype} {tuple(w.shape)}")
         w = w.detach().reshape(-1, *w.shape[-2:])
         E, K, N = w.shape
         np_ = -(-N // NR)
