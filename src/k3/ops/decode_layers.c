@@ -53,7 +53,7 @@ int k3_kda_layer_step(const k3_kda_layer *L, int64_t B, const float *x, const fl
         rc = mat_mm(&L->w_gb, g, W, B, NULL, NULL, gate, -1.0f, nthreads);
         gt = gate, ld_gate = P;
     }
-    if (!rc && !getenv("K3SKIPKDA")) rc = k3_kda_step(B, L->nh, L->d, L->Kc, qkv, W, conv, conv_out, L->conv_w, dec, P, L->neg_a ? 1 : 0,
+    if (!rc) rc = k3_kda_step(B, L->nh, L->d, L->Kc, qkv, W, conv, conv_out, L->conv_w, dec, P, L->neg_a ? 1 : 0,
                               L->lb, L->neg_a, b, W, gt, ld_gate, S, S_out, L->c_qk, L->q_scale, L->c_o, o, nthreads);
     if (!rc) rc = mat_mm(&L->w_o, o, P, B, res, NULL, out, -1.0f, nthreads);
     free(buf);
@@ -132,8 +132,9 @@ enum { MLA_HB = 4 };
 
 /* s[hh * lds] = q_pe[hh] . pe + q_lat[hh] . c for hh < nb heads (q_lat rows of stride r, q_pe of p;
  * r, p multiples of 16): dot2_f's sums, term for term in its order, so the same bits. */
-static inline __attribute__((always_inline)) void head_scores_n(const int nb, const float *ql, const float *qp, int64_t r, int64_t p, const float *c,
-                               const float *pe, float *s, int64_t lds) {
+static inline __attribute__((always_inline)) void head_scores_n(const int nb, const float *ql, const float *qp,
+                                                                int64_t r, int64_t p, const float *c,
+                                                                const float *pe, float *s, int64_t lds) {
     v16 acc[MLA_HB];
     for (int hh = 0; hh < nb; hh++) acc[hh] = splat16(0.0f);
     for (int64_t k = 0; k < p; k += 16) {
@@ -150,8 +151,9 @@ static inline __attribute__((always_inline)) void head_scores_n(const int nb, co
 /* o[hh] = sum_j a[hh][j] c_j (j < ns: the n cached latents cb, then this token's cn) for hh < nb heads, a
  * rows of stride ns, o rows of r: each element the chain o = 0; o += a_j c_j over j in order, as the
  * loop it replaces, with the nb heads' sums kept in registers across j, 16 floats of r at a time. */
-static inline __attribute__((always_inline)) void head_mix_n(const int nb, const float *a, int64_t ns, int64_t n, const float *cb, const float *cn,
-                            int64_t r, float *o) {
+static inline __attribute__((always_inline)) void head_mix_n(const int nb, const float *a, int64_t ns, int64_t n,
+                                                             const float *cb, const float *cn, int64_t r,
+                                                             float *o) {
     int64_t i = 0;
     for (; i + 16 <= r; i += 16) {
         v16 acc[MLA_HB];

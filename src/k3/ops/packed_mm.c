@@ -67,9 +67,9 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
 }
 
 /* 16-register targets (K3_WIDE_REGISTERS 0): tile()'s 2 MR accumulators (4 MR registers of 8 floats)
- * would spill on every k, so 2 or more rows go one panel at a time, in passes of up to RG rows: 4 RG
- * accumulators, the RG rows' x[k] broadcast, and one register for each 8 columns of the panel row in
- * turn (16 registers for RG = 3). Loading each 8 columns once for the RG rows (not once per row, as
+ * would spill on every k, so 3 or more rows (tile_any) go one panel at a time, in passes of up to RG
+ * rows: 4 RG accumulators, the RG rows' x[k] broadcast, and one register for each 8 columns of the
+ * panel row in turn (16 registers for RG = 3). Loading each 8 columns once for the RG rows (not once per row, as
  * GCC does for tile()'s loop, an FMA with a memory operand) keeps the loop on the FMA units: 7 loads
  * per 12 FMAs instead of 15.
  *
@@ -117,7 +117,7 @@ static void tile_passes(int mr, int pn, const float *const *x, const float *pane
     for (int p = 0; p < pn; p++) {
         const int64_t c0 = (int64_t)p * NR, cn = nc - c0 < NR ? nc - c0 : NR;
         const float *w = panel + c0 * K;
-        /* one pass (3 rows or fewer) is bound by the read: it streams its own panel, AHEAD rows on */
+        /* a single pass (3 rows) is bound by the read: it streams its own panel, AHEAD rows on */
         const float *nx = P == 1 ? w + AHEAD * NR : p + 1 < pn ? w + K * NR : next;
         for (int64_t k0 = 0; k0 < K; k0 += KB) {
             const int64_t kn = K - k0 < KB ? K - k0 : KB;
