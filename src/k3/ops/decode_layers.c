@@ -237,16 +237,16 @@ int k3_mla_layer_step(const k3_mla_layer *L, int64_t B, const float *x, const fl
         const float *cb = c_buf + b * ldc, *pb = pe_buf + b * ldp, *cn = c_new + b * r, *pn = pe_new + b * p;
         float *sc = work + b * nh * (S + 1 + r);          /* [nh][ns] scores, then [nh][r] latents */
         float *ol = sc + nh * (S + 1);
-        const float *qb_ = q + b * ldq;
+        const float *qrow = q + b * ldq;
         for (int64_t j = 0; j < ns; j++) {
             const float *cj = j < n ? cb + j * r : cn, *pj = j < n ? pb + j * p : pn;
             if (p % 16 == 0 && r % 16 == 0)
                 for (int64_t h = h0; h < h1; h += MLA_HB)
-                    head_scores(h1 - h < MLA_HB ? (int)(h1 - h) : MLA_HB, qb_ + h * r, qb_ + nh * r + h * p, r, p,
+                    head_scores(h1 - h < MLA_HB ? (int)(h1 - h) : MLA_HB, qrow + h * r, qrow + nh * r + h * p, r, p,
                                 cj, pj, sc + h * ns + j, ns);
             else
                 for (int64_t h = h0; h < h1; h++)
-                    sc[h * ns + j] = dot2_f(qb_ + nh * r + h * p, pj, p, qb_ + h * r, cj, r);
+                    sc[h * ns + j] = dot2_f(qrow + nh * r + h * p, pj, p, qrow + h * r, cj, r);
         }
         for (int64_t h = h0; h < h1; h++) {
             float *sh = sc + h * ns, mx = -INFINITY, total = 0.0f;
