@@ -32,19 +32,18 @@ enum { CHUNK = K3_WIDE_REGISTERS ? MR : 16 };
 /* y[m][0:nc] (+)= s[m] * (x[m] @ [panel_0 | .. | panel_{pn-1}]) for m < mr, over pn consecutive panels
  * (pn <= PN): x[m], y[m]: row pointers; s[m]: row scales. Few rows leave the FMA units idle while
  * one panel streams in, so they stream pn panels at once (more reads in flight); each output
- * element is still the same FMA chain over k in order. The software prefetch for row k of panel p
- * goes to pf + (p K + k) NR (pf = panel + AHEAD NR: AHEAD rows ahead in the same panel). */
+ * element is still the same FMA chain over k in order. */
 static inline __attribute__((always_inline)) void tile(const int mr, const int pn, const float *const *x,
                                                        const float *panel, int64_t K, float *const *y,
-                                                       const float *s, int64_t nc, int acc, const float *pf) {
+                                                       const float *s, int64_t nc, int acc) {
     v16 a0[PN][MR], a1[PN][MR];
     for (int p = 0; p < pn; p++)
         for (int m = 0; m < mr; m++) { a0[p][m] = (v16){0}; a1[p][m] = (v16){0}; }
     for (int64_t k = 0; k < K; k++) {
         for (int p = 0; p < pn; p++) {
             const float *w = panel + (p * K + k) * NR;
-            __builtin_prefetch(pf + (p * K + k) * NR);
-            __builtin_prefetch(pf + (p * K + k) * NR + 16);
+            __builtin_prefetch(w + AHEAD * NR);
+            __builtin_prefetch(w + AHEAD * NR + 16);
             v16 w0 = load16(w), w1 = load16(w + 16);
             for (int m = 0; m < mr; m++) {
                 float b = x[m][k];
@@ -69,9 +68,9 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
 /* 16-register targets (K3_WIDE_REGISTERS 0): tile()'s 2 MR accumulators (4 MR registers of 8 floats)
  * would spill on every k, so 3 or more rows (tile_any) go one panel at a time, in passes of up to RG
  * rows: 4 RG accumulators, the RG rows' x[k] broadcast, and one register for each 8 columns of the
- * panel row in turn (16 registers for RG = 3). Loading each 8 columns once for the RG rows (not once per row, as
- * GCC does for tile()'s loop, an FMA with a memory operand) keeps the loop on the FMA units: 7 loads
- * per 12 FMAs instead of 15.
+ * panel row in turn (16 registers for RG = 3). Loading each 8 columns once for the RG rows (not once
+ * per row, as GCC does for tile()'s loop, an FMA with a memory operand) keeps the loop on the FMA
+ * units: 7 loads per 12 FMAs instead of 15.
  *
  * K goes in blocks of KB rows, the accumulators kept in a small buffer between blocks (a store and a
  * reload do not change a float: each output element is still the same FMA chain over k in order as
@@ -121,11 +120,10 @@ static void tile_passes(int mr, int pn, const float *const *x, const float *pane
         const float *nx = P == 1 ? w + AHEAD * NR : p + 1 < pn ? w + K * NR : next;
         for (int64_t k0 = 0; k0 < K; k0 += KB) {
             const int64_t kn = K - k0 < KB ? K - k0 : KB;
-            const float *xk[CHUNK];
+            const float *xk[CHUNK], *wk = w + k0 * NR, *nk = nx + k0 * NR;
             for (int m = 0; m < mr; m++) xk[m] = x[m] + k0;
             for (int64_t j = 0; j < P; j++) {
                 const int m0 = (int)j * RG, rg = mr - m0 < RG ? mr - m0 : RG;
-                const float *wk = w + k0 * NR, *nk = nx + k0 * NR;
                 float *pt = part + m0 * NR;
                 switch (rg) {
                 case 1: pass_rows(1, xk + m0, wk, kn, pt, k0 > 0, nk, P, j); break;
@@ -159,12 +157,12 @@ static void tile_any(int mr, int pn, const float *const *x, const float *panel, 
     (void)next;
 #endif
     /* one specialisation per row and panel count: the accumulators stay in registers */
-#define K3_TILE(r, n) case MR * (n - 1) + r: tile(r, n, x, panel, K, y, s, nc, acc, panel + AHEAD * NR); break;
+#define K3_TILE(r, n) case MR * (n - 1) + r: tile(r, n, x, panel, K, y, s, nc, acc); break;
     switch (MR * (pn - 1) + mr) {
     K3_TILE(1, 1) K3_TILE(2, 1) K3_TILE(3, 1) K3_TILE(4, 1) K3_TILE(5, 1) K3_TILE(6, 1) K3_TILE(7, 1)
     K3_TILE(1, 2) K3_TILE(2, 2) K3_TILE(3, 2) K3_TILE(4, 2)
     K3_TILE(1, 3) K3_TILE(2, 3) K3_TILE(1, 4) K3_TILE(2, 4)
-    default: tile(MR, 1, x, panel, K, y, s, nc, acc, panel + AHEAD * NR); break;
+    default: tile(MR, 1, x, panel, K, y, s, nc, acc); break;
     }
 #undef K3_TILE
 }
