@@ -12,6 +12,7 @@ from k3.infer.decode_step import DecodeStep
 from k3.model.cache import K3Cache
 from k3.ops import cpu_kernels
 from k3.ops.kda import chunk_kda
+from k3.ops.norm import rms_norm
 from k3.ops.packed_mm import PackedMatrix
 
 
@@ -38,6 +39,12 @@ def outputs() -> dict:
         x = torch.randn(6, 256, generator=g)
         rows, experts = torch.randint(0, 6, (S,), generator=g), torch.randint(0, 4, (S,), generator=g)
         out[f"rows_mm {S}"] = [P.rows_mm(x, rows, experts)]
+    for M, D in [(130, 40), (70, 64)]:   # RMSNorm: a tail vector, and whole ones; blocks of 64 rows
+        x = torch.randn(M, D, generator=g).requires_grad_(True)
+        w = (torch.rand(D, generator=g) + 0.5).requires_grad_(True)
+        y = rms_norm(x, w, 1e-6)
+        (y * torch.randn(M, D, generator=g)).sum().backward()
+        out[f"rms_norm {M, D}"] = [y.detach(), x.grad, w.grad]
     lib = cpu_kernels.library()
     for kind in range(4):
         x = torch.randn(1003, generator=g) * 30

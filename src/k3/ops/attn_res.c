@@ -96,7 +96,7 @@ int k3_attn_res_bwd(int64_t n, const float *const *src, const int64_t *ld, int64
             }
         }
     }
-    sum_parts(part, nb, H, dq);
+    sum_parts(part, nb, H, H, dq);
     free(part);
     return 0;
 }

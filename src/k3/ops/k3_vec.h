@@ -22,7 +22,7 @@
  * operand), comparisons through lt16 / gt16, never through C's operators, so that one source serves
  * both forms:
  *
- * - with AVX-512, v16 is GCC's 64-byte vector and the macros are its operators;
+ * - with AVX-512, v16 is GCC's 64-byte vector and the operation is its operator;
  * - elsewhere, v16 is a struct of two 32-byte vectors (lanes 0-7, 8-15), operated on half by half.
  *   GCC has no machine mode for a 64-byte vector there: it kept every such value in the stack frame
  *   and moved it through general-purpose registers on each update (a four-accumulator dot product:
@@ -30,9 +30,19 @@
  *   registers.
  *
  * Every lane sees the same operations either way. -ffp-contract=fast fuses a product into the add
- * that uses it, and which of two products is fused depends on the order they are computed in: the
- * pair macros evaluate their left operand first, as C does for an operator's operands (a function
- * call's arguments are evaluated right to left here), so both forms fuse the same products. */
+ * that uses it, and which of two products is fused depends on the order they are computed in: both
+ * forms go through K3_LEFT_FIRST, which computes the left operand, then the right, then the operation
+ * (C leaves the order of an operator's operands open). GCC fuses only a product and an add in one
+ * basic block, so a kernel keeps branches out from between them: a padded load of an accumulator
+ * (load16_pad, store16_part) let GCC split the update at the tail test in the 64-byte form only, and
+ * RMSNorm's weight gradient differed in the last bits between the forms (rms_norm.c). */
+#define K3_LEFT_FIRST(f, a, b) ({ const v16 k3_left_ = (a); f(k3_left_, (b)); })
+#define add16(a, b) K3_LEFT_FIRST(k3_add16, a, b)
+#define sub16(a, b) K3_LEFT_FIRST(k3_sub16, a, b)
+#define mul16(a, b) K3_LEFT_FIRST(k3_mul16, a, b)
+#define div16(a, b) K3_LEFT_FIRST(k3_div16, a, b)
+#define lt16(a, b) K3_LEFT_FIRST(k3_lt16, a, b)
+#define gt16(a, b) K3_LEFT_FIRST(k3_gt16, a, b)
 #if K3_WIDE_REGISTERS
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
@@ -44,12 +54,12 @@ typedef float v16_alias __attribute__((vector_size(64), aligned(4), may_alias));
 static inline v16 load16(const float *p) { return *(const v16_alias *)p; }
 static inline void store16(float *p, v16 v) { *(v16_alias *)p = v; }
 static inline v16 splat16(float a) { return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
-#define add16(a, b) ((a) + (b))
-#define sub16(a, b) ((a) - (b))
-#define mul16(a, b) ((a) * (b))
-#define div16(a, b) ((a) / (b))
-#define lt16(a, b) ((a) < (b))
-#define gt16(a, b) ((a) > (b))
+static inline v16 k3_add16(v16 a, v16 b) { return a + b; }
+static inline v16 k3_sub16(v16 a, v16 b) { return a - b; }
+static inline v16 k3_mul16(v16 a, v16 b) { return a * b; }
+static inline v16 k3_div16(v16 a, v16 b) { return a / b; }
+static inline i16v k3_lt16(v16 a, v16 b) { return a < b; }
+static inline i16v k3_gt16(v16 a, v16 b) { return a > b; }
 /* m ? a : b lane by lane (m: all ones or all zeros per lane, as comparisons give). */
 static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
 /* 2^n for whole-numbered n in [-126, 127] (exp's scale): the exponent bits built directly. */
@@ -77,13 +87,6 @@ static inline v16 k3_mul16(v16 a, v16 b) { return (v16){a.lo * b.lo, a.hi * b.hi
 static inline v16 k3_div16(v16 a, v16 b) { return (v16){a.lo / b.lo, a.hi / b.hi}; }
 static inline i16v k3_lt16(v16 a, v16 b) { return (i16v){a.lo < b.lo, a.hi < b.hi}; }
 static inline i16v k3_gt16(v16 a, v16 b) { return (i16v){a.lo > b.lo, a.hi > b.hi}; }
-#define K3_LEFT_FIRST(f, a, b) ({ const v16 k3_left_ = (a); f(k3_left_, (b)); })
-#define add16(a, b) K3_LEFT_FIRST(k3_add16, a, b)
-#define sub16(a, b) K3_LEFT_FIRST(k3_sub16, a, b)
-#define mul16(a, b) K3_LEFT_FIRST(k3_mul16, a, b)
-#define div16(a, b) K3_LEFT_FIRST(k3_div16, a, b)
-#define lt16(a, b) K3_LEFT_FIRST(k3_lt16, a, b)
-#define gt16(a, b) K3_LEFT_FIRST(k3_gt16, a, b)
 static inline v16 select16(i16v m, v16 a, v16 b) {
     return (v16){(v8)(((i8v)a.lo & m.lo) | ((i8v)b.lo & ~m.lo)), (v8)(((i8v)a.hi & m.hi) | ((i8v)b.hi & ~m.hi))};
 }
@@ -245,16 +248,17 @@ static inline void store16_part(float *p, int64_t i, int64_t n, v16 v) {
 }
 
 /* Per-block partial sums of a reduction over rows: n blocks of w floats, zeroed (NULL without memory),
- * and their total out[j] = sum over b of part[b * w + j], the blocks added in order, so the result
- * does not depend on which thread ran which block. */
+ * and their total out[j] = sum over b of part[b * stride + j] for j < w, the blocks added in order, so
+ * the result does not depend on which thread ran which block (stride >= w: a block's row may be padded
+ * to whole vectors). */
 static inline float *alloc_parts(int64_t n, int64_t w) {
     return calloc((size_t)(n > 0 ? n : 1) * (size_t)w, sizeof(float));
 }
 
-static inline void sum_parts(const float *part, int64_t n, int64_t w, float *out) {
+static inline void sum_parts(const float *part, int64_t n, int64_t stride, int64_t w, float *out) {
     memset(out, 0, sizeof(float) * (size_t)w);
     for (int64_t b = 0; b < n; b++)
-        for (int64_t j = 0; j < w; j++) out[j] += part[b * w + j];
+        for (int64_t j = 0; j < w; j++) out[j] += part[b * stride + j];
 }
 
 /* f applied to n floats in place (16 at a time, the tail through a padded vector). */

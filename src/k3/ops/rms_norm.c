@@ -7,7 +7,10 @@
  *
  * A row's sums run 16 lanes wide in a fixed order, so r, y and dx of a row depend on that row only.
  * dw sums over rows in blocks of NORM_BLOCK rows, each block on its own, the blocks then added in
- * order: no value depends on the thread count. The backward returns -1 without memory.
+ * order: no value depends on the thread count. A block's sums are whole vectors (D rounded up to 16),
+ * loaded and stored without a tail branch: with one, GCC split the update at the branch in the 64-byte
+ * form only, and the product g h was no longer fused into its add there (k3_vec.h). The backward
+ * returns -1 without memory.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,12 +41,12 @@ int k3_rms_norm(int64_t M, int64_t D, const float *x, const float *w, float eps,
 
 int k3_rms_norm_bwd(int64_t M, int64_t D, const float *x, const float *w, const float *rinv, const float *dy,
                     float *dx, float *dw, int nthreads) {
-    const int64_t nblk = (M + NORM_BLOCK - 1) / NORM_BLOCK;
-    float *part = alloc_parts(nblk, D);
+    const int64_t nblk = (M + NORM_BLOCK - 1) / NORM_BLOCK, Dv = (D + 15) / 16 * 16;
+    float *part = alloc_parts(nblk, Dv);
     if (!part) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < nblk; b++) {
-        float *acc = part + b * D;
+        float *acc = part + b * Dv;
         const int64_t i1 = (b + 1) * NORM_BLOCK < M ? (b + 1) * NORM_BLOCK : M;
         for (int64_t i = b * NORM_BLOCK; i < i1; i++) {
             const float *xi = x + i * D, *gi = dy + i * D;
@@ -52,7 +55,7 @@ int k3_rms_norm_bwd(int64_t M, int64_t D, const float *x, const float *w, const 
             for (int64_t j = 0; j < D; j += 16) {
                 const v16 h = mul16(load16_pad(xi, j, D, 0.0f), splat16(r)), g = load16_pad(gi, j, D, 0.0f);
                 c = add16(c, mul16(mul16(g, load16_pad(w, j, D, 0.0f)), h));
-                store16_part(acc, j, D, add16(load16_pad(acc, j, D, 0.0f), mul16(g, h)));
+                store16(acc + j, add16(load16(acc + j), mul16(g, h)));
             }
             const float ci = hsum16(c) / (float)D;
             for (int64_t j = 0; j < D; j += 16) {
@@ -62,7 +65,7 @@ int k3_rms_norm_bwd(int64_t M, int64_t D, const float *x, const float *w, const 
             }
         }
     }
-    sum_parts(part, nblk, D, dw);
+    sum_parts(part, nblk, Dv, D, dw);
     free(part);
     return 0;
 }

@@ -133,7 +133,7 @@ int k3_short_conv_silu_bwd(int64_t B, int64_t T, int64_t C, int64_t K, const flo
         if (tmp != row) free(tmp);
         free(dz);
     }
-    if (!failed) sum_parts(part, nitems, K * C, dwT);
+    if (!failed) sum_parts(part, nitems, K * C, K * C, dwT);
     free(part);
     return failed ? -1 : 0;
 }
