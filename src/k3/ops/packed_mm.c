@@ -5,9 +5,9 @@
  * streams its panel once, front to back, with a software prefetch AHEAD rows on: that is what keeps
  * the read stream going while the core is busy with the FMAs (batch 8: 1.6-1.8x MKL's sgemm here). A
  * tile of 1-4 rows streams 2-4 panels side by side instead, so more reads are in flight (batch 1:
- * 1.2-1.3x the one-panel tile; benchmarks/packed_mm.py). On 16-register targets (AVX2) tile() is
- * used for 1 or 2 rows (4 panels side by side); 3 rows or more go one panel at a time in passes of 3
- * that prefetch the next panel while they compute (tile_passes).
+ * 1.2-1.3x the one-panel tile; benchmarks/packed_mm.py). More rows than tile() takes (3 on 16-register
+ * targets, AVX2; 9 with AVX-512) go one panel at a time in passes of 3 (AVX2) or 8 rows that prefetch
+ * the next panel while they compute (tile_passes): 16 rows stream each panel once.
  *
  * Every output element is one FMA chain over k = 0..K-1 in order, whatever the number of rows or
  * threads: a row's result does not depend on its batch companions (bitwise).
@@ -26,8 +26,8 @@
 #include "k3_vec.h"
 
 enum { NR = 32, MR = 8, AHEAD = 32, PN = 4 };
-/* Rows per work item: tile()'s MR, or 16 on 16-register targets (tile_passes takes them 3 at a time) */
-enum { CHUNK = K3_WIDE_REGISTERS ? MR : 16 };
+/* Rows per work item (tile_passes takes them RG at a time) */
+enum { CHUNK = 16 };
 
 /* y[m][0:nc] (+)= s[m] * (x[m] @ [panel_0 | .. | panel_{pn-1}]) for m < mr, over pn consecutive panels
  * (pn <= PN): x[m], y[m]: row pointers; s[m]: row scales. Few rows leave the FMA units idle while
@@ -65,28 +65,41 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
     }
 }
 
-/* 16-register targets (K3_WIDE_REGISTERS 0): tile()'s 2 MR accumulators (4 MR registers of 8 floats)
- * would spill on every k, so 3 or more rows (tile_any) go one panel at a time, in passes of up to RG
- * rows: 4 RG accumulators, the RG rows' x[k] broadcast, and one register for each 8 columns of the
- * panel row in turn (16 registers for RG = 3). Loading each 8 columns once for the RG rows (not once
- * per row, as GCC does for tile()'s loop, an FMA with a memory operand) keeps the loop on the FMA
- * units: 7 loads per 12 FMAs instead of 15.
+/* More rows than tile() takes (tile_any) go one panel at a time, in passes of up to RG rows:
+ * RG * NR / VW accumulators of VW floats, the RG rows' x[k] broadcast, and one register for each VW
+ * columns of the panel row in turn. Loading each VW columns once for the RG rows (not once per row, as
+ * GCC does for tile()'s loop, an FMA with a memory operand) keeps the loop on the FMA units.
+ * - 16-register targets (AVX2, VW = 8): tile()'s 2 MR accumulators (4 MR registers) would spill on
+ *   every k, so 3 rows or more go in passes of RG = 3 (16 registers): 7 loads per 12 FMAs, not 15.
+ * - 32-register targets (AVX-512, VW = 16): tile() takes up to MR = 8 rows; 9-16 go in passes of 8
+ *   (16 accumulators, 8 broadcasts, 1 panel register), so a 16-row item streams each panel once.
  *
  * K goes in blocks of KB rows, the accumulators kept in a small buffer between blocks (a store and a
  * reload do not change a float: each output element is still the same FMA chain over k in order as
  * in tile(), so the same bits). While the passes over a panel compute, they prefetch the next panel
  * of the work (`next`; the next item's first panel after an item's last): the pass j of P prefetches
  * the rows k of the block with k mod P = j, so each row of the next panel is asked for once and the
- * memory stream runs under the FMAs instead of after them. */
-#if !K3_WIDE_REGISTERS
-enum { RG = 3, KB = 64 };
+ * memory stream runs under the FMAs instead of after them (tile() prefetches only its own panel, so a
+ * second chunk of rows over a panel that is in cache left the memory idle). */
+#if K3_WIDE_REGISTERS
+enum { RG = MR, KB = 64, VW = 16, PASS_MIN = MR + 1 };
+typedef v16 vw;
+static inline vw splat_vw(float t) { return splat16(t); }
+#define K3_KEEP(v) __asm__("" : "+v"(v))   /* any of the 32 vector registers */
+#else
+enum { RG = 3, KB = 64, VW = 8, PASS_MIN = 3 };
+typedef v8 vw;
+static inline vw splat_vw(float t) { return (vw){t, t, t, t, t, t, t, t}; }
+#define K3_KEEP(v) __asm__("" : "+x"(v))
+#endif
+typedef float vw_alias __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 
 static inline __attribute__((always_inline)) void pass_rows(const int rg, const float *const *x, const float *w,
                                                             int64_t kn, float *part, int acc, const float *nx,
                                                             int64_t P, int64_t j) {
-    v8 a[RG][NR / 8];
+    vw a[RG][NR / VW];
     for (int m = 0; m < rg; m++)
-        for (int c = 0; c < NR / 8; c++) a[m][c] = acc ? (v8)*(const v8_alias *)(part + m * NR + 8 * c) : (v8){0};
+        for (int c = 0; c < NR / VW; c++) a[m][c] = acc ? (vw)*(const vw_alias *)(part + m * NR + VW * c) : (vw){0};
     for (int64_t k = 0, kp = j; k < kn; k++) {   /* kp: the next k with k mod P = j (no division in the loop) */
         const float *wk = w + k * NR;
         if (k == kp) {
@@ -94,19 +107,20 @@ static inline __attribute__((always_inline)) void pass_rows(const int rg, const 
             __builtin_prefetch(nx + k * NR + 16);
             kp += P;
         }
-        v8 b[RG];
-        for (int m = 0; m < rg; m++) { const float t = x[m][k]; b[m] = (v8){t, t, t, t, t, t, t, t}; }
-        for (int c = 0; c < NR / 8; c++) {
-            v8 wc = *(const v8_alias *)(wk + 8 * c);
+        vw b[RG];
+        for (int m = 0; m < rg; m++) b[m] = splat_vw(x[m][k]);
+        for (int c = 0; c < NR / VW; c++) {
+            vw wc = (vw)*(const vw_alias *)(wk + VW * c);
 #if defined(__x86_64__)
-            __asm__("" : "+x"(wc));   /* keep it in a register: one load for the RG rows */
+            K3_KEEP(wc);   /* keep it in a register: one load for the RG rows */
 #endif
             for (int m = 0; m < rg; m++) a[m][c] += b[m] * wc;
         }
     }
     for (int m = 0; m < rg; m++)
-        for (int c = 0; c < NR / 8; c++) *(v8_alias *)(part + m * NR + 8 * c) = a[m][c];
+        for (int c = 0; c < NR / VW; c++) *(vw_alias *)(part + m * NR + VW * c) = a[m][c];
 }
+#undef K3_KEEP
 
 /* Rows mr <= CHUNK of pn consecutive panels, pass by pass (above). */
 static void tile_passes(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
@@ -116,7 +130,7 @@ static void tile_passes(int mr, int pn, const float *const *x, const float *pane
     for (int p = 0; p < pn; p++) {
         const int64_t c0 = (int64_t)p * NR, cn = nc - c0 < NR ? nc - c0 : NR;
         const float *w = panel + c0 * K;
-        /* a single pass (3 rows) is bound by the read: it streams its own panel, AHEAD rows on */
+        /* a single pass (RG rows) is bound by the read: it streams its own panel, AHEAD rows on */
         const float *nx = P == 1 ? w + AHEAD * NR : p + 1 < pn ? w + K * NR : next;
         for (int64_t k0 = 0; k0 < K; k0 += KB) {
             const int64_t kn = K - k0 < KB ? K - k0 : KB;
@@ -125,11 +139,16 @@ static void tile_passes(int mr, int pn, const float *const *x, const float *pane
             for (int64_t j = 0; j < P; j++) {
                 const int m0 = (int)j * RG, rg = mr - m0 < RG ? mr - m0 : RG;
                 float *pt = part + m0 * NR;
+                /* one specialisation per row count: the accumulators stay in registers */
+#define K3_PASS(r) case r: pass_rows(r, xk + m0, wk, kn, pt, k0 > 0, nk, P, j); break;
                 switch (rg) {
-                case 1: pass_rows(1, xk + m0, wk, kn, pt, k0 > 0, nk, P, j); break;
-                case 2: pass_rows(2, xk + m0, wk, kn, pt, k0 > 0, nk, P, j); break;
+                K3_PASS(1) K3_PASS(2)
+#if K3_WIDE_REGISTERS
+                K3_PASS(3) K3_PASS(4) K3_PASS(5) K3_PASS(6) K3_PASS(7)
+#endif
                 default: pass_rows(RG, xk + m0, wk, kn, pt, k0 > 0, nk, P, j); break;
                 }
+#undef K3_PASS
             }
         }
         for (int m = 0; m < mr; m++) {
@@ -140,22 +159,18 @@ static void tile_passes(int mr, int pn, const float *const *x, const float *pane
         }
     }
 }
-#endif
 
 /* next: the panel the thread's next item starts with (for the prefetch of tile_passes). */
 static void tile_any(int mr, int pn, const float *const *x, const float *panel, int64_t K, float *const *y,
                      const float *s, int64_t nc, int acc, const float *next) {
-#if !K3_WIDE_REGISTERS
-    /* 1 or 2 rows: tile()'s 4 panels side by side (4 read streams) are bound by the read, not the
-     * FMAs, even with 2 rows' accumulators spilling to the stack: [2, 256] @ 29 experts' [256, 512]
-     * (2 threads) 0.72 -> 0.67 ms in passes -> tile(), 1 thread 18 -> 25 GB/s. 3 rows or more: passes */
-    if (mr > 2) {
+    /* AVX2, 1 or 2 rows: tile()'s 4 panels side by side (4 read streams) are bound by the read, not
+     * the FMAs, even with 2 rows' accumulators spilling to the stack: [2, 256] @ 29 experts' [256, 512]
+     * (2 threads) 0.72 -> 0.67 ms in passes -> tile(), 1 thread 18 -> 25 GB/s. 3 rows or more: passes.
+     * AVX-512: tile() up to MR rows, passes above */
+    if (mr >= PASS_MIN) {
         tile_passes(mr, pn, x, panel, K, y, s, nc, acc, next);
         return;
     }
-#else
-    (void)next;
-#endif
     /* one specialisation per row and panel count: the accumulators stay in registers */
 #define K3_TILE(r, n) case MR * (n - 1) + r: tile(r, n, x, panel, K, y, s, nc, acc); break;
     switch (MR * (pn - 1) + mr) {
@@ -218,8 +233,9 @@ static void run(const float *const *xrows, float *const *yrows, const float *sca
                 ys[m] = yrows[first[c] + m] + p * NR;
                 ss[m] = scale ? scale[first[c] + m] : 1.0f;
             }
-            const float *w = W + mat[c] * msize + p * K * NR;
-            const float *next = i + 1 < hi ? W + mat[chunk[i + 1]] * msize + panel[i + 1] * K * NR : w;
+            const float *w = W + mat[c] * msize + p * K * NR, *next = w;
+            /* the next panel this thread reads that is not this one (a panel's other row chunks come next) */
+            for (int64_t n = i + 1; n < hi && next == w; n++) next = W + mat[chunk[n]] * msize + panel[n] * K * NR;
             tile_any((int)len[c], (int)pn, xs, w, K, ys, ss, nc, acc, next);
         }
     }
