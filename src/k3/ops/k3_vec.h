@@ -22,7 +22,7 @@
  * operand), comparisons through lt16 / gt16, never through C's operators, so that one source serves
  * both forms:
  *
- * - with AVX-512, v16 is GCC's 64-byte vector and the operation is its operator;
+ * - with AVX-512, v16 is GCC's 64-byte vector and the macros are its operators;
  * - elsewhere, v16 is a struct of two 32-byte vectors (lanes 0-7, 8-15), operated on half by half.
  *   GCC has no machine mode for a 64-byte vector there: it kept every such value in the stack frame
  *   and moved it through general-purpose registers on each update (a four-accumulator dot product:
@@ -30,19 +30,17 @@
  *   registers.
  *
  * Every lane sees the same operations either way. -ffp-contract=fast fuses a product into the add
- * that uses it, and which of two products is fused depends on the order they are computed in: both
- * forms go through K3_LEFT_FIRST, which computes the left operand, then the right, then the operation
- * (C leaves the order of an operator's operands open). GCC fuses only a product and an add in one
- * basic block, so a kernel keeps branches out from between them: a padded load of an accumulator
- * (load16_pad, store16_part) let GCC split the update at the tail test in the 64-byte form only, and
- * RMSNorm's weight gradient differed in the last bits between the forms (rms_norm.c). */
-#define K3_LEFT_FIRST(f, a, b) ({ const v16 k3_left_ = (a); f(k3_left_, (b)); })
-#define add16(a, b) K3_LEFT_FIRST(k3_add16, a, b)
-#define sub16(a, b) K3_LEFT_FIRST(k3_sub16, a, b)
-#define mul16(a, b) K3_LEFT_FIRST(k3_mul16, a, b)
-#define div16(a, b) K3_LEFT_FIRST(k3_div16, a, b)
-#define lt16(a, b) K3_LEFT_FIRST(k3_lt16, a, b)
-#define gt16(a, b) K3_LEFT_FIRST(k3_gt16, a, b)
+ * that uses it, and which of two products is fused depends on the order they are computed in: the
+ * pair macros evaluate their left operand first (K3_LEFT_FIRST; a function call's arguments are
+ * evaluated right to left here), the order GCC took for the 64-byte form's operators in every kernel
+ * here (tests/ops/test_vec_forms.py compares the two builds bit for bit). Forcing that order on the
+ * 64-byte form as well gave the same bits but other code for the KDA scan, whose forward + backward
+ * measured 3-10 % slower in three alternated runs, so the 64-byte form keeps the operators.
+ *
+ * GCC fuses a product and an add only inside one basic block, so a kernel keeps branches out from
+ * between them. In rms_norm.c, a padded load of an accumulator (load16_pad, store16_part) let GCC
+ * split the update at the tail test in the 64-byte form only, and RMSNorm's weight gradient
+ * differed in the last bits between the two forms. */
 #if K3_WIDE_REGISTERS
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16v __attribute__((vector_size(64), aligned(4)));
@@ -54,12 +52,12 @@ typedef float v16_alias __attribute__((vector_size(64), aligned(4), may_alias));
 static inline v16 load16(const float *p) { return *(const v16_alias *)p; }
 static inline void store16(float *p, v16 v) { *(v16_alias *)p = v; }
 static inline v16 splat16(float a) { return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a}; }
-static inline v16 k3_add16(v16 a, v16 b) { return a + b; }
-static inline v16 k3_sub16(v16 a, v16 b) { return a - b; }
-static inline v16 k3_mul16(v16 a, v16 b) { return a * b; }
-static inline v16 k3_div16(v16 a, v16 b) { return a / b; }
-static inline i16v k3_lt16(v16 a, v16 b) { return a < b; }
-static inline i16v k3_gt16(v16 a, v16 b) { return a > b; }
+#define add16(a, b) ((a) + (b))
+#define sub16(a, b) ((a) - (b))
+#define mul16(a, b) ((a) * (b))
+#define div16(a, b) ((a) / (b))
+#define lt16(a, b) ((a) < (b))
+#define gt16(a, b) ((a) > (b))
 /* m ? a : b lane by lane (m: all ones or all zeros per lane, as comparisons give). */
 static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
 /* 2^n for whole-numbered n in [-126, 127] (exp's scale): the exponent bits built directly. */
@@ -87,6 +85,13 @@ static inline v16 k3_mul16(v16 a, v16 b) { return (v16){a.lo * b.lo, a.hi * b.hi
 static inline v16 k3_div16(v16 a, v16 b) { return (v16){a.lo / b.lo, a.hi / b.hi}; }
 static inline i16v k3_lt16(v16 a, v16 b) { return (i16v){a.lo < b.lo, a.hi < b.hi}; }
 static inline i16v k3_gt16(v16 a, v16 b) { return (i16v){a.lo > b.lo, a.hi > b.hi}; }
+#define K3_LEFT_FIRST(f, a, b) ({ const v16 k3_left_ = (a); f(k3_left_, (b)); })
+#define add16(a, b) K3_LEFT_FIRST(k3_add16, a, b)
+#define sub16(a, b) K3_LEFT_FIRST(k3_sub16, a, b)
+#define mul16(a, b) K3_LEFT_FIRST(k3_mul16, a, b)
+#define div16(a, b) K3_LEFT_FIRST(k3_div16, a, b)
+#define lt16(a, b) K3_LEFT_FIRST(k3_lt16, a, b)
+#define gt16(a, b) K3_LEFT_FIRST(k3_gt16, a, b)
 static inline v16 select16(i16v m, v16 a, v16 b) {
     return (v16){(v8)(((i8v)a.lo & m.lo) | ((i8v)b.lo & ~m.lo)), (v8)(((i8v)a.hi & m.hi) | ((i8v)b.hi & ~m.hi))};
 }
