@@ -84,15 +84,16 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int p
 #if K3_WIDE_REGISTERS
 enum { RG = MR, KB = 64, VW = 16, PASS_MIN = MR + 1 };
 typedef v16 vw;
+typedef v16_alias vw_alias;
 static inline vw splat_vw(float t) { return splat16(t); }
 #define K3_KEEP(v) __asm__("" : "+v"(v))   /* any of the 32 vector registers */
 #else
 enum { RG = 3, KB = 64, VW = 8, PASS_MIN = 3 };
 typedef v8 vw;
+typedef v8_alias vw_alias;
 static inline vw splat_vw(float t) { return (vw){t, t, t, t, t, t, t, t}; }
 #define K3_KEEP(v) __asm__("" : "+x"(v))
 #endif
-typedef float vw_alias __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 
 static inline __attribute__((always_inline)) void pass_rows(const int rg, const float *const *x, const float *w,
                                                             int64_t kn, float *part, int acc, const float *nx,
