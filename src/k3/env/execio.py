@@ -52,19 +52,22 @@ def _feed(fd: int, data: bytes) -> None:
 
 
 def pump(out_r: int, err_r: int, ctl: int, on_ctl: Callable[[], int | None], kill: Callable[[], None],
-         timeout: float | None, cap: int, stdin_w: int | None = None, stdin: bytes | None = None) -> ExecResult:
+         timeout: float | None, cap: int, stdin_w: int | None = None, stdin: bytes | None = None,
+         chan_r: int | None = None) -> ExecResult:
     """Collect output until the command exits (``on_ctl`` returns its exit code) or the deadline.
-    Closes ``out_r``/``err_r``. On timeout calls ``kill`` and returns ``timed_out``."""
+    Closes ``out_r``/``err_r`` (and ``chan_r``: the command's fd 3, read like a third stream into
+    ``ExecResult.channel``). On timeout calls ``kill`` and returns ``timed_out``."""
     t0 = time.monotonic()
     deadline = None if timeout is None else t0 + timeout
     if stdin_w is not None:
         threading.Thread(target=_feed, args=(stdin_w, stdin or b""), daemon=True).start()
-    bufs = {out_r: bytearray(), err_r: bytearray()}
+    streams = (out_r, err_r) + (() if chan_r is None else (chan_r,))
+    bufs = {fd: bytearray() for fd in streams}
     truncated, code, timed_out, grace_end = False, None, False, None
     sel = selectors.DefaultSelector()
-    for fd in (out_r, err_r, ctl):
+    for fd in (*streams, ctl):
         sel.register(fd, selectors.EVENT_READ)
-    open_streams = 2
+    open_streams = len(streams)
     try:
         while open_streams or code is None:
             now = time.monotonic()
@@ -96,11 +99,11 @@ def pump(out_r: int, err_r: int, ctl: int, on_ctl: Callable[[], int | None], kil
                 bufs[fd] += data[:max(room, 0)]
     finally:
         sel.close()
-        os.close(out_r)
-        os.close(err_r)
+        for fd in streams:
+            os.close(fd)
     return ExecResult(exit_code=None if timed_out else code, stdout=bytes(bufs[out_r]),
                       stderr=bytes(bufs[err_r]), elapsed=time.monotonic() - t0, timed_out=timed_out,
-                      truncated=truncated)
+                      truncated=truncated, channel=None if chan_r is None else bytes(bufs[chan_r]))
 
 
 def std_pipes(with_stdin: bool) -> tuple:
@@ -137,33 +140,36 @@ def agent_ping(sock_path: str, label: str, timeout: float = 10.0) -> dict:
     return {"ok": True, "landlock": int(parts[1])}
 
 
-def _encode_request(argv: list[str], env: dict, cwd: str, stdin: bool) -> bytes:
+def _encode_request(argv: list[str], env: dict, cwd: str, stdin: bool, channel: bool = False) -> bytes:
     items = [f"{k}={v}" for k, v in env.items()]
     for x in [cwd, *items]:
         if "\0" in x:
             raise SandboxError(f"exec: NUL byte in cwd or env ({x[:40]!r})")
     if any("=" in k or not k for k in env):
         raise SandboxError(f"exec: bad environment variable name in {sorted(env)}")
-    fields = ["exec", "1" if stdin else "0", cwd, str(len(argv)), *argv, str(len(items)), *items]
+    fields = ["exec", ("1" if stdin else "0") + ("c" if channel else ""), cwd, str(len(argv)), *argv, str(len(items)), *items]
     return b"\0".join(os.fsencode(f) for f in fields)
 
 
 def agent_exec(sock_path: str, label: str, argv: list[str], env: dict, cwd: str, timeout: float | None,
-               stdin: bytes | None, cap: int) -> ExecResult:
-    """One command through the sandbox's exec agent (protocol: ``k3.env.backends.agent``)."""
+               stdin: bytes | None, cap: int, channel: bool = False) -> ExecResult:
+    """One command through the sandbox's exec agent (protocol: ``k3.env.backends.agent``);
+    ``channel``: the command's fd 3 is a pipe to this process, returned as ``ExecResult.channel``."""
     s = _connect(sock_path, label)
     out_r, out_w, err_r, err_w, in_r, in_w = std_pipes(stdin is not None)
+    chan_r, chan_w = os.pipe() if channel else (None, None)
     try:
-        req = _encode_request(argv, env, cwd, stdin is not None)
-        socket.send_fds(s, [req], ([in_r] if in_r is not None else []) + [out_w, err_w])
+        req = _encode_request(argv, env, cwd, stdin is not None, channel)
+        socket.send_fds(s, [req], ([in_r] if in_r is not None else []) + [out_w, err_w]
+                        + ([chan_w] if channel else []))
     except BaseException:
         s.close()
-        for fd in (out_r, err_r, in_w):
+        for fd in (out_r, err_r, in_w, chan_r):
             if fd is not None:
                 os.close(fd)
         raise
     finally:
-        for fd in (in_r, out_w, err_w):
+        for fd in (in_r, out_w, err_w, chan_w):
             if fd is not None:
                 os.close(fd)
     state = {"error": None}
@@ -189,7 +195,7 @@ def agent_exec(sock_path: str, label: str, argv: list[str], env: dict, cwd: str,
             pass
 
     with s:
-        res = pump(out_r, err_r, s.fileno(), on_ctl, kill, timeout, cap, in_w, stdin)
+        res = pump(out_r, err_r, s.fileno(), on_ctl, kill, timeout, cap, in_w, stdin, chan_r)
     if state["error"] == "the exec agent died":
         raise SandboxError(f"sandbox {label}: the exec agent dropped the command (agent or sandbox killed?)")
     if state["error"]:

@@ -78,7 +78,10 @@ class SandboxManager:
         return sid
 
     def create(self, image: str = "default", limits: Limits | None = None, backend: str = "namespace",
-               workspace: str | None = None, name: str | None = None) -> Sandbox:
+               workspace: str | None = None, name: str | None = None, nested: bool = False) -> Sandbox:
+        """``nested``: the sandbox's root may isolate the processes it starts from itself (their own
+        PID/mount namespaces, a second uid): what the verifier needs (k3.rl.vharness). Only the
+        namespace backend has it; the others refuse it."""
         limits = Limits() if limits is None else limits
         if not isinstance(limits, Limits):
             raise SandboxError(f"limits must be a k3.env.Limits, got {type(limits).__name__}")
@@ -88,7 +91,7 @@ class SandboxManager:
         image_id = self.resolve_image(image)
         sid = self._new_id(name)
         try:
-            sb = cls.create(self, sid, image_id, limits, workspace)
+            sb = cls.create(self, sid, image_id, limits, workspace, nested=bool(nested))
         except BaseException:
             self._discard(sid)
             raise

@@ -92,6 +92,7 @@ class ExecResult:
     timed_out: bool = False
     truncated: bool = False            # stdout or stderr was cut at Limits.output_bytes
     oom_killed: bool = False           # the sandbox's memory limit killed a process
+    channel: bytes | None = None       # what the command wrote on fd 3 (exec(channel=True)), capped as stdout
 
     @property
     def ok(self) -> bool:
@@ -122,9 +123,12 @@ class Sandbox(abc.ABC):
     # processes
     @abc.abstractmethod
     def exec(self, cmd: str | list[str], timeout: float | None = 60.0, stdin: bytes | None = None,
-             env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+             env: dict[str, str] | None = None, cwd: str | None = None, channel: bool = False) -> ExecResult:
         """Run ``cmd`` (a list = argv; a string = ``/bin/sh -c``) inside; on timeout the whole
-        process group is killed and ``timed_out`` set."""
+        process group is killed and ``timed_out`` set. ``channel``: the command gets fd 3, the
+        write end of a pipe to the caller opened before it starts; what it writes there comes
+        back as ``ExecResult.channel`` (the verdict channel of k3.rl.verify). A backend without
+        it refuses ``channel=True``."""
 
     # files (inside the sandbox's view; never follows a link out of it)
     @abc.abstractmethod
@@ -193,7 +197,7 @@ class Backend(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def create(cls, manager, sandbox_id: str, image: str, limits: Limits,
-               workspace: str | None) -> Sandbox: ...
+               workspace: str | None, nested: bool = False) -> Sandbox: ...
 
     @classmethod
     @abc.abstractmethod

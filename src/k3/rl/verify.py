@@ -8,18 +8,31 @@ the regular files under /workspace whose relative path matches a ``submit`` glob
 stay within one path part, ``**`` spans parts), each at most ``MAX_SUBMIT_FILE`` bytes, no
 symlinks, at most ``MAX_SUBMIT_FILES`` files; everything left out is listed with the reason.
 
-``verify(task, files, sandboxes)`` computes the verdict in a FRESH sandbox from the clean base
-image: only ``files`` are written to /workspace, ``verifier/`` to /verifier, and it runs
-``python3 -I -S /verifier/verify.py`` with cwd /workspace and the fixed ``VERIFIER_ENV`` (``-I``
-drops PYTHON* variables and the user site, ``-S`` skips ``site``: no .pth, no sitecustomize).
-The verdict is the last stdout line as JSON ``{"reward": r in [0,1], "reason": str}``; anything
-else (crash, timeout, bad JSON, reward out of range) is reward 0 with the reason saying so.
+``verify(task, files, sandboxes)`` computes the verdict in a FRESH nested sandbox (its root can
+isolate the processes it starts) from the clean base image: only ``files`` are written to
+/workspace, ``verifier/`` to /verifier, and it runs ``python3 -I -S /verifier/verify.py
+--verdict-fd 3`` with cwd /workspace and the fixed ``VERIFIER_ENV`` (``-I`` drops PYTHON* variables
+and the user site, ``-S`` skips ``site``: no .pth, no sitecustomize).
+
+The verdict channel (SPEC §7.2): fd 3 of the verifier is a pipe to this process, opened with the
+command; stdin carries ``{"nonce", "off"}`` (a fresh 128-bit nonce per run). The verdict is
+exactly one JSON line on fd 3, ``{"nonce", "reward", "reason", "isolation"}``, carrying the nonce,
+from a verifier that exited 0, whose achieved isolation layers include every layer the backend
+promises (``promised_layers``). Anything else — no verdict, two, a wrong nonce, a non-zero exit, a
+signal, a timeout, a missing layer — is reward 0 with the reason saying which. The verifier's
+stdout is never read for the verdict.
+
+``layers_off`` exists for the tests' positive controls only: each named layer (of
+``vharness.LAYERS``; ``caps`` = a plain instead of a nested sandbox; ``channel`` = this module's
+channel, nonce and exit checks, falling back to the last stdout line) is not applied, and the
+reason says so.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +45,14 @@ __all__ = ["Verdict", "Submission", "Sandboxes", "agent_sandbox", "collect_submi
 
 VERIFIER_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp/home", "LANG": "C.UTF-8"}
 VHARNESS = Path(__file__).with_name("vharness.py")  # the verifier helper every task's verify.py imports
-VERIFIER_CMD = ["python3", "-I", "-S", "/verifier/verify.py"]
+VERIFIER_CMD = ["python3", "-I", "-S", "/verifier/verify.py", "--verdict-fd", "3"]
+VERIFIER_LAYERS = ("nodump", "pidns", "uid", "roroot", "landlock", "removed")  # vharness.LAYERS
+# ``caps``: in a nested sandbox the verifier holds capabilities (NESTED_CAPS) its children never do,
+# and the kernel refuses ptrace-level access (/proc/<pid>/fd, mem, environ, cwd; ptrace) to a
+# process whose permitted capabilities are not a subset of the caller's. Off = a plain sandbox,
+# which also takes pidns, uid and roroot (they need those capabilities).
+CONTROL_LAYERS = VERIFIER_LAYERS + ("caps", "channel")
+NEEDS_CAPS = ("pidns", "uid", "roroot")
 MAX_SUBMIT_FILE = 1 << 20
 MAX_SUBMIT_FILES = 512
 
@@ -78,9 +98,9 @@ class Sandboxes:
     def isolating(self) -> bool:
         return True  # local is refused above
 
-    def create(self, network: bool = False, memory_bytes: int | None = 1 << 30) -> Sandbox:
+    def create(self, network: bool = False, memory_bytes: int | None = 1 << 30, nested: bool = False) -> Sandbox:
         limits = Limits(memory_bytes=memory_bytes, pids=512, network=network)
-        return self.manager.create(self.image, limits, backend=self.backend)
+        return self.manager.create(self.image, limits, backend=self.backend, nested=nested)
 
     def close(self) -> None:
         """Nothing to release: each sandbox is closed by its user; the manager holds no process."""
@@ -157,6 +177,7 @@ def collect_submission(sb: Sandbox, globs: list[str]) -> Submission:
 
 
 def parse_verdict(stdout: bytes, exit_code, timed_out: bool) -> tuple[float, str]:
+    """The verdict as the last stdout line: only for ``layers_off={"channel"}`` (a positive control)."""
     if timed_out:
         return 0.0, "verifier timed out"
     lines = [x for x in stdout.decode("utf-8", "replace").splitlines() if x.strip()]
@@ -166,20 +187,75 @@ def parse_verdict(stdout: bytes, exit_code, timed_out: bool) -> tuple[float, str
         d = json.loads(lines[-1])
     except ValueError:
         return 0.0, f"verifier's last line is not JSON (exit code {exit_code}): {lines[-1][:200]!r}"
-    if not isinstance(d, dict) or set(d) - {"reward", "reason"} or "reward" not in d:
-        return 0.0, f"verifier's verdict must be {{reward, reason}}: {lines[-1][:200]!r}"
+    return _reward(d, lines[-1], {"reward", "reason", "isolation", "nonce"})
+
+
+def _reward(d, line: str, keys: set) -> tuple[float, str]:
+    if not isinstance(d, dict) or set(d) - keys or "reward" not in d:
+        return 0.0, f"verifier's verdict must be {{{', '.join(sorted(keys))}}}: {line[:200]!r}"
     r = d["reward"]
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0 or r != r:
         return 0.0, f"verifier's reward {r!r} is not a number in [0, 1]"
     return float(r), str(d.get("reason", ""))[:500]
 
 
-def verify(task, submission: Submission, sandboxes: Sandboxes) -> Verdict:
+def channel_verdict(channel: bytes | None, nonce: str, exit_code, timed_out: bool,
+                    required: set) -> tuple[float, str]:
+    """The verdict from the channel (module docstring): reward 0 unless everything holds."""
+    if timed_out:
+        return 0.0, "verifier timed out"
+    if exit_code != 0:
+        how = f"was killed by signal {exit_code - 128}" if exit_code is not None and exit_code > 128 \
+            else f"exited with code {exit_code}"
+        return 0.0, f"verifier {how}: no verdict counts"
+    lines = [x for x in (channel or b"").decode("utf-8", "replace").splitlines() if x.strip()]
+    if len(lines) != 1:
+        return 0.0, (f"{len(lines)} verdicts on the verdict channel: exactly one counts" if lines
+                     else "no verdict on the verdict channel")
+    try:
+        d = json.loads(lines[0])
+    except ValueError:
+        return 0.0, f"the verdict is not JSON: {lines[0][:200]!r}"
+    if not isinstance(d, dict) or not isinstance(d.get("nonce"), str) or \
+            not secrets.compare_digest(d["nonce"], nonce):
+        return 0.0, "the verdict does not carry this run's nonce"
+    isolation = d.get("isolation")
+    if not isinstance(isolation, list) or not all(isinstance(x, str) for x in isolation):
+        return 0.0, f"the verdict's isolation must be a list of layer names: {isolation!r}"
+    missing = sorted(required - set(isolation))
+    if missing:
+        return 0.0, f"isolation unavailable: the verifier could not apply {', '.join(missing)}"
+    return _reward({k: v for k, v in d.items() if k != "nonce"}, lines[0], {"reward", "reason", "isolation"})
+
+
+def promised_layers(sb: Sandbox) -> set:
+    """What a namespace sandbox guarantees the verifier can apply (a nested one: every layer,
+    Landlock where the kernel has it)."""
+    desc = sb.describe()
+    if desc.get("backend") != "namespace":
+        raise SandboxError(f"sandbox {sb.id}: verification needs the namespace backend (the verdict channel "
+                           f"and nested isolation); {desc.get('backend')} has neither")
+    out = set(VERIFIER_LAYERS) - (set() if desc.get("landlock", 0) >= 1 else {"landlock"})
+    return out if desc.get("nested") else out - set(NEEDS_CAPS)
+
+
+def verify(task, submission: Submission, sandboxes: Sandboxes, layers_off=()) -> Verdict:
+    off = set(layers_off)
+    if off - set(CONTROL_LAYERS):
+        raise ConfigError(f"verify: unknown layers_off {sorted(off - set(CONTROL_LAYERS))}; "
+                          f"known: {', '.join(CONTROL_LAYERS)}")
+    if "caps" in off:
+        off |= set(NEEDS_CAPS)
     t0 = time.monotonic()
     timings = {}
-    sb = sandboxes.create(network=False)
-    timings["create"] = time.monotonic() - t0
     try:
+        sb = sandboxes.create(network=False, nested="caps" not in off)
+    except SandboxError as e:
+        return Verdict(0.0, f"isolation unavailable: {e}", round(time.monotonic() - t0, 6), {})
+    timings["create"] = time.monotonic() - t0
+    nonce = secrets.token_hex(16)
+    try:
+        required = promised_layers(sb) - off
         t1 = time.monotonic()
         for rel, data in submission.files.items():
             sb.write_file("/workspace/" + rel, data)
@@ -187,9 +263,17 @@ def verify(task, submission: Submission, sandboxes: Sandboxes) -> Verdict:
         sb.write_file("/verifier/" + VHARNESS.name, VHARNESS.read_bytes(), mode=0o444)
         timings["copy"] = time.monotonic() - t1
         t1 = time.monotonic()
-        r = sb.exec(VERIFIER_CMD, timeout=task.verifier_timeout, env=dict(VERIFIER_ENV), cwd="/workspace")
+        config = json.dumps({"nonce": nonce, "off": sorted(off - {"channel"})}).encode() + b"\n"
+        cmd = VERIFIER_CMD[:-1] + ["1"] if "channel" in off else VERIFIER_CMD  # the control: verdict on stdout
+        r = sb.exec(cmd, timeout=task.verifier_timeout, env=dict(VERIFIER_ENV), cwd="/workspace",
+                    stdin=config, channel="channel" not in off)
         timings["run"] = time.monotonic() - t1
-        reward, reason = parse_verdict(r.stdout, r.exit_code, r.timed_out)
+        if "channel" in off:
+            reward, reason = parse_verdict(r.stdout, r.exit_code, r.timed_out)
+        else:
+            reward, reason = channel_verdict(r.channel, nonce, r.exit_code, r.timed_out, required)
+        if off:
+            reason = f"{reason} [CONTROL: layers off: {', '.join(sorted(off))}]"
     except SandboxError as e:
         reward, reason = 0.0, f"verification failed: {e}"
     finally:

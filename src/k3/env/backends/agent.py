@@ -5,8 +5,9 @@ is most of a fork's latency). It accepts connections on an inherited listening S
 unix socket (fd ``argv[1]``; the socket's path lives on the host, outside the sandbox's view).
 One connection = one command; messages are NUL-separated fields (arguments cannot hold NUL):
 
-  client -> agent  exec \\0 STDIN(0|1) \\0 CWD \\0 N \\0 ARG1 .. ARGN \\0 M \\0 K=V1 .. K=VM
-                   with SCM_RIGHTS fds [stdin_r if STDIN] + [stdout_w, stderr_w]
+  client -> agent  exec \\0 STDIN(0|1)[c] \\0 CWD \\0 N \\0 ARG1 .. ARGN \\0 M \\0 K=V1 .. K=VM
+                   with SCM_RIGHTS fds [stdin_r if STDIN] + [stdout_w, stderr_w] + [chan_w if c]
+                   (``c``: the command's fd 3 is chan_w, a channel the caller reads)
   agent -> client  pid \\0 N     then   exit \\0 CODE     (CODE = 128 + signal when killed)
                    or  error \\0 CODE \\0 MESSAGE      (126/127: the command could not start)
   client -> agent  kill, or closing the connection before the exit message:
@@ -24,6 +25,7 @@ otherwise be reachable).
 import _socket
 import _thread
 import ctypes
+import fcntl
 import os
 import select
 import sys
@@ -70,7 +72,12 @@ def _spawn(argv, env, cwd, fds):
         try:
             os.close(err_r)
             os.setsid()
-            for target, fd in zip((0, 1, 2), fds):
+            # copies above 0-3 first (close-on-exec, as the received originals are made): dup2 onto
+            # 0..3 then clobbers none of them, and only 0..3 reach the command
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in fds]
+            for fd in fds:
+                os.set_inheritable(fd, False)
+            for target, fd in enumerate(high):
                 os.dup2(fd, target)
             fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
             os.write(fd, b"500")
@@ -138,7 +145,7 @@ def serve(conn, abi):
         if parts[0] == b"ping":
             send(b"ok", abi)
             return
-        stdin, cwd, n = parts[1] == b"1", os.fsdecode(parts[2]), int(parts[3])
+        stdin, cwd, n = parts[1][:1] == b"1", os.fsdecode(parts[2]), int(parts[3])
         argv = [os.fsdecode(a) for a in parts[4:4 + n]]
         m = int(parts[4 + n])
         env = dict(os.fsdecode(kv).split("=", 1) for kv in parts[5 + n:5 + n + m])
@@ -167,6 +174,8 @@ def serve(conn, abi):
 
 def main() -> None:
     listen_fd = int(sys.argv[1])
+    os.closerange(3, listen_fd)  # nothing else of the host (e.g. a nested sandbox's user namespace fd) stays open
+    os.closerange(listen_fd + 1, 1 << 16)
     abi = landlock_scope()
     srv = _socket.socket(fileno=listen_fd)
     os.set_inheritable(listen_fd, False)

@@ -46,7 +46,8 @@ class StateSandbox(Sandbox):
     def _record_snapshot(self, layers: list[str], added: int) -> str:
         info = self.manager.store.save_snapshot(self.state["image"], layers, self.state.get("origin"),
                                                 self.backend, added,
-                                                meta={"limits": self.limits.as_dict(), "sandbox": self.id})
+                                                meta={"limits": self.limits.as_dict(), "sandbox": self.id,
+                                                      "nested": bool(self.state.get("nested"))})
         return info.id
 
     def fork(self, snapshot_id: str | None = None) -> Sandbox:

@@ -47,7 +47,9 @@ class LocalSandbox(StateSandbox):
         rel = FsView(self.fs_root, self.workdir, self.id).rel(sandbox_path)
         return os.path.join(self.fs_root, rel)
 
-    def exec(self, cmd, timeout=60.0, stdin=None, env=None, cwd=None) -> ExecResult:
+    def exec(self, cmd, timeout=60.0, stdin=None, env=None, cwd=None, channel=False) -> ExecResult:
+        if channel:
+            raise SandboxError("local backend: exec(channel=True) is not implemented (the namespace backend has it)")
         self._check()
         argv = normalize_cmd(cmd, timeout, self.id)
         wd = self._host(cwd or self.workdir)
@@ -196,7 +198,11 @@ class LocalBackend(Backend):
         return sb
 
     @classmethod
-    def create(cls, manager, sandbox_id, image, limits, workspace) -> Sandbox:
+    def create(cls, manager, sandbox_id, image, limits, workspace, nested=False) -> Sandbox:
+        if nested:
+            raise SandboxError("local backend: nested=True is refused (it isolates nothing, so it cannot isolate "
+                               "a sandbox's children from it)")
+
         def fill(root):
             os.makedirs(root)
             if workspace:

@@ -45,7 +45,14 @@ __all__ = ["NamespaceBackend", "NamespaceSandbox"]
 
 AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
 _libc = ctypes.CDLL(None, use_errno=True)
-_CLONE_NEWNS, _MS_REC, _MS_PRIVATE = 0x00020000, 0x4000, 0x40000
+_CLONE_NEWNS, _CLONE_NEWUSER, _MS_REC, _MS_PRIVATE = 0x00020000, 0x10000000, 0x4000, 0x40000
+# A nested sandbox (``create(nested=True)``: the verifier's) maps a second uid/gid, NESTED_UID (the
+# host's nobody), and its root keeps these capabilities within its own user namespace, so that it
+# can put the processes it starts into their own PID and mount namespaces under that second uid
+# (k3.rl.vharness). The capabilities reach no further than the sandbox's namespaces.
+NESTED_UID = 65534
+NESTED_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_CHOWN", "CAP_FOWNER",
+               "CAP_DAC_OVERRIDE", "CAP_KILL")
 _CHILDREN: dict[int, subprocess.Popen] = {}   # holders started by this process (reaped at close)
 _MAX_MOUNT_DATA = 4000
 
@@ -105,6 +112,35 @@ def _holder_setup(procs: list[str], layers_dir: str, merged: str, overlay_opts: 
     return setup
 
 
+def _nested_userns() -> tuple[subprocess.Popen, int]:
+    """A user namespace mapping uid/gid 0 -> 0 and NESTED_UID -> NESTED_UID (written by this
+    process, root on the host: an unprivileged one could map only itself), held by a ``cat`` that
+    ends when its stdin closes; returns (that process, an fd of the namespace for bwrap)."""
+    def enter():
+        if _libc.unshare(_CLONE_NEWUSER) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER)")
+
+    try:
+        holder = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env={},
+                                  preexec_fn=enter, executable=shutil.which("cat") or "/bin/cat")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise SandboxError(f"namespace backend: could not make the nested sandbox's user namespace: {e}") from None
+    try:
+        line = f"0 0 1\n{NESTED_UID} {NESTED_UID} 1\n"
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{holder.pid}/{name}", "w") as f:
+                f.write(line)
+        return holder, os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except BaseException:
+        _end_holder(holder)
+        raise
+
+
+def _end_holder(holder: subprocess.Popen) -> None:
+    holder.stdin.close()
+    holder.wait(10)
+
+
 class NamespaceSandbox(StateSandbox):
     backend = "namespace"
 
@@ -132,13 +168,16 @@ class NamespaceSandbox(StateSandbox):
         size = self.limits.disk_bytes
         return data, ((f"size={size}" if size else "size=50%").encode() + b",mode=0755") if tmpfs else None
 
-    def _bwrap_argv(self, info_w: int, listen_fd: int) -> tuple[list[str], int]:
+    def _bwrap_argv(self, info_w: int, listen_fd: int, userns_fd: int | None) -> tuple[list[str], int]:
         """bwrap's command line and the pipe its options come through (``--args``: so pid 1's
-        cmdline, visible inside, shows no host path)."""
+        cmdline, visible inside, shows no host path). ``userns_fd``: the nested sandbox's user
+        namespace (``_nested_userns``) instead of one bwrap makes with uid 0 alone."""
+        user = ["--unshare-user"] if userns_fd is None else ["--userns", str(userns_fd)]
+        caps = [a for c in NESTED_CAPS for a in ("--cap-add", c)] if userns_fd is not None else []
         args = ["--bind", os.path.join(self.dir, "root"), "/", "--proc", "/proc", "--dev", "/dev",
-                "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
+                *user, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
                 *([] if self.limits.network else ["--unshare-net"]),
-                "--uid", "0", "--gid", "0", "--hostname", "k3-sandbox", "--cap-drop", "ALL",
+                "--uid", "0", "--gid", "0", "--hostname", "k3-sandbox", "--cap-drop", "ALL", *caps,
                 "--ro-bind", AGENT, "/.k3/agent.py", "--chdir", "/", "--info-fd", str(info_w)]
         args_r, args_w = os.pipe()
         os.write(args_w, b"".join(a.encode() + b"\0" for a in args))
@@ -157,24 +196,27 @@ class NamespaceSandbox(StateSandbox):
         addr, dfd = _sock_path(sock_file)
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         info_r, info_w = os.pipe()
-        args_r = -1
+        args_r, ns = -1, None
         try:
             lsock.bind(addr)
             lsock.listen(64)
-            argv, args_r = self._bwrap_argv(info_w, lsock.fileno())
+            ns = _nested_userns() if self.state.get("nested") else None
+            argv, args_r = self._bwrap_argv(info_w, lsock.fileno(), ns[1] if ns else None)
             with open(os.path.join(self.dir, "holder.log"), "wb") as log:
                 p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env={},
-                                     pass_fds=(lsock.fileno(), info_w, args_r), preexec_fn=setup,
-                                     start_new_session=True)
+                                     pass_fds=(lsock.fileno(), info_w, args_r, *([ns[1]] if ns else [])),
+                                     preexec_fn=setup, start_new_session=True)
             _CHILDREN[p.pid] = p
             os.close(info_w)
             info_w = -1
             root_pid = self._read_info(info_r, p)
         finally:
             lsock.close()
-            for fd in (info_r, info_w, args_r, dfd if dfd is not None else -1):
+            for fd in (info_r, info_w, args_r, dfd if dfd is not None else -1, ns[1] if ns else -1):
                 if fd >= 0:
                     os.close(fd)
+            if ns:
+                _end_holder(ns[0])
         self.state.update(pid=p.pid, root_pid=root_pid, paused=False)
         self._save()
         try:
@@ -237,14 +279,14 @@ class NamespaceSandbox(StateSandbox):
         return FsView(f"/proc/{pid}/root", self.workdir, self.id)
 
     # Sandbox API ------------------------------------------------------------------------------
-    def exec(self, cmd, timeout=60.0, stdin=None, env=None, cwd=None) -> ExecResult:
+    def exec(self, cmd, timeout=60.0, stdin=None, env=None, cwd=None, channel=False) -> ExecResult:
         self._check()
         argv = normalize_cmd(cmd, timeout, self.id)
         full_env = {**DEFAULT_ENV, **(env or {})}
         wd = os.path.normpath(os.path.join(self.workdir, cwd)) if cwd else self.workdir
         before = self.cg.oom_kills()
         sock = self._sock()
-        res = agent_exec(sock, self.id, argv, full_env, wd, timeout, stdin, self.limits.output_bytes)
+        res = agent_exec(sock, self.id, argv, full_env, wd, timeout, stdin, self.limits.output_bytes, channel)
         res.oom_killed = self.cg.oom_kills() > before
         return res
 
@@ -307,7 +349,8 @@ class NamespaceSandbox(StateSandbox):
         self._closed = True
 
     def describe(self) -> dict:
-        return {**super().describe(), "layers": list(self.state["layers"]), "landlock": self.state.get("landlock", 0)}
+        return {**super().describe(), "layers": list(self.state["layers"]), "landlock": self.state.get("landlock", 0),
+                "nested": bool(self.state.get("nested"))}
 
 
 class NamespaceBackend(Backend):
@@ -323,9 +366,10 @@ class NamespaceBackend(Backend):
         refuse_unenforceable(limits, detect_layout(), "namespace backend")
 
     @classmethod
-    def _launch(cls, manager, sid, image, layers, limits, origin) -> NamespaceSandbox:
+    def _launch(cls, manager, sid, image, layers, limits, origin, nested) -> NamespaceSandbox:
         cls._refuse(limits)
         state = {"id": sid, "backend": cls.name, "image": image, "layers": layers, "origin": origin,
+                 "nested": bool(nested),
                  "limits": limits.as_dict(), "cgroup": manager.cgroup_name(sid), "cgroup_layout": detect_layout().for_limits(limits).as_dict(),
                  "upper_mode": "tmpfs" if limits.disk_bytes or _on_overlayfs(manager.sandbox_dir(sid)) else "host",
                  "created": time.time()}
@@ -340,15 +384,15 @@ class NamespaceBackend(Backend):
         return sb
 
     @classmethod
-    def create(cls, manager, sandbox_id, image, limits, workspace) -> Sandbox:
+    def create(cls, manager, sandbox_id, image, limits, workspace, nested=False) -> Sandbox:
         cls._refuse(limits)
         layers = [manager.store.commit_layer(workspace, prefix="workspace")[0]] if workspace else []
-        return cls._launch(manager, sandbox_id, image, layers, limits, None)
+        return cls._launch(manager, sandbox_id, image, layers, limits, None, nested)
 
     @classmethod
     def fork(cls, manager, snapshot, sandbox_id, limits) -> Sandbox:
         layers, image = file_layers(snapshot, cls.name)
-        return cls._launch(manager, sandbox_id, image, layers, limits, snapshot.id)
+        return cls._launch(manager, sandbox_id, image, layers, limits, snapshot.id, snapshot.meta.get("nested", False))
 
     @classmethod
     def attach(cls, manager, state) -> Sandbox:

@@ -162,7 +162,10 @@ class VMSandbox(Sandbox):
 
     # ---- processes and files
     def exec(self, cmd, timeout: float | None = 60.0, stdin: bytes | None = None,
-             env: dict[str, str] | None = None, cwd: str | None = None) -> ExecResult:
+             env: dict[str, str] | None = None, cwd: str | None = None, channel: bool = False) -> ExecResult:
+        if channel:
+            raise SandboxError("vm backend: exec(channel=True) is not implemented (its console carries one "
+                               "command's stdout and stderr only); the namespace backend has it")
         q = self._running("exec")
         if timeout is not None and timeout <= 0:
             raise SandboxError(f"vm sandbox {self.id}: exec timeout must be positive, got {timeout}")
@@ -307,7 +310,10 @@ class VMBackend(Backend):
         return VMSandbox(manager, state)
 
     @classmethod
-    def create(cls, manager, sandbox_id, image, limits, workspace) -> Sandbox:
+    def create(cls, manager, sandbox_id, image, limits, workspace, nested=False) -> Sandbox:
+        if nested:
+            raise SandboxError("vm backend: nested=True is not implemented (its busybox guest has no Python for a "
+                               "verifier); use the namespace backend")
         if image != default_image(manager.store):
             raise SandboxError(f"vm backend: image {image}: the vm runs its own busybox guest "
                                "(k3.env.vm_image); only image='default' is accepted")
