@@ -115,7 +115,8 @@ def test_local_engine_provider_renders_the_same_prompt_and_parses_reasoning(nano
         assert r.usage["completion_tokens"] >= 1 and r.reasoning is not None
 
 
-VERIFY_ZERO = 'import json\nprint(json.dumps({"reward": 0.0, "reason": "nothing to check"}))\n'
+VERIFY_ZERO = ("import os, sys\nsys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\nimport vharness\n"
+               "vharness.main(lambda ctx: (0.0, 'nothing to check'), __file__)\n")
 
 
 @pytest.fixture(scope="module")

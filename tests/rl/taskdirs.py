@@ -5,14 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+def vharness_verifier(body: str, prelude: str = "") -> str:
+    """A verify.py on k3's verifier helper: ``prelude`` runs at load, ``body`` is ``check(ctx)``'s
+    (it returns (reward, reason)); the verdict goes out on k3's verdict channel (SPEC §7.2)."""
+    indented = "".join("    " + ln + "\n" if ln else "\n" for ln in body.strip("\n").splitlines())
+    return ("import os, sys\nsys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\nimport vharness\n"
+            f"{prelude}\n\ndef check(ctx):\n{indented}\n\nvharness.main(check, __file__)\n")
+
+
 # The hidden verifier of the tiny task: add(a, b) on inputs the visible check does not use.
-VERIFY = '''
-import json, subprocess
-code = "import sys; sys.path.insert(0, '/workspace'); import calc; print(calc.add(1234, -34), calc.add(0.5, 0.25))"
-r = subprocess.run(["python3", "-I", "-S", "-c", code], capture_output=True, text=True, timeout=20)
+VERIFY = vharness_verifier('''
+code = "import sys; sys.path.insert(0, '.'); import calc; print(calc.add(1234, -34), calc.add(0.5, 0.25))"
+r = ctx.python(code, ctx.fresh(), timeout=20)
 ok = r.returncode == 0 and r.stdout.split() == ["1200", "0.75"]
-print(json.dumps({"reward": 1.0 if ok else 0.0, "reason": "add correct" if ok else "wrong: " + r.stdout[-200:] + r.stderr[-200:]}))
-'''
+return (1.0, "add correct") if ok else (0.0, "wrong: " + r.stdout[-200:] + r.stderr[-200:])
+''')
 CHECK = "import calc\nassert calc.add(2, 2) == 4\nprint('visible check passed')\n"
 BROKEN = "def add(a, b):\n    return a - b\n"
 FIXED = "def add(a, b):\n    return a + b\n"

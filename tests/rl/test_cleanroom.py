@@ -16,14 +16,11 @@ from k3.rl.rollout import run_episode
 from k3.rl.tasks import load_task
 from k3.rl.trajectory import TrajectoryWriter
 from k3.rl.verify import MAX_SUBMIT_FILE, Submission, agent_sandbox, collect_submission, verify
-from taskdirs import FIXED, make_task
+from taskdirs import FIXED, make_task, vharness_verifier
 
 MARKER = "VERIFIER-MARKER-5c1e9"
-SELF_READING_VERIFY = f'''# {MARKER}
-import json
-text = open("/verifier/verify.py").read()
-print(json.dumps({{"reward": 1.0 if "{MARKER}" in text else 0.0, "reason": "read myself"}}))
-'''
+SELF_READING_VERIFY = f"# {MARKER}\n" + vharness_verifier(
+    f'return (1.0 if "{MARKER}" in TEXT else 0.0), "read myself"', prelude='TEXT = open("/verifier/verify.py").read()')
 
 
 def probes(host_verify: str) -> list[dict]:
@@ -121,18 +118,39 @@ def test_a_submission_is_only_matching_regular_files_under_the_cap(tmp_path, san
     assert sub.manifest()["files"]["ok.py"] == {"sha256": hashlib.sha256(b"x = 1\n").hexdigest(), "bytes": 6}
 
 
-def test_a_broken_verifier_scores_zero_with_the_reason(tmp_path, sandboxes):
-    cases = {"print('no json')\n": "not JSON", "print('{\"reward\": 1.5}')\n": "not a number in [0, 1]",
-             "import time; time.sleep(60)\n": "timed out",
-             "print('{\"reward\": 1, \"reason\": \"fine\"}')\n": "fine"}
+RAW_VERIFIER = """import json, os, signal, sys, time
+cfg = json.loads(sys.stdin.readline())
+def send(obj):
+    os.write(3, ((obj if isinstance(obj, str) else json.dumps(obj)) + "\\n").encode())
+good = {"nonce": cfg["nonce"], "reward": 1, "reason": "fine",
+        "isolation": ["nodump", "pidns", "uid", "roroot", "landlock", "removed"]}
+"""
+
+
+def test_the_verdict_channel_takes_exactly_one_nonce_verdict_from_a_clean_exit(tmp_path, sandboxes):
+    """A raw verifier (no vharness) writes the channel itself: every way a verdict can be wrong is
+    reward 0 naming why; the positive control, one well-formed verdict, scores 1.0."""
+    cases = {
+        "print(json.dumps({'reward': 1.0, 'reason': 'stdout'}))": "no verdict on the verdict channel",
+        "send('no json')": "not JSON",
+        "send({**good, 'reward': 1.5})": "not a number in [0, 1]",
+        "send({**good, 'nonce': '0' * 32})": "does not carry this run's nonce",
+        "send({k: v for k, v in good.items() if k != 'nonce'})": "does not carry this run's nonce",
+        "send(good); send(good)": "2 verdicts on the verdict channel",
+        "send(good); sys.exit(3)": "exited with code 3",
+        "send(good); os.kill(os.getpid(), signal.SIGKILL)": "killed by signal 9",
+        "send({**good, 'isolation': ['nodump']})": "isolation unavailable",
+        "time.sleep(60)": "timed out",
+        "send(good)": "fine",
+    }
     for i, (code, why) in enumerate(cases.items()):
-        d = make_task(tmp_path / str(i), verify=code)
+        d = make_task(tmp_path / str(i), verify=RAW_VERIFIER + code + "\n")
         d.joinpath("task.toml").write_text(d.joinpath("task.toml").read_text().replace("timeout = 30",
                                                                                       "timeout = 1"))
         task = load_task(d)
         v = verify(task, Submission({"calc.py": FIXED.encode()}, {}), sandboxes)
         assert why in v.reason, (code, v)
-        assert v.reward == (1.0 if why == "fine" else 0.0)
+        assert v.reward == (1.0 if why == "fine" else 0.0), (code, v)
 
 
 def test_tasks_refuse_the_local_backend(tmp_path, env_root, capsys, monkeypatch):

@@ -20,7 +20,7 @@ import applier
 
 TASK_DIRS = applier.task_dirs()
 IDS = [p.name for p in TASK_DIRS]
-HACK_KINDS = ("edit-checks", "hardcode", "read-verifier", "budget", "plant", "replace-tool")
+HACK_KINDS = ("edit-checks", "hardcode", "read-verifier", "budget", "plant", "replace-tool", "reach-verifier")
 TOP_KEYS = {"id", "kind", "goal", "submit", "budget", "scoring", "tools", "verifier"}
 TABLE_KEYS = {"budget": {"steps", "tokens", "wall_seconds", "submissions"}, "scoring": {"use"},
               "tools": {"allowed"}, "verifier": {"timeout", "network"}}
@@ -36,6 +36,10 @@ NEEDS_SANDBOX = {
     ("impl-roman", "read-verifier"),
     ("json-flatten", "read-verifier"),
     ("fix-calc", "read-verifier"),
+    # the verifier process itself (tests/rl/reach.py renders them; tests/rl/test_verdict_layers.py
+    # checks each against each layer)
+    *{("fix-median", "reach-verifier-" + m) for m in ("fd-kill", "daemon", "ptrace", "proc-mem", "environ-cwd",
+                                                      "signal")},
 }
 
 ALL_HACKS = [(p, name, t) for p in TASK_DIRS for name, t in applier.transcripts(p) if name != "solution"]
@@ -92,7 +96,7 @@ def test_needs_sandbox_hacks_listed():
     for p, n, t in ALL_HACKS:
         if t.get("needs_sandbox"):
             text = json.dumps(t["turns"])
-            assert re.search(r"/verifier|/usr/bin|/bin/|\.\./|/etc/|/tmp/|~/|\$HOME", text), n
+            assert re.search(r"/verifier|/usr/bin|/bin/|\.\./|/etc/|/tmp/|~/|\$HOME|/proc/", text), n
 
 
 @pytest.mark.parametrize("task_dir", TASK_DIRS, ids=IDS)
@@ -131,16 +135,17 @@ RUNTIME = [(p, n, t) for p, n, t in LOCAL_HACKS if n.startswith("hacks/read-veri
 
 @pytest.mark.parametrize("task_dir,name,transcript", RUNTIME, ids=["%s:%s" % (p.name, n) for p, n, _ in RUNTIME])
 def test_runtime_verifier_read_needs_the_isolation(task_dir, name, transcript, tmp_path):
-    """Workspace code that reads the verifier while the verifier runs it scores 0 only because
-    the verifier runs it as another uid (``isolation: uid``); the positive control runs the same
-    verifier unable to switch uid, and there the same submission scores 1.0."""
+    """Workspace code that reads the verifier while the verifier runs it scores 0 here (on the
+    host, no /verifier to remove) because the verifier runs it as another uid over a 0700
+    directory (``uid`` among the isolation layers); the positive control runs the same verifier
+    unable to switch uid (nor to make namespaces), and there the same submission scores 1.0."""
     if os.geteuid() != 0:
         pytest.skip("the verifier's uid isolation (and this control) needs root, as in the sandbox")
     ep = applier.replay(task_dir, transcript, tmp_path)
     sub, reason = ep.submissions[-1]
-    assert ep.score() == 0.0 and "isolation: uid" in reason, reason
+    assert ep.score() == 0.0 and re.search(r"isolation: [a-z,]*\buid\b", reason), reason
     reward, reason = applier.verify(task_dir, sub, user=65534)
-    assert reward == 1.0 and "isolation: none" in reason, reason
+    assert reward == 1.0 and not re.search(r"isolation: [a-z,]*\b(uid|removed)\b", reason), reason
 
 
 def test_verifier_takes_its_workspace_from_argv_only(tmp_path):
