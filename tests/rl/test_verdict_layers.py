@@ -75,6 +75,13 @@ def test_the_task_hacks_are_rendered_from_the_moves():
         assert json.loads(reach.path(m).read_text()) == reach.render(m), f"python {Path(reach.__file__).name}"
 
 
+def verify_tiny(tmp_path, sandboxes, verifier, calc, layer):
+    """(task, layers_off, verdict) of submitting ``calc`` as calc.py to a tiny task with ``verifier``,
+    with only ``layer`` on (``only``)."""
+    task, off = load_task(make_task(tmp_path, verify=verifier)), only(layer)
+    return task, off, verify(task, Submission({"calc.py": calc.encode()}, {}), sandboxes, layers_off=off)
+
+
 # --- a replaced interpreter: the first child replaces /usr/bin/python3, the verifier's next launch runs it
 TWO_RUNS = vharness_verifier('''
 code = "import sys; sys.path.insert(0, '.'); import calc; print(calc.add(%s))"
@@ -104,9 +111,7 @@ def test_a_replaced_interpreter_never_runs_as_a_later_launcher(layer, tmp_path, 
     layers: a first child that replaced it would run unisolated as the second launcher.
     ``roroot`` and ``uid`` each keep it from writing the root; ``nodump`` and ``channel`` each
     keep the fake launcher from deciding the verdict."""
-    task = load_task(make_task(tmp_path, verify=TWO_RUNS))
-    off = only(layer)
-    v = verify(task, Submission({"calc.py": INTERPRETER.encode()}, {}), sandboxes, layers_off=off)
+    task, off, v = verify_tiny(tmp_path, sandboxes, TWO_RUNS, INTERPRETER, layer)
     if layer == "none":
         assert v.reward == 1.0 and "forged by the submission" in v.reason, v
     else:
@@ -158,9 +163,7 @@ if _os.fork() == 0:
 def test_no_child_outlives_its_run_to_tamper_with_a_later_child(layer, tmp_path, sandboxes):
     """``pidns`` kills what a child left when its run ends (and hides the later child); Landlock
     puts each child in its own domain, so a survivor cannot open a sibling's descriptors."""
-    task = load_task(make_task(tmp_path, verify=REFERENCE_AFTER))
-    off = only(layer)
-    v = verify(task, Submission({"calc.py": TAMPER.encode()}, {}), sandboxes, layers_off=off)
+    _task, _off, v = verify_tiny(tmp_path, sandboxes, REFERENCE_AFTER, TAMPER, layer)
     if layer == "none":
         assert v.reward == 1.0 and "matches the reference" in v.reason, v
     else:
