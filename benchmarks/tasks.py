@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from k3.rl.rollout import run_jobs
-from k3.rl.tasks import find_tasks, validate_task
-from k3.rl.verify import Sandboxes
+from k3.tasks.format import find_tasks, validate_task
+from k3.tasks.verify import Sandboxes
 
 PARTS = ["agent_sandbox", "agent", "agent_close", "collect", "verify.create", "verify.copy", "verify.run",
          "verify.close"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from k3.rl.verify import Sandboxes
+from k3.tasks.verify import Sandboxes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "env"))
 from env_leaks import leftovers  # noqa: E402 - the one leak check, shared with tests/env

@@ -13,9 +13,9 @@ from k3.env.backends.local import NotIsolatedWarning
 from k3.env.manager import SandboxManager
 from k3.env.sandbox import Limits
 from k3.rl.rollout import run_episode
-from k3.rl.tasks import load_task
+from k3.tasks.format import load_task
 from k3.rl.trajectory import TrajectoryWriter
-from k3.rl.verify import MAX_SUBMIT_FILE, Submission, agent_sandbox, collect_submission, verify
+from k3.tasks.verify import MAX_SUBMIT_FILE, Submission, agent_sandbox, collect_submission, verify
 from taskdirs import FIXED, make_task, vharness_verifier
 
 MARKER = "VERIFIER-MARKER-5c1e9"
@@ -156,7 +156,7 @@ def test_the_verdict_channel_takes_exactly_one_nonce_verdict_from_a_clean_exit(t
 def test_tasks_refuse_the_local_backend(tmp_path, env_root, capsys, monkeypatch):
     from k3.errors import ConfigError
     from k3.rl.cli import task_main
-    from k3.rl.verify import Sandboxes
+    from k3.tasks.verify import Sandboxes
 
     with pytest.raises(ConfigError, match="does not isolate"):
         Sandboxes("local", env_root)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from k3.rl.cli import task_main
-from k3.rl.tasks import find_tasks, validate_task
+from k3.tasks.format import find_tasks, validate_task
 
 TASKS = Path(__file__).resolve().parents[2] / "tasks"
 

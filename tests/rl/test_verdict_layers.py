@@ -18,9 +18,9 @@ import pytest
 
 from k3.agent.providers import Scripted
 from k3.rl.rollout import run_episode
-from k3.rl.tasks import load_task
+from k3.tasks.format import load_task
 from k3.rl.trajectory import TrajectoryWriter
-from k3.rl.verify import CONTROL_LAYERS, NEEDS_CAPS, Submission, verify
+from k3.tasks.verify import CONTROL_LAYERS, NEEDS_CAPS, Submission, verify
 from taskdirs import BROKEN, FIXED, make_task, vharness_verifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -18,7 +18,7 @@ import tempfile
 import tomllib
 from pathlib import Path
 
-from k3.rl.verify import VHARNESS
+from k3.tasks.verify import VHARNESS
 
 TASKS = Path(__file__).resolve().parents[2] / "tasks"
 PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
@@ -78,7 +78,7 @@ def verify(task_dir, submitted, timeout=60, user=None, argv=None):
     with tempfile.TemporaryDirectory(prefix="k3-ver-") as tmp:
         vdir = Path(tmp) / "verifier"
         shutil.copytree(Path(task_dir) / "verifier", vdir)
-        shutil.copy(VHARNESS, vdir / VHARNESS.name)  # what k3.rl.verify writes beside every verifier
+        shutil.copy(VHARNESS, vdir / VHARNESS.name)  # what k3.tasks.verify writes beside every verifier
         home = Path(tmp) / "home"
         home.mkdir()
         extra = {}

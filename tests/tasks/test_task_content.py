@@ -76,7 +76,7 @@ def test_structure(task_dir):
     assert 1 <= cfg["budget"]["submissions"] <= 5 and cfg["verifier"]["network"] is False
     for rel in ("workspace", "checks/run.py", "verifier/verify.py", "solution/solve.json"):
         assert (task_dir / rel).exists(), rel
-    assert not (task_dir / "verifier" / "vharness.py").exists(), "k3.rl.verify provides vharness.py"
+    assert not (task_dir / "verifier" / "vharness.py").exists(), "k3.tasks.verify provides vharness.py"
     assert list((task_dir / "hacks").glob("*.json")), "no hacks"
     for name, t in applier.transcripts(task_dir):
         assert set(t) <= TRANSCRIPT_KEYS and {"description", "expect_reward", "turns"} <= set(t), name

@@ -6,7 +6,7 @@
 ``ToolResult``; bad arguments and failed operations are results with ``error=True`` (the model
 sees why), never exceptions. Paths are relative to the sandbox workdir (``/workspace``). Output
 shown to the model is capped at ``max_output`` characters per call (head and tail kept, the cut
-stated). ``submit`` is not run here: the harness collects the submission (``k3.rl.verify``).
+stated). ``submit`` is not run here: the harness collects the submission (``k3.tasks.verify``).
 """
 
 from __future__ import annotations

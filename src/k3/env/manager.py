@@ -80,7 +80,7 @@ class SandboxManager:
     def create(self, image: str = "default", limits: Limits | None = None, backend: str = "namespace",
                workspace: str | None = None, name: str | None = None, nested: bool = False) -> Sandbox:
         """``nested``: the sandbox's root may isolate the processes it starts from itself (their own
-        PID/mount namespaces, a second uid): what the verifier needs (k3.rl.vharness). Only the
+        PID/mount namespaces, a second uid): what the verifier needs (k3.tasks.vharness). Only the
         namespace backend has it; the others refuse it."""
         limits = Limits() if limits is None else limits
         if not isinstance(limits, Limits):

@@ -127,7 +127,7 @@ class Sandbox(abc.ABC):
         """Run ``cmd`` (a list = argv; a string = ``/bin/sh -c``) inside; on timeout the whole
         process group is killed and ``timed_out`` set. ``channel``: the command gets fd 3, the
         write end of a pipe to the caller opened before it starts; what it writes there comes
-        back as ``ExecResult.channel`` (the verdict channel of k3.rl.verify). A backend without
+        back as ``ExecResult.channel`` (the verdict channel of k3.tasks.verify). A backend without
         it refuses ``channel=True``."""
 
     # files (inside the sandbox's view; never follows a link out of it)

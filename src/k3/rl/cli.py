@@ -97,7 +97,7 @@ def _check_flags(args) -> None:
 
 
 def cmd_validate(args) -> int:
-    from k3.rl.tasks import find_tasks, validate_task
+    from k3.tasks.format import find_tasks, validate_task
 
     bad = 0
     for d in find_tasks(args.dir):
@@ -112,7 +112,7 @@ def cmd_validate(args) -> int:
 
 def cmd_run(args) -> int:
     from k3.rl.rollout import make_provider, run_episode
-    from k3.rl.tasks import load_task
+    from k3.tasks.format import load_task
     from k3.rl.trajectory import TrajectoryWriter
 
     _check_flags(args)
@@ -120,7 +120,7 @@ def cmd_run(args) -> int:
     if args.provider != "scripted" and args.transcript:
         raise ConfigError("--transcript is for --provider scripted")
     transcript = args.transcript or str(task.root / "solution" / "solve.json")
-    from k3.rl.verify import Sandboxes
+    from k3.tasks.verify import Sandboxes
     sandboxes = Sandboxes(args.backend)  # refuses a backend before anything is written
     provider = make_provider(_provider_spec(args, transcript))
     if args.ask and args.yolo:
@@ -148,7 +148,7 @@ def cmd_run(args) -> int:
 
 
 def _suite_jobs(args, out_dir: Path | None) -> list[dict]:
-    from k3.rl.tasks import find_tasks, load_task, validate_task
+    from k3.tasks.format import find_tasks, load_task, validate_task
 
     jobs = []
     for d in find_tasks(args.dir):
@@ -175,7 +175,7 @@ def cmd_suite(args) -> int:
     _check_flags(args)
     out_dir = Path(args.out) if args.out else None
     jobs = _suite_jobs(args, out_dir)
-    from k3.rl.verify import Sandboxes
+    from k3.tasks.verify import Sandboxes
     Sandboxes(args.backend).close()  # build the base image once, before the workers race for it
     t0 = time.monotonic()
     results = run_jobs(jobs, workers=args.workers, use_ray=args.ray)

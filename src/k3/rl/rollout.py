@@ -27,9 +27,9 @@ from k3.agent.providers import LocalEngine, OpenAICompatible, Scripted
 from k3.agent.randomize import HarnessConfig
 from k3.agent.tools import ToolBox
 from k3.errors import ConfigError, K3Error
-from k3.rl.tasks import load_task, load_transcript
+from k3.tasks.format import load_task, load_transcript
 from k3.rl.trajectory import VERSION, TrajectoryWriter
-from k3.rl.verify import Sandboxes, agent_sandbox, collect_submission, verify
+from k3.tasks.verify import Sandboxes, agent_sandbox, collect_submission, verify
 
 __all__ = ["run_episode", "rollout", "run_jobs", "make_provider"]
 

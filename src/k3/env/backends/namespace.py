@@ -49,7 +49,7 @@ _CLONE_NEWNS, _CLONE_NEWUSER, _MS_REC, _MS_PRIVATE = 0x00020000, 0x10000000, 0x4
 # A nested sandbox (``create(nested=True)``: the verifier's) maps a second uid/gid, NESTED_UID (the
 # host's nobody), and its root keeps these capabilities within its own user namespace, so that it
 # can put the processes it starts into their own PID and mount namespaces under that second uid
-# (k3.rl.vharness). The capabilities reach no further than the sandbox's namespaces.
+# (k3.tasks.vharness). The capabilities reach no further than the sandbox's namespaces.
 NESTED_UID = 65534
 NESTED_CAPS = ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP", "CAP_CHOWN", "CAP_FOWNER",
                "CAP_DAC_OVERRIDE", "CAP_KILL")

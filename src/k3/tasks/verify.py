@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3.env.sandbox import Limits, Sandbox, SandboxError
-from k3.rl.vharness import LAYERS
+from k3.tasks.vharness import LAYERS
 from k3.errors import ConfigError
 
 __all__ = ["Verdict", "Submission", "Sandboxes", "agent_sandbox", "collect_submission", "verify",
@@ -47,7 +47,7 @@ __all__ = ["Verdict", "Submission", "Sandboxes", "agent_sandbox", "collect_submi
 VERIFIER_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp/home", "LANG": "C.UTF-8"}
 VHARNESS = Path(__file__).with_name("vharness.py")  # the verifier helper every task's verify.py imports
 VERIFIER_CMD = ["python3", "-I", "-S", "/verifier/verify.py", "--verdict-fd", "3"]
-VERIFIER_LAYERS = LAYERS  # what the verifier applies (k3.rl.vharness)
+VERIFIER_LAYERS = LAYERS  # what the verifier applies (k3.tasks.vharness)
 # ``caps``: in a nested sandbox the verifier holds capabilities (NESTED_CAPS) its children never do,
 # and the kernel refuses ptrace-level access (/proc/<pid>/fd, mem, environ, cwd; ptrace) to a
 # process whose permitted capabilities are not a subset of the caller's. Off = a plain sandbox,

@@ -1,4 +1,4 @@
-"""Verifier helper shared by every task: ``k3.rl.verify`` writes this file to ``/verifier/vharness.py``
+"""Verifier helper shared by every task: ``k3.tasks.verify`` writes this file to ``/verifier/vharness.py``
 beside each task's own verifier files (a task never carries a copy; ``k3 task validate`` refuses one).
 Stdlib only: the verifier runs as ``python3 -I -S /verifier/verify.py`` in a clean sandbox, where
 this file is imported from its directory, not from the k3 package.
