@@ -30,6 +30,7 @@ from k3.model.moe import LatentMoE
 from k3.model.norm import RMSNorm
 from k3.ops.attn_res import attn_res_mix, compiled_attn_res_mix
 from k3.ops.loss import cross_entropy
+from k3.ops.segments import Segments, document_starts
 
 __all__ = ["DecoderLayer", "K3Model", "K3ForCausalLM", "CausalLMOutput", "AttnResPair"]
 
@@ -91,17 +92,23 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, h: torch.Tensor, state=None) -> torch.Tensor:
+    def _mix_tokens(self, x: torch.Tensor, state, segs: Segments | None) -> torch.Tensor:
+        """The token mixer (KDA or MLA) on x [B,T,H]; with ``segs`` each packed document alone."""
+        if segs is None:
+            return self.self_attn(x, state)
+        return segs.from_docs(self.self_attn(segs.to_docs(x), state))
+
+    def forward(self, h: torch.Tensor, state=None, segs: Segments | None = None) -> torch.Tensor:
         """Standard pre-norm residual layer: h [B,T,H] -> [B,T,H]."""
-        h = h + self.self_attn(self.input_layernorm(h), state)
+        h = h + self._mix_tokens(self.input_layernorm(h), state, segs)
         return h + self.ffn(self.post_attention_layernorm(h))
 
     def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor | None,
-                         state=None) -> torch.Tensor:
+                         state=None, segs: Segments | None = None) -> torch.Tensor:
         """One AttnRes layer: returns the new partial sum (see module docstring)."""
         srcs = blocks if partial is None else blocks + [partial]
         h = AttnResPair.mix(self, "self_attention_res", srcs)
-        a = self.self_attn(self.input_layernorm(h), state)
+        a = self._mix_tokens(self.input_layernorm(h), state, segs)
         partial = a if partial is None else partial + a
         h = AttnResPair.mix(self, "mlp_res", blocks + [partial])
         return partial + self.ffn(self.post_attention_layernorm(h))
@@ -130,11 +137,15 @@ class K3Model(nn.Module):
         self._reset_embedding()
         AttnResPair.reset(self, "output_attn_res")
 
-    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B,T] int64 -> final normed hidden states [B,T,H].
 
         With a cache, row b's T tokens continue its sequence at positions ``cache.seq_lens[b]`` ..
         ``+T−1`` (rows may differ in length; K3 is NoPE, so only the MLA mask depends on it).
+        ``doc_ids`` [B,T] marks packed documents (a run of equal ids in a row is one document):
+        every token mixer starts each document from zero state and attends within it only
+        (:mod:`k3.ops.segments`), so a packed row equals its documents run alone.
         """
         cfg = self.config
         if input_ids.dim() != 2:
@@ -155,11 +166,19 @@ class K3Model(nn.Module):
         if seen + T > cfg.max_position_embeddings:
             raise ValueError(f"sequence length {T} (+{seen} cached) exceeds "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        segs = None
+        if doc_ids is not None:
+            if cache is not None:
+                raise ValueError("doc_ids (packed documents) cannot be combined with a cache: "
+                                 "packing is for training; run each sequence in its own cache row")
+            if tuple(doc_ids.shape) != (B, T):
+                raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} != input_ids shape {(B, T)}")
+            segs = Segments.of(doc_ids.to(input_ids.device))
         states = cache.layers if cache is not None else [None] * len(self.layers)
         x = self.embed_tokens(input_ids)
         if cfg.attn_res_block_size is None:
             for layer, st in zip(self.layers, states):
-                x = layer(x, st)
+                x = layer(x, st, segs)
         else:
             bs = cfg.attn_res_block_size
             blocks: list[torch.Tensor] = []
@@ -168,7 +187,7 @@ class K3Model(nn.Module):
                 if l % bs == 0:
                     blocks.append(partial)
                     partial = None
-                partial = layer.forward_attn_res(blocks, partial, st)
+                partial = layer.forward_attn_res(blocks, partial, st, segs)
             x = AttnResPair.mix(self, "output_attn_res", blocks + [partial])
         if cache is not None:
             cache.seq_lens = cache.seq_lens + T
@@ -257,9 +276,12 @@ class K3ForCausalLM(nn.Module):
         return K3Cache(self.config, batch_size)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: K3Cache | None = None, logits_to_keep: int = 0) -> CausalLMOutput:
-        """``logits_to_keep`` > 0 computes logits for the last that many positions only (decode)."""
-        h = self.model(input_ids, cache)
+                cache: K3Cache | None = None, logits_to_keep: int = 0,
+                doc_ids: torch.Tensor | None = None) -> CausalLMOutput:
+        """``logits_to_keep`` > 0 computes logits for the last that many positions only (decode).
+        ``doc_ids``: packed documents (``K3Model.forward``); the loss then never predicts the first
+        token of a document from the end of the one before it."""
+        h = self.model(input_ids, cache, doc_ids)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
@@ -273,6 +295,9 @@ class K3ForCausalLM(nn.Module):
             # position t predicts labels[t + 1]; the last position has no target (ignored), so the
             # logits go to the loss whole, not as a shifted copy whose backward zero-fills [B, T, V]
             target = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
+            if doc_ids is not None:  # the last token of a document has no next token to predict
+                ends = torch.cat([document_starts(doc_ids)[:, 1:], torch.ones_like(doc_ids[:, :1], dtype=torch.bool)], 1)
+                target = target.masked_fill(ends.to(target.device), -100)
             loss = cross_entropy(logits.flatten(0, 1), target.flatten(), -100)
         return CausalLMOutput(logits=logits, loss=loss, cache=cache)
 
