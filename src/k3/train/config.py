@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - python 3.10
     import tomli as tomllib
 
-__all__ = ["TrainConfig", "PRESET_DEFAULTS", "load_toml", "parse_curriculum", "resolve_model_config",
+__all__ = ["TrainConfig", "InitDir", "init_model_dir", "PRESET_DEFAULTS", "load_toml", "parse_curriculum", "resolve_model_config",
            "check_device", "max_threads", "SEED_MAX"]
 
 OPTIMIZERS = ("per_head", "muon", "adamw")
@@ -56,6 +56,10 @@ class TrainConfig:
     model_overrides: dict[str, Any] = field(default_factory=dict)  # K3Config fields
     data: str | None = None                  # None -> Python stdlib corpus
     val_percent: int = 2
+    # fine-tuning (k3 sft): start from a checkpoint's weights, model config and tokenizer
+    init_from: str | None = None             # run dir, checkpoint folder or model dir with tokenizer.json
+    sft_data: str | None = None              # chat JSONL file or directory (k3.data.sft): an SFT run
+    skip_bad: bool = False                   # SFT: count and report bad rows instead of stopping
     out: str = "runs/tiny"
     # batch shape and length
     steps: int = 1000
@@ -184,13 +188,13 @@ class TrainConfig:
         from k3.threads import parse_threads
         if (threads := parse_threads(self.threads)) != "auto":
             check_int("threads", threads, lo=0, hi=max_threads())
-        for name in ("qat", "plot", "compile_attn_res"):
+        for name in ("qat", "plot", "compile_attn_res", "skip_bad"):
             check_bool(name, getattr(self, name))
         check_bool("attn_res", self.attn_res, allow_none=True)
         for name in ("preset", "out"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
-        for name in ("model_config", "data"):
+        for name in ("model_config", "data", "init_from", "sft_data"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a path string, got {getattr(self, name)!r}")
         check_choice("preset", self.preset, list_presets())
@@ -215,6 +219,29 @@ class TrainConfig:
         refuse_unknown(self.model_overrides, K3Config.text_field_names(), "model_overrides")
         check_device("device", self.device)
         self._validate_curriculum()
+        self._validate_fine_tuning()
+
+    def _validate_fine_tuning(self) -> None:
+        if self.init_from is not None:
+            for name in ("model_config", "attn_res", "hidden_act"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name} cannot be combined with init_from: the model comes "
+                                      f"from the checkpoint {self.init_from}")
+            if self.model_overrides:
+                raise ConfigError(f"model_overrides cannot be combined with init_from: the model "
+                                  f"comes from the checkpoint {self.init_from}")
+        if self.sft_data is None:
+            if self.skip_bad:
+                raise ConfigError("skip_bad applies to sft_data (an SFT run), which is not set")
+            return
+        if self.init_from is None:
+            raise ConfigError("sft_data needs init_from: fine-tuning starts from a trained checkpoint "
+                              "(its tokenizer has the chat tokens)")
+        if self.data is not None:
+            raise ConfigError("data (a pretraining corpus) and sft_data (conversations) are exclusive")
+        if self.curriculum is not None and len(self.curriculum) > 1:
+            raise ConfigError(f"sft_data packs conversations at one sequence length; curriculum has "
+                              f"{len(self.curriculum)} stages (use seq_len)")
 
     def _validate_curriculum(self) -> None:
         cur = self.curriculum
@@ -301,12 +328,52 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
     return d
 
 
-def resolve_model_config(tc: TrainConfig) -> K3Config:
-    """The K3Config of the run: preset or config.json, model_overrides, then the ablation switches.
+@dataclass(frozen=True)
+class InitDir:
+    """Where a fine-tuning run's starting point lives: the model directory and its tokenizer."""
+    model: Any            # Path of config.json + safetensors
+    tokenizer: Any        # Path of tokenizer.json
+
+
+def init_model_dir(path: str) -> InitDir:
+    """``init_from`` resolved: a run directory (its verified current checkpoint), a checkpoint
+    folder, or a model directory with ``tokenizer.json`` beside ``config.json``."""
+    from pathlib import Path
+
+    from k3.train.state import find_checkpoint, verify_checkpoint
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"init_from {path}: no such directory")
+    if not (p / "trainer_state.pt").is_file() and not (p / "config.json").is_file():
+        ckpt = find_checkpoint(p)
+        if ckpt is None:
+            raise ConfigError(f"init_from {path}: neither a run with a checkpoint, a checkpoint folder "
+                              "nor a model directory (config.json)")
+        p = ckpt
+    elif (p / "trainer_state.pt").is_file():
+        verify_checkpoint(p)
+    model = p / "model" if (p / "trainer_state.pt").is_file() else p
+    tok = p / "tokenizer.json"
+    if not (model / "config.json").is_file():
+        raise ConfigError(f"init_from {path}: {model} has no config.json")
+    if not tok.is_file():
+        raise ConfigError(f"init_from {path}: no tokenizer.json beside the model")
+    return InitDir(model.resolve(), tok.resolve())
+
+
+def resolve_model_config(tc: TrainConfig, init: InitDir | None = None) -> K3Config:
+    """The K3Config of the run: the init_from checkpoint's, or preset or config.json with
+    model_overrides, then the ablation switches.
 
     Raises ConfigError when the longest curriculum stage exceeds max_position_embeddings.
     """
-    cfg = K3Config.from_json(tc.model_config) if tc.model_config else get_preset(tc.preset)
+    if tc.init_from is not None and init is None:
+        init = init_model_dir(tc.init_from)
+    if init is not None:
+        cfg = K3Config.from_json(str(init.model / "config.json"))
+    else:
+        cfg = K3Config.from_json(tc.model_config) if tc.model_config else get_preset(tc.preset)
     changes = dict(tc.model_overrides)
     if tc.attn_res is False:
         changes["attn_res_block_size"] = None

@@ -206,8 +206,7 @@ class _RankRows:
         self.batches, self.rows = batches, rows
 
     def next_batch(self, seq_len: int):
-        x, y = self.batches.next_batch(seq_len)
-        return x[self.rows], y[self.rows]
+        return tuple(t[self.rows] for t in self.batches.next_batch(seq_len))
 
     def state_dict(self):
         return self.batches.state_dict()
@@ -225,7 +224,7 @@ class DistTrainer(Trainer):
     """
 
     def __init__(self, tc, resume: bool = False, print_fn=print, tty: bool | None = None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, **kwargs):
         from k3.train.config import resolve_model_config
         from k3.train.runinfo import absolute_paths
 
@@ -240,7 +239,7 @@ class DistTrainer(Trainer):
         if tc.qb_bins is None and tc.balance == "quantile":
             tc = tc.replace(qb_bins=DEFAULT_DIST_QB_BINS)
         super().__init__(tc, resume, print_fn if rank0 else (lambda *a, **k: None),
-                         tty if rank0 else False, overwrite)
+                         tty if rank0 else False, overwrite, **kwargs)
 
     # ------------------------------------------------------------------ seams of Trainer
     def _open_run_dir(self, resume: bool):
@@ -315,17 +314,19 @@ class DistTrainer(Trainer):
         dist.all_reduce(t)
         return float(t) / self.layout.world
 
-    def _eval_part(self, x, y):
+    def _eval_part(self, x, y, *rest):
         """Rank's rows of a validation batch; a short last batch is padded to B rows (inputs 0,
-        labels ignored) so every rank runs the same shapes through the collectives."""
+        labels ignored, packed documents 0) so every rank runs the same shapes through the
+        collectives."""
         from k3.data.packing import IGNORE_INDEX
         b = self.tc.batch_size
         if x.shape[0] < b:
             pad = b - x.shape[0]
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
             y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
+            rest = tuple(torch.cat([d, d.new_zeros(pad, d.shape[1])]) for d in rest)
         rows = self.layout.rows(b)
-        return x[rows], y[rows]
+        return (x[rows], y[rows], *(d[rows] for d in rest))
 
     def _sum_eval(self, nats: float, ntok: int, nbytes: int):
         t = torch.tensor([nats, ntok, nbytes], dtype=torch.float64, device=self.layout.device)

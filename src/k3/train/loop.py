@@ -26,7 +26,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -34,12 +34,13 @@ from k3.config import K3Config
 from k3.data.batches import StridedBatches
 from k3.data.corpus import Corpus, load_corpus
 from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
+from k3.data.sft import ChatData, read_chat_rows
 from k3.data.tokenizer import Tokenizer, get_tokenizer
 from k3.errors import CheckpointError, ConfigError
 from k3.model.decoder import K3ForCausalLM
 from k3.ops.loss import cross_entropy
 from k3.train.balance import RouterBalancer
-from k3.train.config import TrainConfig, resolve_model_config
+from k3.train.config import TrainConfig, init_model_dir, resolve_model_config
 from k3.train.metrics import MetricsLog, Progress, plot_run
 from k3.train.optim import QKClip, build_optimizer, cpu_bf16_matmul_is_native
 from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir, mark_resumed_run
@@ -103,9 +104,11 @@ class Trainer:
     """
 
     def __init__(self, tc: TrainConfig, resume: bool = False, print_fn: Callable[[str], None] = print,
-                 tty: bool | None = None, overwrite: bool = False):
+                 tty: bool | None = None, overwrite: bool = False,
+                 read_rows: Callable[[str], Iterable[tuple[str, Any]]] = read_chat_rows):
         tc = absolute_paths(tc)
         self.tc, self.print = tc, print_fn
+        self.read_rows = read_rows  # SFT rows from tc.sft_data (k3.rl.sft adds trajectories)
         self.run_dir = Path(tc.out)
         self.lock = self._open_run_dir(resume)  # held until train() returns (or close())
         try:
@@ -146,12 +149,15 @@ class Trainer:
         torch.set_flush_denormal(True)
 
         ckpt, saved = self._checkpoint_to_resume(resume, overwrite)
-        self.model_config = resolve_model_config(tc)
+        self.init_dir = init_model_dir(tc.init_from) if tc.init_from else None
+        self.model_config = resolve_model_config(tc, self.init_dir)
         if saved is not None:
             self._check_same_model(K3Config.from_dict(saved["model_config"]))
         torch.manual_seed(tc.seed)
         self._build_data(ckpt, saved)
         self.model = K3ForCausalLM(self.model_config)
+        if saved is None and self.init_dir is not None:  # a fine-tuning run starts from these weights
+            load_model_weights(self.model, self.init_dir.model)
         for moe in self.model.moe_layers():
             moe.capacity_factor = tc.capacity_factor
         if tc.qat:
@@ -209,9 +215,9 @@ class Trainer:
     def _sync_grads(self) -> None:
         """Finish gradients after the micro-batches (one process: nothing to do)."""
 
-    def _eval_part(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eval_part(self, x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This process's rows of a validation batch (one process: all of them)."""
-        return x, y
+        return (x, y, *rest)
 
     def _sum_eval(self, nats: float, ntok: int, nbytes: int) -> tuple[float, int, int]:
         """Validation sums over the processes (one process: these)."""
@@ -242,6 +248,8 @@ class Trainer:
 
     def _build_data(self, ckpt: Path | None, saved: dict | None) -> None:
         """Corpus, tokenizer (the checkpoint's when resuming), token streams, batches, schedules."""
+        if self.tc.sft_data is not None:
+            return self._build_chat_data(ckpt, saved)
         tc = self.tc
         self.corpus: Corpus = load_corpus(tc.data, tc.val_percent)
         if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
@@ -265,6 +273,31 @@ class Trainer:
                              f"of {tc.batch_size} x {self.curriculum.max_seq_len} needs {need:,}; "
                              "use more data or lower batch_size / seq_len")
         self.data = StridedBatches(self.train_tokens, tc.batch_size, self.curriculum.seq_len_at(0))
+
+    def _build_chat_data(self, ckpt: Path | None, saved: dict | None) -> None:
+        """SFT (``sft_data``): the conversations rendered with the tokenizer of the checkpoint the
+        run starts from (or resumes), packed into rows of the one sequence length."""
+        tc = self.tc
+        tok_path = (ckpt / "tokenizer.json") if saved is not None else self.init_dir.tokenizer
+        self.tokenizer = Tokenizer.load(tok_path)
+        self.curriculum = tc.context_curriculum()
+        self.schedule = tc.lr_schedule()
+        self.corpus = ChatData(tc.sft_data, self.tokenizer, self.curriculum.max_seq_len, tc.val_percent,
+                               skip_bad=tc.skip_bad, read_rows=self.read_rows)
+        if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
+            raise CheckpointError(f"cannot resume {self.run_dir}: "
+                                  + corpus_difference(saved.get("corpus_docs"), self.corpus))
+        for line in self.corpus.bad[:5]:
+            self.print(f"skipped: {line}")
+        if len(self.corpus.bad) > 5:
+            self.print(f"skipped {len(self.corpus.bad) - 5} more bad rows")
+        self.token_bytes = token_byte_lengths(self.tokenizer)
+        self.data = self.corpus.batches(tc.batch_size, tc.seed)
+
+    def _val_batches(self, max_batches: int):
+        if self.tc.sft_data is not None:
+            return self.corpus.eval_batches(self.tc.batch_size, max_batches or None)
+        return eval_batches(self.val_tokens, self.tc.batch_size, self.curriculum.max_seq_len, max_batches or None)
 
     # ---------------------------------------------------------------------------- bookkeeping
     def _write_run_info(self, resumed_from: int | None) -> None:
@@ -292,10 +325,14 @@ class Trainer:
                 "corpus_docs": self.corpus.doc_digests()}
 
     # --------------------------------------------------------------------------------- step
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
+              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token CE of a batch (labels already shifted); ``doc_ids``: packed documents."""
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
-            logits = self.model(x.to(self.device)).logits
+            docs = None if doc_ids is None else doc_ids.to(self.device)
+            logits = (self.model(x.to(self.device)) if docs is None
+                      else self.model(x.to(self.device), doc_ids=docs)).logits
         return cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(), IGNORE_INDEX, reduction)
 
     def train_step(self) -> dict:
@@ -322,8 +359,8 @@ class Trainer:
             if self.stop_signal is not None:  # stop within one micro-batch: undo this step's part
                 self._abandon_step(*start)
                 return {"kind": "stopped", "step": self.step}
-            x, y = self.data.next_batch(seq_len)
-            loss = self._loss(x, y)
+            x, y, *docs = self.data.next_batch(seq_len)
+            loss = self._loss(x, y, "mean", *docs)
             lv = self._reduce_loss(loss.item())
             if not math.isfinite(lv):
                 reason = f"non-finite loss ({lv}) in micro-batch {micro}"
@@ -394,18 +431,19 @@ class Trainer:
             self.qk_clip.recording(False)
         nats, ntok, nbytes = 0.0, 0, 0
         try:
-            for x, y in eval_batches(self.val_tokens, self.tc.batch_size, self.curriculum.max_seq_len,
-                                     max_batches or None):
+            for batch in self._val_batches(max_batches):
                 if self.stop_signal is not None:
                     return None
-                x, y = self._eval_part(x, y)
-                nats += self._loss(x, y, reduction="sum").item()
+                x, y, *docs = self._eval_part(*batch)
+                nats += self._loss(x, y, "sum", *docs).item()
                 keep = y[y != IGNORE_INDEX]
                 ntok += keep.numel()
                 nbytes += int(self.token_bytes[keep].sum())
         finally:
             self.model.train()
         nats, ntok, nbytes = self._sum_eval(nats, ntok, nbytes)
+        if ntok == 0 and self.tc.sft_data is not None:
+            return None  # no validation conversation (val_percent 0 or too few rows): nothing to report
         if ntok == 0:
             raise ValueError("the validation split is empty")
         return {"val_loss": nats / ntok, "val_bpb": nats / math.log(2) / max(nbytes, 1),

@@ -84,6 +84,16 @@ def _git_commit() -> dict[str, Any]:
     return {"git_commit": commit, "git_dirty": dirty if commit else None}
 
 
+def _data_info(trainer) -> dict[str, Any]:
+    """What run.json says about the data: the corpus and its token streams, or the SFT counts."""
+    c = trainer.corpus
+    info = {"name": c.name, "fingerprint": c.fingerprint}
+    if hasattr(c, "counts"):  # SFT conversations (k3.data.sft.ChatData)
+        return {**info, **c.counts()}
+    return {**info, "train_tokens": len(trainer.train_tokens), "val_tokens": len(trainer.val_tokens),
+            "val_bytes": c.val_bytes}
+
+
 def write_run_info(trainer, resumed_from: int | None) -> None:
     """run.json: configs, corpus, code version and argv at the start; one entry per resume."""
     import json
@@ -98,9 +108,7 @@ def write_run_info(trainer, resumed_from: int | None) -> None:
             "torch": torch.__version__}
     if resumed_from is None:
         info = {"train_config": trainer.tc.to_dict(), "model_config": trainer.model_config.to_text_dict(),
-                "corpus": {"name": trainer.corpus.name, "fingerprint": trainer.corpus.fingerprint,
-                           "train_tokens": len(trainer.train_tokens), "val_tokens": len(trainer.val_tokens),
-                           "val_bytes": trainer.corpus.val_bytes},
+                "corpus": _data_info(trainer),
                 **code, "argv": sys.argv, "started": now}
     else:
         info.setdefault("resumes", []).append({"step": resumed_from, "time": now,
