@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _DELEGATED = [
     ("train", "k3.train.commands:train_main", "train a K3 model (k3 train --preset tiny --out runs/tiny)"),
+    ("sft", "k3.rl.sft:sft_main", "fine-tune on conversations / passing trajectories (k3 sft --from RUN --data F)"),
     ("sample", "k3.infer.run_model:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
     ("generate", "k3.infer.cli:generate_main", "continue a prompt, streaming (k3 generate CKPT --prompt ...)"),
     ("chat", "k3.infer.cli:chat_main", "chat with a model in the terminal (k3 chat CKPT --show-thinking)"),

@@ -44,7 +44,7 @@ from k3.data.packing import IGNORE_INDEX
 from k3.data.tokenizer import Tokenizer
 from k3.errors import ConfigError, K3Error
 
-__all__ = ["SFTError", "Conversation", "ChatData", "SFTBatches", "read_chat_rows", "jsonl_files",
+__all__ = ["SFTError", "Conversation", "ChatData", "SFTBatches", "read_chat_rows", "read_chat_file", "jsonl_files",
            "ROW_KEYS"]
 
 ROW_KEYS = {"messages", "tools", "reasoning_effort", "meta", "metadata", "parallel_tool_calls"}
@@ -79,21 +79,28 @@ def jsonl_files(path: str | os.PathLike) -> list[Path]:
     return [p]
 
 
-def read_chat_rows(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+def read_chat_rows(path: str | os.PathLike, include_failed: bool = False) -> Iterator[tuple[str, Any]]:
     """``(where, row)`` for every non-blank line of the JSONL files under ``path``; a line that is
-    not JSON yields an ``SFTError`` in place of the row (so ``skip_bad`` can count it)."""
+    not JSON yields an ``SFTError`` in place of the row (so ``skip_bad`` can count it).
+    ``include_failed`` is for readers that know trajectories (``k3.rl.sft``); plain chats have no
+    verdict."""
     for f in jsonl_files(path):
-        with open(f, encoding="utf-8", errors="strict") as fh:
-            try:
-                for n, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield f"{f}:{n}", json.loads(line)
-                    except ValueError as e:
-                        yield f"{f}:{n}", SFTError(f"{f}:{n}: not a JSON object ({e})")
-            except UnicodeDecodeError as e:
-                yield f"{f}", SFTError(f"{f}: not UTF-8 text ({e})")
+        yield from read_chat_file(f)
+
+
+def read_chat_file(f: Path) -> Iterator[tuple[str, Any]]:
+    """The rows of one chat JSONL file (see ``read_chat_rows``)."""
+    with open(f, encoding="utf-8", errors="strict") as fh:
+        try:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{f}:{n}", json.loads(line)
+                except ValueError as e:
+                    yield f"{f}:{n}", SFTError(f"{f}:{n}: not a JSON object ({e})")
+        except UnicodeDecodeError as e:
+            yield f"{f}", SFTError(f"{f}: not UTF-8 text ({e})")
 
 
 def _conversation(fmt: ChatFormat, where: str, row: Any) -> Conversation:
@@ -133,8 +140,8 @@ class ChatData:
     """
 
     def __init__(self, path: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, val_percent: int = 2,
-                 skip_bad: bool = False,
-                 read_rows: Callable[[str | os.PathLike], Iterable[tuple[str, Any]]] = read_chat_rows):
+                 skip_bad: bool = False, include_failed: bool = False,
+                 read_rows: Callable[..., Iterable[tuple[str, Any]]] = read_chat_rows):
         self.name = f"chat:{path}"
         self.path = str(path)
         self.tokenizer = tokenizer
@@ -145,7 +152,7 @@ class ChatData:
         train: list[Conversation] = []
         val: list[Conversation] = []
         h = hashlib.sha256()
-        for where, row in read_rows(path):
+        for where, row in read_rows(path, include_failed=include_failed):
             try:
                 conv = _conversation(fmt, where, row)
             except SFTError as e:

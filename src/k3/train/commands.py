@@ -68,6 +68,15 @@ _TRAIN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--device", "device", str, "cpu | cuda"),
     ("--plot", "plot", bool, "write loss.png at the end"),
 ]
+# fields of the model / corpus a fine-tuning run takes from its checkpoint (k3 sft has no such flag)
+_PRETRAIN_ONLY = {"preset", "model_config", "data", "attn_res", "hidden_act"}
+# k3 sft's own flags
+_SFT_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--from", "init_from", str, "run directory, checkpoint folder or model dir (with tokenizer.json) to start from"),
+    ("--data", "sft_data", str, "chat JSONL file or directory (conversations and k3 task trajectories)"),
+    ("--skip-bad", "skip_bad", bool, "count and report bad rows instead of stopping at the first"),
+    ("--include-failed", "include_failed", bool, "also train on trajectories whose verdict did not pass"),
+]
 
 
 def _run_guarded(cmd: str, fn: Callable[[], int]) -> int:
@@ -76,8 +85,14 @@ def _run_guarded(cmd: str, fn: Callable[[], int]) -> int:
 
 
 # ------------------------------------------------------------------------------------- train
-def build_train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3 train", description="Train a K3 model (SPEC §5).")
+def build_train_parser(sft: bool = False) -> argparse.ArgumentParser:
+    """``k3 train``'s flags; ``sft``: ``k3 sft``'s (the same trainer: --from and --data instead of
+    the model and corpus flags, one sequence length)."""
+    if sft:
+        p = argparse.ArgumentParser(prog="k3 sft", description="Supervised fine-tuning on conversations "
+                                    "(SPEC §10): the k3 train trainer, loss on the assistant's tokens only.")
+    else:
+        p = argparse.ArgumentParser(prog="k3 train", description="Train a K3 model (SPEC §5).")
     p.add_argument("--config", help="run.toml holding any of the options below (flags override it)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its checkpoint")
     p.add_argument("--overwrite", action="store_true",
@@ -85,9 +100,11 @@ def build_train_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, metavar="N",
                    help="launch N processes on this machine with torchrun (torch.distributed.run)")
     p.add_argument("--seq-len", type=int, help="one fixed sequence length (instead of --curriculum)")
-    p.add_argument("--curriculum", help="context-length stages START:SEQ_LEN,... (START a step, or a "
-                                        "fraction of the run when it has a dot), e.g. 0:256,0.4:512")
-    for flag, name, typ, hlp in _TRAIN_FLAGS:
+    if not sft:
+        p.add_argument("--curriculum", help="context-length stages START:SEQ_LEN,... (START a step, or a "
+                                            "fraction of the run when it has a dot), e.g. 0:256,0.4:512")
+    flags = [f for f in _TRAIN_FLAGS if f[1] not in _PRETRAIN_ONLY] + _SFT_FLAGS if sft else _TRAIN_FLAGS
+    for flag, name, typ, hlp in flags:
         if typ is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=hlp)
         else:
@@ -101,13 +118,14 @@ def train_config_from_args(args: argparse.Namespace):
     from k3.train.config import TrainConfig, load_toml, parse_curriculum
     from k3.train.state import find_checkpoint, load_trainer_state
 
-    flags = {name: getattr(args, name) for _, name, _, _ in _TRAIN_FLAGS}
-    if args.seq_len is not None and args.curriculum is not None:
+    flags = {name: getattr(args, name, None) for _, name, _, _ in _TRAIN_FLAGS + _SFT_FLAGS}
+    curriculum = getattr(args, "curriculum", None)
+    if args.seq_len is not None and curriculum is not None:
         raise ConfigError("pass either --seq-len or --curriculum, not both")
     if args.seq_len is not None:
         flags["curriculum"] = [[0, args.seq_len]]
-    elif args.curriculum is not None:
-        flags["curriculum"] = parse_curriculum(args.curriculum)
+    elif curriculum is not None:
+        flags["curriculum"] = parse_curriculum(curriculum)
     if not args.resume:
         tc = TrainConfig.build(args.config, flags)
         if flags.get("out") is None and "out" not in (load_toml(args.config) if args.config else {}):
@@ -132,7 +150,9 @@ def train_config_from_args(args: argparse.Namespace):
 
 def default_out(tc) -> str:
     """``runs/<name>`` of what is trained: the preset, or the model config's name (its folder's
-    name for a ``config.json`` or a checkpoint directory)."""
+    name for a ``config.json`` or a checkpoint directory); ``runs/<from>-sft`` for fine-tuning."""
+    if tc.init_from:
+        return f"runs/{Path(tc.init_from).resolve().name or 'model'}-sft"
     if not tc.model_config:
         return f"runs/{tc.preset}"
     p = Path(tc.model_config)
@@ -140,11 +160,19 @@ def default_out(tc) -> str:
     return f"runs/{name or 'model'}"
 
 
-def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = None) -> int:
-    """``k3 train``. ``trainer_hook(trainer)`` runs before training (tests attach callbacks)."""
-    args = build_train_parser().parse_args(argv)
+def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = None, *,
+               sft: bool = False, read_rows: Callable | None = None) -> int:
+    """``k3 train`` (``sft``: ``k3 sft``, reading rows with ``read_rows``). ``trainer_hook(trainer)``
+    runs before training (tests attach callbacks)."""
+    cmd = "sft" if sft else "train"
+    args = build_train_parser(sft).parse_args(argv)
+    args.read_rows = read_rows
+    if sft and not args.resume and not args.init_from:
+        return _run_guarded(cmd, _missing("--from CKPT (the checkpoint to fine-tune) is required"))
+    if sft and not args.resume and not args.sft_data:
+        return _run_guarded(cmd, _missing("--data FILE_OR_DIR (the conversations) is required"))
     if args.nproc is not None:
-        return _run_guarded("train", lambda: launch_torchrun(args.nproc, argv))
+        return _run_guarded(cmd, lambda: launch_torchrun(args.nproc, argv, cmd))
 
     def run() -> int:
         from contextlib import nullcontext
@@ -156,10 +184,17 @@ def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = No
         with RunLock(args.resume) if held else nullcontext():  # no one saves while we read
             return _train(args, trainer_hook)
 
-    return _run_guarded("train", run)
+    return _run_guarded(cmd, run)
 
 
-def launch_torchrun(nproc: int, argv: list[str] | None) -> int:
+def _missing(message: str) -> Callable[[], int]:
+    def fail() -> int:
+        from k3.errors import ConfigError
+        raise ConfigError(message)
+    return fail
+
+
+def launch_torchrun(nproc: int, argv: list[str] | None, command: str = "train") -> int:
     """``k3 train --nproc N ...``: run ``torchrun --standalone --nproc-per-node N -m k3 train ...``
     (a free rendezvous port on localhost) and return its exit status."""
     import os
@@ -179,7 +214,7 @@ def launch_torchrun(nproc: int, argv: list[str] | None) -> int:
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "k3", "train", *rest]
+           "-m", "k3", command, *rest]
     return subprocess.run(cmd, env=env).returncode
 
 
@@ -198,7 +233,8 @@ def _make_trainer(tc, args: argparse.Namespace):
         raise ConfigError(f"dp × ep = {(tc.dp or 1) * tc.ep} processes: launch with "
                           f"k3 train --nproc {(tc.dp or 1) * tc.ep} ... or torchrun")
     cls = DistTrainer if is_distributed_launch() or dcp else Trainer
-    return cls(tc, resume=bool(args.resume), overwrite=args.overwrite)
+    extra = {"read_rows": args.read_rows} if getattr(args, "read_rows", None) else {}
+    return cls(tc, resume=bool(args.resume), overwrite=args.overwrite, **extra)
 
 
 def _train(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
@@ -225,7 +261,7 @@ def _train_in_group(args: argparse.Namespace, trainer_hook: Callable | None) -> 
     if trainer_hook is not None:
         trainer_hook(trainer)
     if getattr(trainer, "layout", None) is None or trainer.layout.rank == 0:
-        print(f"{trainer.corpus.summary()}\nmodel: {tc.model_config or tc.preset}, "
+        print(f"{trainer.corpus.summary()}\nmodel: {tc.init_from or tc.model_config or tc.preset}, "
               f"{_param_count(trainer):,} parameters; run dir {tc.out}"
               + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
     try:

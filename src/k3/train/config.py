@@ -37,6 +37,7 @@ __all__ = ["TrainConfig", "InitDir", "init_model_dir", "PRESET_DEFAULTS", "load_
 OPTIMIZERS = ("per_head", "muon", "adamw")
 BALANCE_MODES = ("quantile", "sign", "off")
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes a uint64
+SFT_SEQ_LEN = 1024    # an SFT run's rows when no seq_len is given (an agent episode of a small task fits)
 
 # Per-preset defaults that are applied under a run.toml and flags (never over them).
 PRESET_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -60,6 +61,7 @@ class TrainConfig:
     init_from: str | None = None             # run dir, checkpoint folder or model dir with tokenizer.json
     sft_data: str | None = None              # chat JSONL file or directory (k3.data.sft): an SFT run
     skip_bad: bool = False                   # SFT: count and report bad rows instead of stopping
+    include_failed: bool = False             # SFT: also train on trajectories whose verdict did not pass
     out: str = "runs/tiny"
     # batch shape and length
     steps: int = 1000
@@ -125,7 +127,9 @@ class TrainConfig:
         layers.update({k: v for k, v in (overrides or {}).items() if v is not None})
         preset = layers.get("preset", cls.preset)
         defaults = PRESET_DEFAULTS.get(preset, {}) if isinstance(preset, str) else {}
-        merged = dict(defaults) if not layers.get("model_config") else {}
+        merged = dict(defaults) if not (layers.get("model_config") or layers.get("init_from")) else {}
+        if layers.get("sft_data") and not layers.get("curriculum"):
+            merged["curriculum"] = [[0, SFT_SEQ_LEN]]
         merged.update(layers)
         tc = cls.from_dict(merged, toml_path or "options")
         tc.validate()
@@ -188,7 +192,7 @@ class TrainConfig:
         from k3.threads import parse_threads
         if (threads := parse_threads(self.threads)) != "auto":
             check_int("threads", threads, lo=0, hi=max_threads())
-        for name in ("qat", "plot", "compile_attn_res", "skip_bad"):
+        for name in ("qat", "plot", "compile_attn_res", "skip_bad", "include_failed"):
             check_bool(name, getattr(self, name))
         check_bool("attn_res", self.attn_res, allow_none=True)
         for name in ("preset", "out"):
@@ -231,8 +235,9 @@ class TrainConfig:
                 raise ConfigError(f"model_overrides cannot be combined with init_from: the model "
                                   f"comes from the checkpoint {self.init_from}")
         if self.sft_data is None:
-            if self.skip_bad:
-                raise ConfigError("skip_bad applies to sft_data (an SFT run), which is not set")
+            for name in ("skip_bad", "include_failed"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name} applies to sft_data (an SFT run), which is not set")
             return
         if self.init_from is None:
             raise ConfigError("sft_data needs init_from: fine-tuning starts from a trained checkpoint "

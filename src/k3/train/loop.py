@@ -283,7 +283,8 @@ class Trainer:
         self.curriculum = tc.context_curriculum()
         self.schedule = tc.lr_schedule()
         self.corpus = ChatData(tc.sft_data, self.tokenizer, self.curriculum.max_seq_len, tc.val_percent,
-                               skip_bad=tc.skip_bad, read_rows=self.read_rows)
+                               skip_bad=tc.skip_bad, include_failed=tc.include_failed,
+                               read_rows=self.read_rows)
         if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
             raise CheckpointError(f"cannot resume {self.run_dir}: "
                                   + corpus_difference(saved.get("corpus_docs"), self.corpus))
