@@ -154,3 +154,34 @@ def test_trajectories_train_only_when_passed(tmp_path):
     assert [w for w, _ in got] == [str(passed)]
     got = list(SFTRows()(tmp_path, include_failed=True))
     assert [w for w, _ in got] == [str(failed), str(passed)]
+
+
+def test_every_trained_token_weighs_the_same_across_micro_batches(base):
+    """grad_accum 2 × batch 1 trains as batch 2: the loss is Σ CE over the step's labels ÷ their
+    count, not a mean of per-row means (rows of packed conversations carry different counts)."""
+    d, ckpt, data, _ = base
+    one = Trainer(Trainer_config(ckpt, data, d / "b2", steps=4, ns_dtype="fp32"))
+    x, y, _ = one.data.next_batch()
+    counts = (y != -100).sum(1).tolist()
+    assert counts[0] != counts[1]  # a mean of row means would weigh these rows' tokens differently
+    one.data.load_state_dict({**one.data.state_dict(), "epoch": 0, "row": 0, "batches": 0})
+    one.train()
+    two = Trainer(Trainer_config(ckpt, data, d / "b1x2", steps=4, batch_size=1, grad_accum=2, ns_dtype="fp32"))
+    two.train()
+    a, b = losses(d / "b2"), losses(d / "b1x2")
+    assert max(abs(p - q) / abs(p) for p, q in zip(a, b)) < 1e-5, (a, b)
+
+
+@pytest.mark.slow
+def test_sft_on_two_processes_equals_one(base):
+    import subprocess
+    import sys
+    d, ckpt, data, _ = base
+    same = ("--ckpt-interval", "0", "--ns-dtype", "fp32", "--balance", "sign")  # as tests/train/test_distributed.py
+    assert sft_main(argv(ckpt, data, d / "one", *same, steps=4)) == 0
+    r = subprocess.run([sys.executable, "-m", "k3", "sft", "--nproc", "2", "--dp", "2",
+                        *argv(ckpt, data, d / "two", *same, steps=4)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = losses(d / "one"), losses(d / "two")
+    assert len(b) == 4 and max(abs(p - q) / abs(p) for p, q in zip(a, b)) < 1e-4, (a, b)

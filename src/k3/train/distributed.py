@@ -219,8 +219,9 @@ class DistTrainer(Trainer):
     """The Trainer on a dp × ep mesh; same records, same checkpoints semantics (module docstring).
 
     Collective calls per step besides FSDP's all-gathers / reduce-scatters and the all-to-alls: one
-    all-reduce of the stop flag, one of the loss per micro-batch, one of the expert gradients over
-    dp (one flat buffer), one of the squared gradient norm, one of the router statistics.
+    all-reduce of the stop flag, one of the label count per step, one of the loss per micro-batch,
+    one of the expert gradients over dp (one flat buffer), one of the squared gradient norm, one of
+    the router statistics.
     """
 
     def __init__(self, tc, resume: bool = False, print_fn=print, tty: bool | None = None,
@@ -309,10 +310,14 @@ class DistTrainer(Trainer):
         self.last_saved_step = self.step
         return path
 
-    def _reduce_loss(self, value: float) -> float:
+    def _sum_over_ranks(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.layout.device)
         dist.all_reduce(t)
-        return float(t) / self.layout.world
+        return float(t)
+
+    def _grad_scale(self) -> float:
+        """FSDP and the expert sync average gradients over the W processes: scale by W."""
+        return float(self.layout.world)
 
     def _eval_part(self, x, y, *rest):
         """Rank's rows of a validation batch; a short last batch is padded to B rows (inputs 0,

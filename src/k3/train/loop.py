@@ -2,9 +2,9 @@
 
 Per optimizer step s (0-based; records and checkpoints count completed steps, s + 1)::
 
-    seq_len = curriculum(s); lr = WSD(s)
+    seq_len = curriculum(s); lr = WSD(s); N = labels (≠ IGNORE) in the step's micro-batches, all processes
     for each of grad_accum micro-batches:          (routing uses the bias from step s − 1)
-        loss = CE(model(x), y); (loss / grad_accum).backward(); collect router stats (+ MLA max logits)
+        loss = ΣCE(model(x), y) / N; loss.backward(); collect router stats (+ MLA max logits)
     g = clip_grad_norm_(params, grad_clip)
     if loss or g is not finite: skip the step (no update, reason logged); stop after max_skips in a row
     else: optimizer.step(); QK-Clip (if qk_clip); router biases ← balance(stats of step s)
@@ -208,9 +208,14 @@ class Trainer:
         self.optimizer.load_state_dict(
             torch.load(ckpt / "optimizer.pt", map_location=self.device, weights_only=True))
 
-    def _reduce_loss(self, value: float) -> float:
-        """The batch loss from this process's part (one process: itself)."""
+    def _sum_over_ranks(self, value: float) -> float:
+        """``value`` summed over the processes (one process: itself)."""
         return value
+
+    def _grad_scale(self) -> float:
+        """What each process's summed loss is multiplied by (before ÷ labels) so the reduced
+        gradient is the gradient of the step's loss (one process: 1)."""
+        return 1.0
 
     def _sync_grads(self) -> None:
         """Finish gradients after the micro-batches (one process: nothing to do)."""
@@ -356,21 +361,25 @@ class Trainer:
         t0 = time.perf_counter()
         loss_sum, reason = 0.0, None
         start = self.data.state_dict(), rng_state()
-        for micro in range(tc.grad_accum):
+        # every label of the step weighs the same, whichever micro-batch and process holds it (SFT
+        # rows carry different numbers of trained tokens): loss = Σ CE / (labels of the whole step)
+        micros = [self.data.next_batch(seq_len) for _ in range(tc.grad_accum)]
+        labels = self._sum_over_ranks(float(sum(int((b[1] != IGNORE_INDEX).sum()) for b in micros)))
+        scale = self._grad_scale() / max(labels, 1.0)
+        for micro, (x, y, *docs) in enumerate(micros):
             if self.stop_signal is not None:  # stop within one micro-batch: undo this step's part
                 self._abandon_step(*start)
                 return {"kind": "stopped", "step": self.step}
-            x, y, *docs = self.data.next_batch(seq_len)
-            loss = self._loss(x, y, "mean", *docs)
-            lv = self._reduce_loss(loss.item())
+            loss = self._loss(x, y, "sum", *docs)
+            lv = self._sum_over_ranks(loss.item())
             if not math.isfinite(lv):
                 reason = f"non-finite loss ({lv}) in micro-batch {micro}"
                 break
-            (loss / tc.grad_accum).backward()
+            (loss * scale).backward()
             self.balancer.collect()
             if self.qk_clip is not None:
                 self.qk_clip.collect()
-            loss_sum += lv
+            loss_sum += lv / max(labels, 1.0)
         grad_norm = float("nan")
         if reason is None:
             max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
@@ -402,7 +411,7 @@ class Trainer:
             self.metrics.log("threads", step=self.step, **decision)
         cv = stats["load_cv"]
         return self.metrics.log(
-            "train", step=self.step, loss=loss_sum / tc.grad_accum, lr=lr, seq_len=seq_len,
+            "train", step=self.step, loss=loss_sum, lr=lr, seq_len=seq_len,
             tokens=self.tokens_seen, tokens_per_s=tokens / dt, threads=threads, grad_norm=grad_norm,
             load_cv=sum(cv) / len(cv) if cv else None, load_cv_layers=cv,
             load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None, **clip,
