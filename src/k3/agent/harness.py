@@ -10,6 +10,8 @@ Budgets (``Budget``): ``steps`` = tool calls made (denied ones count); ``tokens`
 completion tokens the provider reports, summed over the episode; ``wall_seconds`` = the whole
 episode (shell timeouts are clamped to the time left; an episode past it ends with status
 ``wall_time_exceeded``, which the rollout scores 0); ``submissions`` = accepted submit calls.
+``answer`` (a task's answer file, k3.tasks.format) only changes the system prompt
+(``HarnessConfig.system_prompt``); submitting the final reply is the rollout's job.
 
 Compaction (``compact``; the strategy is a harness-randomization axis): the context estimate is
 ``ceil(chars / 4)`` over the messages. Over ``context_tokens``, tool outputs are dropped oldest
@@ -102,13 +104,14 @@ class Harness:
                  goal: str, submit: Callable[[], str], record: Callable[[str, dict], None] = lambda k, d: None,
                  allowed_tools: tuple[str, ...] = ("shell", "read", "write", "edit", "list", "submit"),
                  context_tokens: int = 16384, temperature: float = 0.0, effort: str | None = None,
-                 max_tokens: int | None = 1024, seed: int | None = None, clock: Callable[[], float] = time.monotonic):
+                 max_tokens: int | None = 1024, seed: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 answer: str | None = None):
         self.provider, self.tools, self.policy, self.cfg, self.budget = provider, toolbox, policy, cfg, budget
         self.goal, self.submit_fn, self.record = goal, submit, record
         self.allowed = tuple(allowed_tools)
         self.context_tokens, self.temperature, self.effort = context_tokens, temperature, effort
         self.max_tokens, self.seed, self.clock = max_tokens, seed, clock
-        self.system = cfg.system_prompt(toolbox.workdir, budget.submissions)
+        self.system = cfg.system_prompt(toolbox.workdir, budget.submissions, answer=answer, tools=self.allowed)
         self.schemas = tool_schemas(cfg, self.allowed)
         self.turns: list[AgentTurn] = []
         self.steps = self.tokens = self.submissions = 0

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from k3.errors import ConfigError
 
-__all__ = ["HarnessConfig", "TOOL_ALIASES", "ARG_ALIASES", "PROMPT_TEMPLATES", "CONTEXT_STRATEGIES"]
+__all__ = ["HarnessConfig", "TOOL_ALIASES", "ARG_ALIASES", "PROMPT_TEMPLATES", "ANSWER_PROMPTS", "ANSWER_NOTE",
+           "CONTEXT_STRATEGIES"]
 
 TOOL_ALIASES = {
     "shell": ["shell", "bash", "run_command", "terminal", "exec_shell"],
@@ -52,6 +53,15 @@ PROMPT_TEMPLATES = [
     "You are a careful engineer. Files live in {workdir}. Make the change the task asks for, verify it, "
     "and call {submit}; you have {submissions} submission(s). Grading is done by tests you cannot see.",
 ]
+# A task with ``answer`` and no tools (k3.tasks.format): the reply is the submission.
+ANSWER_PROMPTS = [
+    "Answer the task. Your final reply after your reasoning is the answer; a hidden verifier grades it.",
+    "Solve the task below. Reply with the answer only; it is graded by a hidden verifier.",
+    "Think it through, then reply with just the answer. A separate, hidden verifier grades it.",
+    "You are a careful solver. Give the final answer as your reply; tests you cannot see grade it.",
+]
+# ... and with tools: appended to the tool template.
+ANSWER_NOTE = "A reply without a tool call ends the task: it is saved as {answer} and submitted."
 CONTEXT_STRATEGIES = ["drop_old_tool_outputs", "truncate_tool_outputs", "sliding_window"]
 
 
@@ -112,6 +122,12 @@ class HarnessConfig:
         arg_back = {v: k for k, v in self.arg_names.items()}
         return back.get(name), {arg_back.get(k, k): v for k, v in args.items()}
 
-    def system_prompt(self, workdir: str, submissions: int) -> str:
-        return PROMPT_TEMPLATES[self.template].format(workdir=workdir, submit=self.tool_names["submit"],
+    def system_prompt(self, workdir: str, submissions: int, answer: str | None = None,
+                      tools: tuple[str, ...] | None = None) -> str:
+        """The system prompt of template ``self.template``. ``answer`` (a task's answer file) with no
+        ``tools`` allowed is the answer prompt; with tools, the tool prompt plus ``ANSWER_NOTE``."""
+        if answer is not None and tools is not None and not tools:
+            return ANSWER_PROMPTS[self.template]
+        text = PROMPT_TEMPLATES[self.template].format(workdir=workdir, submit=self.tool_names["submit"],
                                                       submissions=submissions)
+        return text if answer is None else text + "\n" + ANSWER_NOTE.format(answer=answer)

@@ -120,6 +120,11 @@ class ToolBox:
         self._write_file(args["path"], args["content"])
         return ToolResult("", "write", f"wrote {len(args['content'].encode())} bytes to {args['path']}")
 
+    def write_text(self, path: str, content: str) -> None:
+        """Write ``content`` to ``path`` (relative to the workdir), making parent directories;
+        raises SandboxError. What ``write`` does, for the harness's own writes."""
+        self._write_file(path, content)
+
     def _write_file(self, path: str, content: str) -> None:
         try:
             self.sb.write_file(path, content)

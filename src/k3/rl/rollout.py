@@ -4,7 +4,10 @@
 the harness loop with the task's budgets and policy, submissions collected as data at each
 ``submit``, then the clean-room verification of the submissions the scoring needs ("last": the
 last accepted one; "best": the accepted ones in order until one scores 1.0, the maximum). An episode past its wall-time budget
-is scored 0 without verification. ``rollout(job)`` is the same from a plain, picklable job dict
+is scored 0 without verification. A task with ``answer`` (k3.tasks.format): when the episode ends
+because the model replied without a tool call, that reply's visible content is written to
+/workspace/<answer> in the agent's sandbox and submitted there, as a ``submit`` call would be
+(the submission budget applies; the record says ``"source": "answer"``). ``rollout(job)`` is the same from a plain, picklable job dict
 (what workers receive); ``run_jobs(jobs, workers, use_ray)`` runs many: in this process for one
 worker, a process pool for several, or Ray tasks (``ray.init(num_cpus=workers)`` when Ray is not
 already connected; ``RAY_ADDRESS`` reaches a cluster), each running ``rollout`` unchanged.
@@ -71,20 +74,21 @@ def run_episode(task_dir, provider, writer: TrajectoryWriter, *, backend: str = 
         try:
             box = ToolBox(sb)
 
-            def submit() -> str:
+            def submit(source: str = "submit") -> str:
                 t1 = time.monotonic()
                 s = collect_submission(sb, task.submit)
                 timings["collect"] = timings.get("collect", 0.0) + time.monotonic() - t1
                 subs.append(s)
                 writer.write("submission", {"accepted": True, "index": len(subs) - 1, "manifest": s.manifest(),
-                                            "reason": None})
+                                            "reason": None, "source": source})
                 left = budget.submissions - len(subs)
                 return (f"submission {len(subs)} accepted ({len(s.files)} files; {left} left). "
                         "It is graded by the hidden verifier after the episode.")
 
             h = Harness(provider, box, policy, cfg, budget, task.goal, submit, writer.write,
                         allowed_tools=tuple(task.allowed_tools), context_tokens=context_tokens,
-                        temperature=temperature, effort=effort, max_tokens=max_tokens, seed=seed)
+                        temperature=temperature, effort=effort, max_tokens=max_tokens, seed=seed,
+                        answer=task.answer)
             writer.write("header", {"version": VERSION, "task": {"id": task.id, "path": str(task.root.resolve()),
                                                                   "sha256": digest},
                                     "backend": sandboxes.backend, "conditions": h.conditions(),
@@ -92,6 +96,8 @@ def run_episode(task_dir, provider, writer: TrajectoryWriter, *, backend: str = 
             t0 = time.monotonic()
             res = h.run()
             timings["agent"] = time.monotonic() - t0
+            if task.answer is not None:
+                _submit_answer(task, res, box, submit, len(subs), writer)
         finally:
             t0 = time.monotonic()
             sb.close()
@@ -111,6 +117,19 @@ def run_episode(task_dir, provider, writer: TrajectoryWriter, *, backend: str = 
     return {"task": task.id, "score": score, "status": res.status, "steps": res.steps, "tokens": res.tokens,
             "submissions": len(subs), "refused_submissions": refused, "timings": timings,
             "verdicts": [v.as_dict() for v in verdicts]}
+
+
+def _submit_answer(task, res, box: ToolBox, submit, used: int, writer: TrajectoryWriter) -> None:
+    """The final reply as the submission of ``task.answer`` (module doc); nothing when the episode
+    did not end with a reply without tool calls."""
+    if res.status != "completed" or not res.turns or res.turns[-1].tool_calls:
+        return
+    if used >= task.budget.submissions:
+        writer.write("submission", {"accepted": False, "reason": "submission budget exhausted",
+                                    "source": "answer"})
+        return
+    box.write_text(task.answer, res.turns[-1].visible)
+    submit("answer")
 
 
 def _score(task, status, subs, sandboxes, writer):

@@ -6,6 +6,12 @@ Layout and ``task.toml`` are specified in docs/AGENTS.md (the task format): ``ta
 ``hacks/*.json`` (Scripted transcripts with ``expect_reward``). Unknown keys anywhere in
 ``task.toml`` or a transcript are refused with an error naming the key; omitted tables take the
 defaults below; ``id``, ``kind`` and ``goal`` are required.
+
+``answer = "answer.txt"`` (optional) makes the reply itself a submission: when the episode ends
+because the model answered without calling a tool, that last visible content is written to
+``/workspace/answer.txt`` and submitted like a ``submit`` call (same budget, same clean-room
+verifier; ``k3.rl.rollout``). The value is a relative file path without ``..`` that one of the
+``submit`` globs selects. Only a task with ``answer`` may allow no tools (``[tools] allowed = []``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ KINDS = ("python", "shell", "data")
 TOOLS = ("shell", "read", "write", "edit", "list", "submit")
 MAX_SUBMIT_FILE = 1 << 20
 _ID = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
-_TOP = {"id", "kind", "goal", "submit", "budget", "scoring", "tools", "verifier"}
+_TOP = {"id", "kind", "goal", "submit", "answer", "budget", "scoring", "tools", "verifier"}
 _TABLES = {
     "budget": {"steps": 40, "tokens": 32000, "wall_seconds": 120, "submissions": 3},
     "scoring": {"use": "best"},
@@ -68,6 +74,7 @@ class Task:
     verifier_network: bool
     solution: Transcript | None = None
     hacks: list[Transcript] = field(default_factory=list)
+    answer: str | None = None  # the file the final reply is submitted as (module doc), or None
 
     @property
     def workspace(self) -> Path:
@@ -144,9 +151,13 @@ def load_task(root: str | Path, transcripts: bool = True) -> Task:
                         _num("budget", "submissions", b["submissions"], 1))
     if t["scoring"]["use"] not in ("best", "last"):
         raise ConfigError(f"{toml}: [scoring] use must be 'best' or 'last', got {t['scoring']['use']!r}")
+    answer = _answer(raw.get("answer"), submit, toml)
     allowed = t["tools"]["allowed"]
-    if not isinstance(allowed, list) or not allowed or any(a not in TOOLS for a in allowed):
-        raise ConfigError(f"{toml}: [tools] allowed must be a non-empty list of {TOOLS}, got {allowed!r}")
+    if not isinstance(allowed, list) or any(a not in TOOLS for a in allowed) or len(set(allowed)) != len(allowed):
+        raise ConfigError(f"{toml}: [tools] allowed must be a list of distinct tools of {TOOLS}, got {allowed!r}")
+    if not allowed and answer is None:
+        raise ConfigError(f"{toml}: [tools] allowed = [] needs 'answer' (without tools, only the reply "
+                          "can be submitted)")
     v = t["verifier"]
     if not isinstance(v["network"], bool):
         raise ConfigError(f"{toml}: [verifier] network must be true or false")
@@ -161,12 +172,29 @@ def load_task(root: str | Path, transcripts: bool = True) -> Task:
         raise ConfigError(f"{root / 'verifier' / 'vharness.py'}: provided by k3 at verification time; "
                           "remove the task's own copy")
     task = Task(root, raw["id"], raw["kind"], raw["goal"], list(submit), budget, t["scoring"]["use"],
-                list(allowed), _num("verifier", "timeout", v["timeout"], 1, integer=False), False)
+                list(allowed), _num("verifier", "timeout", v["timeout"], 1, integer=False), False,
+                answer=answer)
     if transcripts:
         sol = root / "solution" / "solve.json"
         task.solution = load_transcript(sol) if sol.is_file() else None
         task.hacks = [load_transcript(p) for p in sorted((root / "hacks").glob("*.json"))]
     return task
+
+
+def _answer(value, submit: list[str], toml: Path) -> str | None:
+    """The ``answer`` field checked (module doc): None, or a relative path a submit glob selects."""
+    if value is None:
+        return None
+    from k3.tasks.verify import glob_regex
+
+    parts = value.split("/") if isinstance(value, str) else []
+    if not parts or value.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in value:
+        raise ConfigError(f"{toml}: answer must be a relative file path without '..' (e.g. \"answer.txt\"), "
+                          f"got {value!r}")
+    if not any(glob_regex(g).match(value) for g in submit):
+        raise ConfigError(f"{toml}: answer {value!r} is not selected by any submit glob {submit} "
+                          "(the verifier would never see it)")
+    return value
 
 
 def load_transcript(path: str | Path) -> Transcript:
