@@ -1,0 +1,38 @@
+"""Procedurally generated task families (SPEC §7.2): seed -> task directory, with a scripted solver
+per reasoning effort, for SFT data a tiny model can learn from (short goals, few tools, small files).
+
+``FAMILIES``: name -> family object (``k3.tasks.families.base.Family``):
+
+- ``arith`` (domain general, no tools; the reply is the answer): add or subtract 2-4 digit numbers;
+- ``files`` (domain general_agent; shell, write, submit): count / find / extract in small files;
+- ``code`` (domain coding_agent; write, shell, submit): implement a small function in solution.py.
+
+``family.generate(seed, out_dir)`` writes ``out_dir/<family>-<seed>/`` deterministically;
+``family.solve(task_dir_or_spec, effort)`` gives the scripted solver's transcript turns. Seeds
+below ``HELDOUT_START`` are training seeds, the rest held out (``split_of``).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from k3.errors import ConfigError
+from k3.tasks.families.arith import Arith
+from k3.tasks.families.base import (DOMAINS, EFFORTS, HELDOUT_START, META_FILE, SPLITS, Family, check_seed,
+                                    read_meta, split_of)
+from k3.tasks.families.code import Code
+from k3.tasks.families.files import Files
+
+__all__ = ["FAMILIES", "get_family", "Family", "HELDOUT_START", "SPLITS", "DOMAINS", "EFFORTS", "META_FILE",
+           "split_of", "check_seed", "read_meta"]
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (Arith(), Files(), Code())}
+
+
+def get_family(name: str) -> Family:
+    """The family called ``name``; an unknown name is refused with the closest known one."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    close = difflib.get_close_matches(str(name), list(FAMILIES), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"unknown task family {name!r} (known: {', '.join(FAMILIES)}){hint}")
