@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from k3.agent.randomize import HarnessConfig
 from k3.errors import K3Error
 
-__all__ = ["ProviderReply", "ProviderRequest", "OpenAICompatible", "LocalEngine", "Scripted", "ProviderError"]
+__all__ = ["ProviderReply", "ProviderRequest", "OpenAICompatible", "LocalEngine", "Scripted", "ProviderError",
+           "render_prompt"]
 
 
 class ProviderError(K3Error):
@@ -105,6 +106,12 @@ class OpenAICompatible:
         self._client.close()
 
 
+def render_prompt(fmt, req: ProviderRequest) -> list[int]:
+    """The prompt ids ``LocalEngine`` generates from for ``req`` (``fmt``: a ``ChatFormat``): the
+    messages, tools and effort rendered with the generation prompt. SFT rows render the same."""
+    return fmt.render(req.messages, tools=req.tools or None, reasoning_effort=req.effort)
+
+
 class LocalEngine:
     """The in-process engine: render with ``ChatFormat``, generate, parse with its ``ChatParser``."""
 
@@ -132,7 +139,7 @@ class LocalEngine:
         from k3.data.chat import thinking_budget
         from k3.infer.sampling import SamplingParams
 
-        ids = self.fmt.render(req.messages, tools=req.tools or None, reasoning_effort=req.effort)
+        ids = render_prompt(self.fmt, req)
         room = self.engine.config.max_position_embeddings - len(ids)
         if room < 1:
             raise ProviderError(f"provider {self.id}: the prompt has {len(ids)} tokens, no room to answer")

@@ -17,6 +17,15 @@ One JSON object per line, each with ``"type"`` and ``"t"`` (seconds since the ro
 recorded conditions (harness config, budget, policy options and recorded approvals), then
 compares tool results, policy decisions, submissions, verdicts and the final score with the
 recording (timing fields excluded). ``ReplayReport.ok`` is True when all of them match.
+
+``to_chat(trajectory, meta)`` turns an episode into one SFT row (docs/AGENTS.md, "SFT rows"):
+``{"messages", "tools", "reasoning_effort"?, "meta"}``, exactly the conversation the model was
+sent: the recorded system prompt and goal, the tool schemas and effort as sent, then each
+assistant turn (``reasoning_content``, ``content``, ``tool_calls`` when it made calls, under the
+harness's model-side names) and its tool results. Rendered up to assistant turn k with the
+generation prompt, it gives the ids a ``LocalEngine`` rendered for request k. Refused when no
+single conversation is what the model saw: a provider switch (re-plan notes), harness memory (a
+note re-sent at the end of every request) or a compacted context.
 """
 
 from __future__ import annotations
@@ -26,10 +35,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3.agent.harness import estimate_tokens
 from k3.agent.providers import ProviderReply, ProviderRequest
+from k3.agent.randomize import HarnessConfig
+from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
 from k3.errors import K3Error
 
-__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "replay", "VERSION"]
+__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "replay", "to_chat", "VERSION"]
 
 VERSION = 1
 
@@ -177,3 +189,62 @@ def replay(path: str | Path, backend: str | None = None, task_dir: str | Path | 
     finally:
         writer.close()
     return compare(recs, writer.records)
+
+
+def _records(trajectory) -> list[dict]:
+    if isinstance(trajectory, (str, Path)):
+        return read_trajectory(trajectory)
+    recs = list(trajectory)
+    if not recs or not isinstance(recs[0], dict) or recs[0].get("type") != "header":
+        raise K3Error("a trajectory starts with a header record")
+    if recs[0].get("version") != VERSION:
+        raise K3Error(f"trajectory version {recs[0].get('version')!r}, this k3 reads {VERSION}")
+    return recs
+
+
+def episode_turns(recs: list[dict]) -> list[AgentTurn]:
+    """The harness's turns rebuilt from ``turn`` and ``tool`` records (calls as the harness ran
+    them: canonical names and arguments, each with its result)."""
+    turns = [AgentTurn(r["visible"], r.get("reasoning"), [], [], r["provider"], r.get("metadata", {}))
+             for r in recs if r["type"] == "turn"]
+    for r in recs:
+        if r["type"] == "tool":
+            t = turns[r["turn"]]
+            t.tool_calls.append(ToolCall(r["call_id"], r["name"], r["arguments"]))
+            t.tool_results.append(ToolResult(**r["result"]))
+    return turns
+
+
+def to_chat(trajectory, meta: dict | None = None) -> dict:
+    """One SFT row from a trajectory (a JSONL path or its parsed records); see the module doc.
+    ``meta`` is merged over the row's own ``{"task", "reward", "effort"}``."""
+    recs = _records(trajectory)
+    head, cond = recs[0], recs[0]["conditions"]
+    if any(r["type"] == "switch" for r in recs):
+        raise K3Error("to_chat: the episode switched providers; the later model saw re-plan notes, not one conversation")
+    cfg = HarnessConfig.from_dict(cond["harness"])
+    if cfg.memory:
+        raise K3Error("to_chat: harness memory was on (a note re-sent at the end of every request); "
+                      "synthesize with the canonical harness")
+    turns = episode_turns(recs)
+    providers = {t.provider for t in turns}
+    if len(providers) > 1:
+        raise K3Error(f"to_chat: turns of several providers {sorted(providers)}")
+    pid = providers.pop() if providers else cond["model"].get("id", "")
+    system, user = cond["prompt"]["system"], cond["prompt"]["user"]
+    for k in range(len(turns)):
+        sent = history_messages(system, user, turns[:k], pid, cfg.to_model)
+        if estimate_tokens(sent) > cond["context_tokens"]:
+            raise K3Error(f"to_chat: the harness compacted the context before turn {k} (over "
+                          f"{cond['context_tokens']} estimated tokens); the model saw shortened tool outputs")
+    messages = history_messages(system, user, turns, pid, cfg.to_model)
+    for m in messages:
+        if m["role"] == "assistant":
+            m.setdefault("reasoning_content", "")
+    ends = [r for r in recs if r["type"] == "end"]
+    row = {"messages": messages, "tools": list(cond["tools"])}
+    if cond.get("effort") is not None:
+        row["reasoning_effort"] = cond["effort"]
+    row["meta"] = {"task": head["task"]["id"], "reward": ends[-1]["score"] if ends else None,
+                   "effort": cond.get("effort"), **(meta or {})}
+    return row

@@ -1,0 +1,144 @@
+"""SFT rows from trajectories (k3.rl.trajectory.to_chat): the conversation the model was sent.
+
+For every assistant turn k of a synthesized episode, the row rendered up to turn k with the
+generation prompt is token for token the prompt ``LocalEngine`` renders for request k (the harness's
+request, recorded as it was sent), and the training rendering of the whole row starts with it,
+its loss mask starting at turn k's reasoning. Episodes with no single conversation are refused."""
+
+import json
+
+import pytest
+
+from k3.agent.providers import Scripted, render_prompt
+from k3.agent.randomize import HarnessConfig
+from k3.agent.tools import TOOL_SPECS
+from k3.data.chat import ChatFormat
+from k3.data.tokenizer import train_tokenizer
+from k3.errors import K3Error
+from k3.rl.rollout import run_episode
+from k3.rl.trajectory import TrajectoryWriter, to_chat
+from k3.tasks.families import EFFORTS, FAMILIES
+
+ROW_KEYS = {"messages", "tools", "reasoning_effort", "meta"}
+META_KEYS = {"family", "domain", "seed", "split", "task", "reward", "effort"}
+
+
+class Recording(Scripted):
+    """A Scripted provider that also keeps every request the harness sent it."""
+
+    def __init__(self, turns):
+        super().__init__(turns)
+        self.requests = []
+
+    def complete(self, req):
+        self.requests.append(req)
+        return super().complete(req)
+
+
+@pytest.fixture(scope="module")
+def fmt():
+    texts = [json.dumps(FAMILIES[n].solve(FAMILIES[n].spec(s), e)) for n in FAMILIES for s in range(6)
+             for e in EFFORTS]
+    texts += [json.dumps(TOOL_SPECS), "exit code 0\nsubmission accepted wrote bytes to answer.txt"]
+    return ChatFormat(train_tokenizer(texts * 3, vocab_size=700))
+
+
+def synthesized(tmp_path, sandboxes, name, effort, seed=0, **kw):
+    fam = FAMILIES[name]
+    d = fam.generate(seed, tmp_path)
+    p = Recording(fam.solve(d, effort))
+    out = tmp_path / f"{name}-{effort}.jsonl"
+    w = TrajectoryWriter(out)
+    s = run_episode(d, p, w, sandboxes=sandboxes, effort=effort, **kw)
+    w.close()
+    return s, w.records, p.requests, out
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("effort", EFFORTS)
+def test_each_prompt_of_the_row_is_the_prompt_the_local_engine_renders(tmp_path, sandboxes, fmt, name, effort):
+    s, recs, requests, out = synthesized(tmp_path, sandboxes, name, effort)
+    assert s["score"] == 1.0
+    fam = FAMILIES[name]
+    row = to_chat(recs, {"family": name, "domain": fam.domain, "seed": 0, "split": "train"})
+    assert to_chat(out, row["meta"]) == row  # from the file, the same row
+    assert set(row) == ROW_KEYS and set(row["meta"]) == META_KEYS
+    assert row["meta"] == {"family": name, "domain": fam.domain, "seed": 0, "split": "train",
+                           "task": f"{name}-0", "reward": 1.0, "effort": effort}
+    assert row["reasoning_effort"] == effort and json.loads(json.dumps(row)) == row
+    msgs = row["messages"]
+    starts = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    assert len(starts) == len(requests) == len([r for r in recs if r["type"] == "turn"])
+    ids, mask = fmt.render_for_training(msgs, tools=row["tools"], reasoning_effort=row["reasoning_effort"])
+    for k, (i, req) in enumerate(zip(starts, requests)):
+        engine_prompt = render_prompt(fmt, req)
+        row_prompt = fmt.render(msgs[:i], tools=row["tools"], reasoning_effort=row["reasoning_effort"])
+        assert row_prompt == engine_prompt, f"turn {k}"
+        assert req.messages == msgs[:i]
+        n = len(engine_prompt)
+        assert ids[:n] == engine_prompt and mask[n - 1] == 0 and mask[n] == 1  # loss from turn k's reasoning
+    assert sum(mask) > 0 and mask[-1] == 1 and ids[-1] == fmt.end_id
+    for m in msgs:
+        assert m["role"] in ("system", "user", "assistant", "tool")
+        if m["role"] == "assistant":
+            assert {"reasoning_content", "content"} <= set(m)
+            for c in m.get("tool_calls", []):
+                assert set(c) == {"id", "type", "function"} and isinstance(c["function"]["arguments"], str)
+
+
+def test_the_row_carries_the_tool_results_as_the_sandbox_gave_them(tmp_path, sandboxes):
+    s, recs, _, _ = synthesized(tmp_path, sandboxes, "files", "max")
+    row = to_chat(recs)
+    tool_msgs = [m["content"] for m in row["messages"] if m["role"] == "tool"]
+    assert tool_msgs == [r["result"]["output"] for r in recs if r["type"] == "tool"]
+    spec = FAMILIES["files"].spec(0)
+    assert tool_msgs[0] == f"exit code 0\n{spec['out']}\n"
+    assert row["meta"] == {"task": "files-0", "reward": 1.0, "effort": "max"}  # without meta: the row's own
+
+
+def test_an_answer_row_has_no_tools_and_ends_with_the_reply(tmp_path, sandboxes, fmt):
+    s, recs, requests, _ = synthesized(tmp_path, sandboxes, "arith", "high", seed=3)
+    row = to_chat(recs)
+    assert row["tools"] == [] and [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
+    assert row["messages"][-1]["content"] == str(FAMILIES["arith"].spec(3)["answer"])
+    assert fmt.render(row["messages"][:2], tools=row["tools"], reasoning_effort="high") == \
+        render_prompt(fmt, requests[0])
+
+
+def test_episodes_without_one_conversation_are_refused(tmp_path, sandboxes):
+    s, recs, _, _ = synthesized(tmp_path / "mem", sandboxes, "files", "high",
+                                harness=HarnessConfig(memory=True).as_dict())
+    with pytest.raises(K3Error, match="harness memory was on"):
+        to_chat(recs)
+    s, recs, _, _ = synthesized(tmp_path / "small", sandboxes, "files", "high", context_tokens=300)
+    with pytest.raises(K3Error, match="compacted the context before turn"):
+        to_chat(recs)
+    switched = recs[:1] + [{"type": "switch", "t": 0.0, "from": "a", "to": "b", "model": {}}] + recs[1:]
+    with pytest.raises(K3Error, match="switched providers"):
+        to_chat(switched)
+    with pytest.raises(K3Error, match="starts with a header"):
+        to_chat(recs[1:])
+    # the control: the same task, canonical harness and the default context, converts
+    s, recs, _, _ = synthesized(tmp_path / "ok", sandboxes, "files", "high")
+    assert to_chat(recs)["meta"]["reward"] == 1.0
+
+
+@pytest.mark.slow
+def test_the_local_engine_itself_renders_those_prompts(tmp_path, sandboxes, make_nano_checkpoint):
+    """The real LocalEngine (a nano model) reports as prompt tokens the length of each row prompt."""
+    from k3.agent.providers import LocalEngine, ProviderRequest
+    from k3.infer.engine import Engine
+
+    text = " ".join(json.dumps(FAMILIES[n].solve(FAMILIES[n].spec(s), "max")) for n in ("arith", "files")
+                    for s in range(4)) + json.dumps(TOOL_SPECS)
+    _, model, tok = make_nano_checkpoint(tmp_path / "nano", text)
+    fmt = ChatFormat(tok)
+    s, recs, requests, _ = synthesized(tmp_path, sandboxes, "files", "max")
+    row = to_chat(recs)
+    starts = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+    with Engine(model, tokenizer=tok) as eng:
+        p = LocalEngine(eng, name="nano")
+        for i, req in zip(starts, requests):
+            want = len(fmt.render(row["messages"][:i], tools=row["tools"], reasoning_effort="max"))
+            r = p.complete(ProviderRequest(req.messages, req.tools, req.cfg, max_tokens=1, effort=req.effort))
+            assert r.usage["prompt_tokens"] == want
