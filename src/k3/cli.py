@@ -88,7 +88,7 @@ _DELEGATED = [
     ("quantize", "k3.checkpoint.quantize:quantize_main", "write routed experts as packed MXFP4"),
     ("plan", "k3.train.plan:plan_main", "per-device memory and communication of a preset on a cluster"),
     ("env", "k3.env.cli:env_main", "sandboxes: k3 env create | exec | snapshot | fork | restore | ls | rm"),
-    ("task", "k3.rl.cli:task_main", "agent tasks: k3 task validate | run | suite | replay"),
+    ("task", "k3.rl.cli:task_main", "agent tasks: k3 task validate | run | suite | replay | gen | synth"),
 ]
 
 

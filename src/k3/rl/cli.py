@@ -11,6 +11,13 @@
 - ``suite DIR --workers N [--ray]``: every task; with ``scripted``, the solution and every hack,
   each checked against its ``expect_reward``; exit 1 on any mismatch.
 - ``replay TRAJ``: re-runs the episode and compares tool results and verdicts; exit 1 on a mismatch.
+- ``gen FAMILY --seeds A:B --out DIR``: writes the family's tasks DIR/<family>-<seed>/ for seeds
+  A..B-1 (``k3.tasks.families``); an existing non-empty task directory is refused unless
+  ``--overwrite`` (which replaces only generated tasks).
+- ``synth FAMILY --seeds A:B [--effort E ...|all] [--out FILE.jsonl] [--tasks-dir DIR]``: runs the
+  family's scripted solver on each task and effort through the real harness and sandbox and writes
+  one SFT row per passing episode (``k3.rl.synth``); failures are listed with their reasons and
+  make the exit code 1.
 """
 
 from __future__ import annotations
@@ -55,6 +62,21 @@ def _parser() -> argparse.ArgumentParser:
             r.add_argument("--workers", type=int, default=1)
             r.add_argument("--ray", action="store_true", help="run the rollouts as Ray tasks")
             r.add_argument("--json", action="store_true", help="print one JSON object per rollout")
+    g = sub.add_parser("gen", help="write task directories of a task family")
+    g.add_argument("family")
+    g.add_argument("--seeds", required=True, help="A:B = seeds A..B-1 (held out from 1000000 on), or one seed N")
+    g.add_argument("--out", required=True, help="folder for the task directories")
+    g.add_argument("--overwrite", action="store_true", help="replace existing generated tasks")
+    sy = sub.add_parser("synth", help="SFT rows from a task family's scripted solver in real sandboxes")
+    sy.add_argument("family")
+    sy.add_argument("--seeds", required=True, help="A:B = seeds A..B-1, or one seed N")
+    sy.add_argument("--effort", action="append", default=None,
+                    help="low | high | max | all (repeatable; default all)")
+    sy.add_argument("--out", default=None, help="the JSONL file (default sft/FAMILY-A-B.jsonl)")
+    sy.add_argument("--tasks-dir", default=None, help="keep the generated tasks here (default: a temporary folder)")
+    sy.add_argument("--backend", default="namespace", help="sandbox backend (namespace; local is refused)")
+    sy.add_argument("--workers", type=int, default=1)
+    sy.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     rp = sub.add_parser("replay", help="re-run a trajectory and compare")
     rp.add_argument("trajectory")
     rp.add_argument("--backend", default=None)
@@ -207,9 +229,40 @@ def cmd_replay(args) -> int:
     return 0 if rep.ok else 1
 
 
+def cmd_gen(args) -> int:
+    from k3.rl.synth import parse_seeds
+    from k3.tasks.families import get_family, split_of
+
+    fam, seeds = get_family(args.family), parse_seeds(args.seeds)
+    splits = {"train": 0, "heldout": 0}
+    for seed in seeds:  # every target checked before anything is written
+        fam.target(seed, args.out, overwrite=args.overwrite)
+    for seed in seeds:
+        fam.generate(seed, args.out, overwrite=args.overwrite)
+        splits[split_of(seed)] += 1
+    print(f"{fam.name}: wrote {len(seeds)} task(s) to {args.out} "
+          f"({splits['train']} train, {splits['heldout']} held out)")
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from k3.rl.synth import parse_efforts, parse_seeds, synthesize
+    from k3.tasks.families import get_family
+
+    fam, seeds, efforts = get_family(args.family), parse_seeds(args.seeds), parse_efforts(args.effort)
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    out = args.out or f"sft/{fam.name}-{seeds.start}-{seeds.stop}.jsonl"
+    rep = synthesize(fam.name, seeds, efforts, out, tasks_dir=args.tasks_dir, backend=args.backend,
+                     workers=args.workers, overwrite=args.overwrite, log=print)
+    print(f"synth: {rep.rows} row(s) from {rep.episodes} episode(s) -> {rep.out}; {len(rep.failed)} failed")
+    return 1 if rep.failed else 0
+
+
 def task_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"validate": cmd_validate, "run": cmd_run, "suite": cmd_suite, "replay": cmd_replay}[args.cmd](args)
+    return {"validate": cmd_validate, "run": cmd_run, "suite": cmd_suite, "replay": cmd_replay, "gen": cmd_gen,
+            "synth": cmd_synth}[args.cmd](args)
 
 
 if __name__ == "__main__":
