@@ -142,3 +142,12 @@ def test_the_local_engine_itself_renders_those_prompts(tmp_path, sandboxes, make
             want = len(fmt.render(row["messages"][:i], tools=row["tools"], reasoning_effort="max"))
             r = p.complete(ProviderRequest(req.messages, req.tools, req.cfg, max_tokens=1, effort=req.effort))
             assert r.usage["prompt_tokens"] == want
+
+
+def test_a_header_without_the_conditions_is_refused_naming_the_field():
+    end = {"type": "end", "t": 1.0, "score": 1.0}
+    with pytest.raises(K3Error, match="'conditions' is missing"):
+        to_chat([{"type": "header", "t": 0.0, "version": 1}, end])
+    with pytest.raises(K3Error, match="conditions.prompt must hold"):
+        to_chat([{"type": "header", "t": 0.0, "version": 1, "task": {"id": "x"},
+                  "conditions": {"model": {}, "harness": {}, "tools": [], "prompt": {}, "context_tokens": 1}}, end])

@@ -219,7 +219,7 @@ class Harness:
                                     meta={"denied_by": d.rule})
                 if name == "submit":
                     self.record("submission", {"turn": index, "call_id": call.id, "accepted": False,
-                                               "reason": d.reason})
+                                               "reason": d.reason, "source": "submit"})
             elif name == "submit":
                 self.submissions += 1
                 text = self.submit_fn()

@@ -202,6 +202,23 @@ def _records(trajectory) -> list[dict]:
     return recs
 
 
+def _conditions(head: dict) -> dict:
+    """The header's conditions, with every field ``to_chat`` reads present (else a K3Error naming it)."""
+    need = {"conditions": dict, "task": dict}
+    for k, t in need.items():
+        if not isinstance(head.get(k), t):
+            raise K3Error(f"trajectory header: {k!r} is missing (a header written by k3 task run has it)")
+    cond = head["conditions"]
+    for k in ("model", "harness", "tools", "prompt", "context_tokens"):
+        if k not in cond:
+            raise K3Error(f"trajectory header: conditions.{k} is missing")
+    if not isinstance(cond["prompt"], dict) or not {"system", "user"} <= set(cond["prompt"]):
+        raise K3Error("trajectory header: conditions.prompt must hold the system and user prompts as sent")
+    if "id" not in head["task"]:
+        raise K3Error("trajectory header: task.id is missing")
+    return cond
+
+
 def episode_turns(recs: list[dict]) -> list[AgentTurn]:
     """The harness's turns rebuilt from ``turn`` and ``tool`` records (calls as the harness ran
     them: canonical names and arguments, each with its result)."""
@@ -219,7 +236,8 @@ def to_chat(trajectory, meta: dict | None = None) -> dict:
     """One SFT row from a trajectory (a JSONL path or its parsed records); see the module doc.
     ``meta`` is merged over the row's own ``{"task", "reward", "effort"}``."""
     recs = _records(trajectory)
-    head, cond = recs[0], recs[0]["conditions"]
+    head = recs[0]
+    cond = _conditions(head)
     if any(r["type"] == "switch" for r in recs):
         raise K3Error("to_chat: the episode switched providers; the later model saw re-plan notes, not one conversation")
     cfg = HarnessConfig.from_dict(cond["harness"])
