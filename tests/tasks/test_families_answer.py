@@ -41,7 +41,8 @@ def test_the_reply_is_the_submission_and_the_verifier_judges_it(tmp_path, sandbo
     assert (s["score"], s["submissions"], s["steps"]) == (1.0, 1, 0)
     sub = [r for r in recs if r["type"] == "submission"]
     assert [(r["accepted"], r["source"]) for r in sub] == [(True, "answer")]
-    assert list(sub[0]["manifest"]["files"]) == ["answer.txt"] and sub[0]["manifest"]["files"]["answer.txt"]["bytes"] == 1
+    files = sub[0]["manifest"]["files"]
+    assert list(files) == ["answer.txt"] and files["answer.txt"]["bytes"] == 1
     head = recs[0]["conditions"]
     assert head["tools"] == [] and head["prompt"]["system"] == ANSWER_PROMPTS[0]
     # the positive control: a wrong reply, the same path, scores 0 with the verifier's reason

@@ -239,7 +239,8 @@ def to_chat(trajectory, meta: dict | None = None) -> dict:
     head = recs[0]
     cond = _conditions(head)
     if any(r["type"] == "switch" for r in recs):
-        raise K3Error("to_chat: the episode switched providers; the later model saw re-plan notes, not one conversation")
+        raise K3Error("to_chat: the episode switched providers; the later model saw re-plan notes, "
+                      "not one conversation")
     cfg = HarnessConfig.from_dict(cond["harness"])
     if cfg.memory:
         raise K3Error("to_chat: harness memory was on (a note re-sent at the end of every request); "

@@ -182,7 +182,8 @@ def check(ctx):
         raise vharness.Fail("the driver gave no result per case")
     for args, g, w in zip(CASES, got, WANT):
         if json.dumps(g) != json.dumps(["ok", w]):
-            raise vharness.Fail("%s(%s) gave %s, want %s" % (NAME, json.dumps(args)[1:-1], json.dumps(g), json.dumps(w)))
+            raise vharness.Fail("%s(%s) gave %s, want %s"
+                                % (NAME, json.dumps(args)[1:-1], json.dumps(g), json.dumps(w)))
     return 1.0, "all %d hidden cases pass" % len(CASES)
 
 
