@@ -102,6 +102,10 @@ def test_sft_qat_exports_to_mxfp4_with_the_same_logits(base):
     with torch.no_grad():
         a, b = model(ids).logits, packed(ids).logits
     assert torch.equal(a, b)
+    # the engine (what LocalEngine and k3 generate use) loads the run the same way
+    from k3.infer.engine import Engine
+    with Engine(d / "qat") as eng, torch.no_grad():
+        assert torch.equal(eng.model(ids).logits, a)
     # control: the same weights without fake quantization give other logits
     plain = from_pretrained(d / "qat" / "checkpoint" / "model", dtype=torch.float32).eval()
     with torch.no_grad():

@@ -46,10 +46,19 @@ __all__ = ["Engine"]
 
 
 def _load(path, dtype, device, tokenizer):
+    """A model directory (config.json), or a run directory / checkpoint folder loaded as
+    ``k3 sample`` and ``k3 serve`` load it (``load_run_model``: the verified checkpoint, QAT runs
+    with their fake-quantized experts), so every entry point gives one checkpoint the same numbers."""
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import Tokenizer
 
     path = Path(path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        from k3.infer.run_model import load_run_model
+        model, tok = load_run_model(path, str(device or "cpu"))
+        if dtype is not None and dtype != torch.float32:
+            model = model.to(dtype)
+        return model, tokenizer or tok
     model = from_pretrained(path, dtype=dtype or torch.float32, device=device)
     if tokenizer is None and (path / "tokenizer.json").is_file():
         tokenizer = Tokenizer.load(path / "tokenizer.json")
