@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo test install chromium sandbox-deps vm-deps cc bench clean
+.PHONY: demo agent-demo test install chromium sandbox-deps vm-deps cc bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ install: $(STAMP)
 
 demo: $(STAMP) cc
 	$(BIN)/k3 demo
+
+# After `make demo`: SFT of its model on the task families, held-out evaluation in real sandboxes
+# (docs/POSTTRAINING.md). Pretrains runs/demo first when it is missing.
+agent-demo: $(STAMP) cc sandbox-deps
+	$(BIN)/k3 agent-demo
 
 # The chat page test drives Debian's chromium headless; install it when missing (root, or sudo).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -45,7 +50,7 @@ vm-deps: $(STAMP)
 	$(BIN)/python -m k3.env.vm_image install
 
 test: $(STAMP) cc chromium sandbox-deps vm-deps
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: $(STAMP) cc
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done

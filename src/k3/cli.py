@@ -83,6 +83,7 @@ _DELEGATED = [
     ("serve", "k3.serve.cli:serve_main", "OpenAI-compatible HTTP server (k3 serve CKPT --port 8000)"),
     ("plot", "k3.train.commands:plot_main", "plot a run's losses and expert load (PNG)"),
     ("demo", "k3.train.commands:demo_main", "the main job: train tiny on the stdlib, report bits/byte, sample"),
+    ("agent-demo", "k3.rl.agent_demo:agent_demo_main", "SFT the demo model on task families, evaluate it on held-out tasks"),
     ("convert", "k3.checkpoint.tools:convert_main", "re-export a checkpoint in k3's layout"),
     ("inspect", "k3.checkpoint.tools:inspect_main", "summarise a checkpoint without materialising it"),
     ("quantize", "k3.checkpoint.quantize:quantize_main", "write routed experts as packed MXFP4"),

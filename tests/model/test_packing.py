@@ -12,7 +12,7 @@ import torch
 
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
-from k3.ops.segments import Segments
+from k3.ops.segments import GROUP_COST, MAX_GROUPS, Segments, length_groups
 
 ROWS = [[70, 1, 50, 39], [160], [3, 100, 57]]  # document lengths per packed row (T = 160)
 
@@ -114,13 +114,13 @@ def test_loss_never_predicts_across_documents():
 
 def test_segments_layout_and_bad_input():
     docs = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 5]])
-    s = Segments.of(docs)
-    assert (s.num_docs, s.max_len) == (4, 6)
+    s = Segments.of(docs, max_groups=1)
+    assert s.groups == ((4, 6),) and s.num_docs == 4
     assert s.lengths.tolist() == [2, 3, 1, 6]
     x = torch.arange(12.0).view(2, 6, 1)
-    d = s.to_docs(x)[..., 0]
-    assert d[0, :2].tolist() == [0, 1] and d[1, :3].tolist() == [2, 3, 4] and d[2, 0].item() == 5
-    assert d[0, 2:].eq(1).all() and d[2, 1:].eq(5).all()   # padding repeats the last token
+    d = s.to_docs(x)[0][..., 0]                 # sorted by length: docs of 1, 2, 3, 6 tokens
+    assert d[0, 0].item() == 5 and d[1, :2].tolist() == [0, 1] and d[2, :3].tolist() == [2, 3, 4]
+    assert d[0, 1:].eq(5).all() and d[1, 2:].eq(1).all()   # padding repeats the last token
     assert torch.equal(s.from_docs(s.to_docs(x)), x)
     assert Segments.of(torch.zeros(3, 4, dtype=torch.long)) is None  # one document per row
     model = _model()
@@ -130,3 +130,27 @@ def test_segments_layout_and_bad_input():
         model(torch.zeros(2, 6, dtype=torch.long), doc_ids=torch.zeros(2, 6))
     with pytest.raises(ValueError, match="cache"):
         model(torch.zeros(1, 6, dtype=torch.long), cache=model.new_cache(1), doc_ids=docs[:1])
+
+
+def test_length_groups_are_the_cheapest_partition():
+    """Against an exhaustive search over every way to cut the sorted lengths into runs."""
+    import itertools
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        lens = sorted(rng.randint(1, 1000) for _ in range(rng.randint(1, 9)))
+        cost = lambda ends: sum((e - s) * lens[e - 1] + GROUP_COST  # noqa: E731
+                                for s, e in zip([0, *ends[:-1]], ends))
+        best = min(cost([*c, len(lens)]) for k in range(0, min(MAX_GROUPS, len(lens)))
+                   for c in itertools.combinations(range(1, len(lens)), k))
+        assert cost(length_groups(lens)) == best
+
+
+def test_grouped_layout_pads_less_and_round_trips():
+    docs = torch.cat([torch.full((1, 900), 0), torch.arange(1, 2).repeat_interleave(124)[None]], 1)
+    short = torch.arange(8).repeat_interleave(128)[None]
+    ids = torch.cat([docs, short])
+    one, grouped = Segments.of(ids, max_groups=1), Segments.of(ids)
+    assert one.padded_tokens == 10 * 900 and grouped.padded_tokens < 3000
+    x = torch.randn(2, 1024, 3)
+    assert torch.equal(grouped.from_docs(grouped.to_docs(x)), x)

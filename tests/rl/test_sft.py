@@ -144,20 +144,36 @@ def test_cli_errors_are_one_line(base, capsys, args, match):
     assert match in err[-1]
 
 
-def test_trajectories_train_only_when_passed(tmp_path):
-    """A trajectory JSONL is read as the conversation its model saw; one that scored below 1.0 is
-    left out and reported (positive control: --include-failed keeps it)."""
-    from k3.rl.trajectory import to_chat  # noqa: F401 - the converter SFTRows uses
-    header = {"type": "header", "t": 0.0, "version": 1}
-    passed, failed = tmp_path / "pass.jsonl", tmp_path / "fail.jsonl"
-    for path, score in ((passed, 1.0), (failed, 0.0)):
-        path.write_text(json.dumps(header) + "\n" + json.dumps({"type": "end", "t": 1.0, "score": score}) + "\n")
+def test_trajectories_train_only_when_passed(tmp_path, sandboxes):
+    """Trajectories of real episodes (a family task, its scripted solution and its off-by-one hack,
+    through the harness and the clean-room verifier): the passing one becomes the conversation its
+    model saw; the failing one is left out and reported (positive control: --include-failed keeps it)."""
+    from k3.agent.providers import Scripted
+    from k3.rl.rollout import run_episode
+    from k3.rl.trajectory import TrajectoryWriter, read_trajectory, to_chat
+    from k3.tasks.families import get_family
+    from k3.tasks.format import load_transcript
+
+    fam = get_family("arith")
+    task = fam.generate(7, tmp_path / "tasks")
+    trajs = tmp_path / "trajs"
+    for name, turns in (("pass", fam.solve(task, "high")),
+                        ("fail", load_transcript(task / "hacks" / "off-by-one.json").turns)):
+        w = TrajectoryWriter(trajs / f"{name}.jsonl")
+        s = run_episode(task, Scripted(turns), w, effort="high", sandboxes=sandboxes)
+        w.close()
+        assert s["score"] == (1.0 if name == "pass" else 0.0)
     reader = SFTRows()
-    got = list(reader(tmp_path))
-    assert reader.failed == [str(failed)]
-    assert [w for w, _ in got] == [str(passed)]
-    got = list(SFTRows()(tmp_path, include_failed=True))
-    assert [w for w, _ in got] == [str(failed), str(passed)]
+    got = list(reader(trajs))
+    assert reader.failed == [str(trajs / "fail.jsonl")]
+    assert got == [(str(trajs / "pass.jsonl"), to_chat(read_trajectory(trajs / "pass.jsonl")))]
+    assert got[0][1]["messages"][-1]["content"] == str(read_json(task / "family.json")["spec"]["answer"])
+    assert [w for w, _ in SFTRows()(trajs, include_failed=True)] == [str(trajs / "fail.jsonl"),
+                                                                    str(trajs / "pass.jsonl")]
+
+
+def read_json(path):
+    return json.loads(path.read_text())
 
 
 def test_every_trained_token_weighs_the_same_across_micro_batches(base):

@@ -96,7 +96,7 @@ class DecoderLayer(nn.Module):
         """The token mixer (KDA or MLA) on x [B,T,H]; with ``segs`` each packed document alone."""
         if segs is None:
             return self.self_attn(x, state)
-        return segs.from_docs(self.self_attn(segs.to_docs(x), state))
+        return segs.from_docs([self.self_attn(part, state) for part in segs.to_docs(x)])
 
     def forward(self, h: torch.Tensor, state=None, segs: Segments | None = None) -> torch.Tensor:
         """Standard pre-norm residual layer: h [B,T,H] -> [B,T,H]."""

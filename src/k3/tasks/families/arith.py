@@ -1,13 +1,13 @@
-"""The ``arith`` family (domain ``general``, no tools): add or subtract two numbers of 2-4 digits.
+"""The ``arith`` family (domain ``general``, no tools): add or subtract two numbers of 2-3 digits.
 
-An instance is "What is 4821 + 397?" or a one-sentence word problem with the same numbers,
+An instance is "What is 482 + 39?" or a one-sentence word problem with the same numbers,
 ending "Reply with the number only.". The task allows no tools and sets ``answer = "answer.txt"``:
 the model's final reply is submitted as answer.txt, and the hidden verifier accepts exactly the
 number (whitespace stripped). Subtractions never go below zero.
 
 The scripted solver, one turn whose content is the number:
 
-- ``low``: the equation only ("4821 + 397 = 5218.");
+- ``low``: the equation only ("482 + 39 = 521.");
 - ``high``: column by column from the right in a fixed format: the digits of both numbers (the
   shorter padded with zeros), one line per column ``x+y+carry = v, write d, carry c`` (or
   ``x-y-borrow = v, [add 10,] write d, borrow b``), the written digits left to right, the result;
@@ -74,10 +74,10 @@ def columns(a: int, b: int, op: str) -> tuple[list[str], int]:
 class Arith(Family):
     name = "arith"
     domain = "general"
-    about = "add or subtract two numbers of 2-4 digits; the reply is the answer (no tools)"
+    about = "add or subtract two numbers of 2-3 digits; the reply is the answer (no tools)"
 
     def build(self, seed: int, rng: random.Random) -> TaskFiles:
-        da, db = rng.choice((2, 3, 4)), rng.choice((2, 3, 4))
+        da, db = rng.choice((2, 3)), rng.choice((2, 3))
         a, b = rng.randint(10 ** (da - 1), 10 ** da - 1), rng.randint(10 ** (db - 1), 10 ** db - 1)
         op = rng.choice("+-")
         if op == "-" and a < b:

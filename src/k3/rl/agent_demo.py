@@ -1,0 +1,243 @@
+"""``k3 agent-demo`` (``make agent-demo``): a pretrained tiny K3 becomes a (small) agent by SFT.
+
+1. **Base**: the ``make demo`` checkpoint (``--base``, default ``runs/demo``); when it is missing the
+   demo's pretraining runs first.
+2. **Data**: every family of ``k3.tasks.families`` (general: ``arith``; general agent: ``files``;
+   coding agent: ``code``) × low / high / max, on training seeds, through the family's scripted
+   solver in the real harness and sandboxes (``k3.rl.synth``): tool results are real, and only
+   episodes the hidden verifier passed become SFT conversations.
+3. **SFT**: ``k3 sft`` of the base on those conversations (the one Trainer; packed rows).
+4. **Held-out evaluation**: fresh seeds (``HELDOUT_START`` on), each family × effort, through the
+   real harness and sandboxes with the ``LocalEngine`` provider, greedy; the base checkpoint on
+   the same tasks at one effort as the control. Per cell: pass rate (score 1.0), and over every
+   assistant turn the share that is well formed (closed thinking, ended by ``<|im_end|>``, every
+   tool call a known tool with JSON-object arguments).
+
+The report (a table, ``OUT/report.json`` and one JSON line per cell appended to
+``benchmarks/results/agent_demo.jsonl``, each with the machine and date) gives the numbers the
+README and docs quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["agent_demo_main", "AgentDemo", "episode_stats"]
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@dataclass
+class AgentDemo:
+    base: Path
+    out: Path
+    train_seeds: dict[str, int]       # family -> training seeds 0..n-1
+    heldout: int                      # held-out tasks per family × effort
+    control: int                      # held-out tasks per family for the base checkpoint
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    workers: int
+    max_tokens: int
+    threads: int | str
+    results: Path | None = REPO / "benchmarks" / "results" / "agent_demo.jsonl"  # JSON lines appended
+
+    def run(self, log=print) -> dict:
+        from k3.tasks.families import FAMILIES
+
+        t_all = time.monotonic()
+        times: dict[str, float] = {}
+        self.out.mkdir(parents=True, exist_ok=True)
+        if not _has_checkpoint(self.base):
+            log(f"== no checkpoint in {self.base}: pretraining it first (k3 demo)")
+            t0 = time.monotonic()
+            from k3.train.commands import demo_main
+            if demo_main(["--out", str(self.base)]) != 0:
+                raise RuntimeError("the demo's pretraining failed")
+            times["pretrain_s"] = time.monotonic() - t0
+        log(f"== synthesizing SFT conversations ({', '.join(f'{f}: {n} seeds' for f, n in self.train_seeds.items())} × 3 efforts)")
+        t0 = time.monotonic()
+        data = self.out / "data"
+        from k3.rl.synth import synthesize
+        from k3.tasks.families import EFFORTS
+        for fam in FAMILIES:
+            rep = synthesize(fam, range(self.train_seeds[fam]), list(EFFORTS), data / f"{fam}.jsonl",
+                             workers=self.workers, overwrite=True)
+            log(f"   {fam}: {rep.rows} conversations from {rep.episodes} episodes ({len(rep.failed)} failed)")
+        times["synth_s"] = time.monotonic() - t0
+
+        log(f"== SFT: {self.steps} steps of {self.batch_size} × {self.seq_len} tokens from {self.base}")
+        t0 = time.monotonic()
+        from k3.rl.sft import SFTRows
+        from k3.train.config import TrainConfig
+        from k3.train.loop import Trainer
+        tc = TrainConfig.build(None, {
+            "init_from": str(self.base), "sft_data": str(data), "out": str(self.out / "sft"),
+            "steps": self.steps, "batch_size": self.batch_size, "curriculum": [[0, self.seq_len]],
+            "lr": self.lr, "warmup_frac": 0.05, "decay_frac": 0.5, "eval_interval": 0, "val_percent": 2,
+            "ckpt_interval": 0, "threads": self.threads, "log_interval": 20})
+        trainer = Trainer(tc, overwrite=True, read_rows=SFTRows())
+        log("   " + trainer.corpus.summary())
+        res = trainer.train()
+        times["sft_s"] = time.monotonic() - t0
+        log(f"   final val loss {res.val['val_loss']:.3f}" if res.val else "   (no validation split)")
+
+        log(f"== held-out evaluation: {self.heldout} tasks per family × effort, LocalEngine, greedy")
+        t0 = time.monotonic()
+        cells = self.evaluate(self.out / "sft", EFFORTS, self.heldout, "sft")
+        times["eval_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        cells += self.evaluate(self.base, ("max",), self.control, "base")
+        times["control_s"] = time.monotonic() - t0
+        times["total_s"] = time.monotonic() - t_all
+        report = {"cells": cells, "times": {k: round(v, 1) for k, v in times.items()},
+                  "sft": {"steps": self.steps, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                          "lr": self.lr, **trainer.corpus.counts(),
+                          "final_val_loss": res.val["val_loss"] if res.val else None},
+                  "machine": machine(), "date": time.strftime("%Y-%m-%d")}
+        (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        if self.results is not None:
+            _append_results(report, self.results)
+        log(format_table(report))
+        return report
+
+    def evaluate(self, ckpt: Path, efforts, n: int, model: str) -> list[dict]:
+        from k3.rl.rollout import run_jobs
+        from k3.tasks.families import FAMILIES, HELDOUT_START, get_family
+
+        tasks = self.out / "heldout"
+        jobs = []
+        for fam in FAMILIES:
+            f = get_family(fam)
+            for seed in range(HELDOUT_START, HELDOUT_START + n):
+                d = f.generate(seed, tasks, overwrite=True)
+                for e in efforts:
+                    jobs.append({"task": str(d), "provider": {"kind": "local", "ckpt": str(ckpt)}, "seed": None,
+                                 "backend": "namespace", "label": f"{fam}/{e}",
+                                 "out": str(self.out / "eval" / model / f"{d.name}.{e}.jsonl"),
+                                 "sampling": {"effort": e, "temperature": 0.0, "max_tokens": self.max_tokens}})
+        results = run_jobs(jobs, workers=self.workers)
+        cells = []
+        for fam in FAMILIES:
+            for e in efforts:
+                mine = [(j, r) for j, r in zip(jobs, results) if j["label"] == f"{fam}/{e}"]
+                stats = [episode_stats(j["out"]) for j, _ in mine]
+                turns = sum(s["turns"] for s in stats)
+                cells.append({"model": model, "family": fam, "domain": get_family(fam).domain, "effort": e,
+                              "tasks": len(mine), "passed": sum(r["score"] >= 1.0 for _, r in mine),
+                              "pass_rate": sum(r["score"] >= 1.0 for _, r in mine) / max(len(mine), 1),
+                              "turns": turns, "well_formed": sum(s["well_formed"] for s in stats),
+                              "well_formed_rate": sum(s["well_formed"] for s in stats) / max(turns, 1),
+                              "tool_calls": sum(s["tool_calls"] for s in stats),
+                              "errors": [r.get("detail") for _, r in mine if r["status"] == "error"][:3]})
+        return cells
+
+
+def episode_stats(trajectory: str | os.PathLike) -> dict:
+    """Per episode: assistant turns, the well-formed ones (finished by ``<|im_end|>`` after a closed
+    thinking section, every tool call a known tool with JSON-object arguments), tool calls made."""
+    from k3.rl.trajectory import read_trajectory
+
+    p = Path(trajectory)
+    if not p.is_file():
+        return {"turns": 0, "well_formed": 0, "tool_calls": 0}
+    recs = read_trajectory(p)
+    bad_calls: dict[int, int] = {}
+    for r in recs:
+        if r["type"] == "tool" and r["result"].get("meta", {}).get("bad_call"):
+            bad_calls[r["turn"]] = bad_calls.get(r["turn"], 0) + 1
+    turns = [r for r in recs if r["type"] == "turn"]
+    ok = sum(1 for t in turns if t["metadata"].get("finish_reason") in ("stop", "tool_calls")
+             and not bad_calls.get(t["index"]))
+    return {"turns": len(turns), "well_formed": ok, "tool_calls": sum(len(t["tool_calls"]) for t in turns)}
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'model':5} {'family':6} {'domain':13} {'effort':6} {'pass':>9} {'well-formed turns':>18}"]
+    for c in report["cells"]:
+        lines.append(f"{c['model']:5} {c['family']:6} {c['domain']:13} {c['effort']:6} "
+                     f"{c['passed']:>3}/{c['tasks']:<3} {100 * c['pass_rate']:3.0f}% "
+                     f"{c['well_formed']:>5}/{c['turns']:<5} {100 * c['well_formed_rate']:4.0f}%")
+    t = report["times"]
+    lines.append("times: " + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in t.items()))
+    return "\n".join(lines)
+
+
+def _has_checkpoint(path: Path) -> bool:
+    """A run with a checkpoint, a checkpoint folder or a model directory with its tokenizer."""
+    from k3.errors import ConfigError
+    from k3.train.config import init_model_dir
+    if not path.is_dir():
+        return False
+    try:
+        init_model_dir(str(path))
+    except ConfigError:
+        return False
+    return True
+
+
+def _append_results(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for c in report["cells"]:
+            f.write(json.dumps({"bench": "agent_demo", "config": f"{c['model']}/{c['family']}/{c['effort']}",
+                                "metric": "pass_rate", "value": c["pass_rate"], "baseline": None, "ratio": None,
+                                **{k: c[k] for k in ("tasks", "passed", "turns", "well_formed")},
+                                "times": report["times"], "machine": report["machine"],
+                                "date": report["date"]}) + "\n")
+
+
+def agent_demo_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3 agent-demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="runs/demo", help="pretrained run to start from (trained first if missing)")
+    p.add_argument("--out", default="runs/agent-demo")
+    p.add_argument("--arith-seeds", type=int, default=600)
+    p.add_argument("--files-seeds", type=int, default=100)
+    p.add_argument("--code-seeds", type=int, default=100)
+    p.add_argument("--heldout", type=int, default=20, help="held-out tasks per family × effort")
+    p.add_argument("--control", type=int, default=3, help="held-out tasks per family for the base model")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn")
+    p.add_argument("--threads", default="auto")
+    a = p.parse_args(argv)
+
+    def run() -> int:
+        from k3.errors import ConfigError
+        for name in ("arith_seeds", "files_seeds", "code_seeds", "steps", "batch_size", "seq_len", "workers",
+                     "max_tokens"):
+            if getattr(a, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+        for name in ("heldout", "control"):
+            if getattr(a, name) < 0:
+                raise ConfigError(f"--{name} must be >= 0, got {getattr(a, name)}")
+        threads = a.threads if a.threads == "auto" else int(a.threads)
+        AgentDemo(Path(a.base), Path(a.out), {"arith": a.arith_seeds, "files": a.files_seeds, "code": a.code_seeds},
+                  a.heldout, a.control, a.steps, a.batch_size, a.seq_len, a.lr, a.workers, a.max_tokens,
+                  threads).run()
+        return 0
+
+    from k3.cliutil import guarded
+    return guarded("agent-demo", run)
