@@ -29,7 +29,9 @@ def test_agent_demo_pipeline_end_to_end(tmp_path, make_nano_checkpoint, env_root
     st = episode_stats(one)
     recs = [json.loads(line) for line in one.read_text().splitlines()]
     assert st["turns"] == sum(r["type"] == "turn" for r in recs) >= 1
-    assert report["sft"]["train_conversations"] + report["sft"]["val_conversations"] == 12
+    sft = report["sft"]  # 12 conversations; the agent ones outgrow 1024 tokens of the toy byte-level vocabulary
+    assert sft["train_conversations"] + sft["val_conversations"] + sft["dropped"] == 12, json.dumps(sft)
+    assert sft["train_conversations"] >= 6 and sft["truncated"] >= sft["dropped"]
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(lines) == len(cells) and all(json.loads(x)["machine"] and json.loads(x)["date"] for x in lines)
 

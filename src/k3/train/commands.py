@@ -166,7 +166,7 @@ def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = No
     runs before training (tests attach callbacks)."""
     cmd = "sft" if sft else "train"
     args = build_train_parser(sft).parse_args(argv)
-    args.read_rows = read_rows
+    args.read_rows, args.command = read_rows, cmd
     if sft and not args.resume and not args.init_from:
         return _run_guarded(cmd, _missing("--from CKPT (the checkpoint to fine-tune) is required"))
     if sft and not args.resume and not args.sft_data:
@@ -267,7 +267,7 @@ def _train_in_group(args: argparse.Namespace, trainer_hook: Callable | None) -> 
     try:
         res = trainer.train()
     except TrainingDiverged as e:
-        print(f"k3 train: {e}", file=sys.stderr)
+        print(f"k3 {getattr(args, 'command', 'train')}: {e}", file=sys.stderr)
         return 1
     if res.status == "interrupted":
         from k3.cliutil import exit_quietly_on_signals

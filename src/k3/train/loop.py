@@ -149,8 +149,11 @@ class Trainer:
         torch.set_flush_denormal(True)
 
         ckpt, saved = self._checkpoint_to_resume(resume, overwrite)
-        self.init_dir = init_model_dir(tc.init_from) if tc.init_from else None
-        self.model_config = resolve_model_config(tc, self.init_dir)
+        self.init_dir = init_model_dir(tc.init_from) if tc.init_from and saved is None else None
+        if saved is not None and tc.init_from:  # resuming a fine-tuning run needs only its own checkpoint
+            self.model_config = K3Config.from_dict(saved["model_config"])
+        else:
+            self.model_config = resolve_model_config(tc, self.init_dir)
         if saved is not None:
             self._check_same_model(K3Config.from_dict(saved["model_config"]))
         torch.manual_seed(tc.seed)
