@@ -3,7 +3,7 @@ per reasoning effort, for SFT data a tiny model can learn from (short goals, few
 
 ``FAMILIES``: name -> family object (``k3.tasks.families.base.Family``):
 
-- ``arith`` (domain general, no tools; the reply is the answer): add or subtract 2-4 digit numbers;
+- ``arith`` (domain general, no tools; the reply is the answer): add or subtract 2-3 digit numbers;
 - ``files`` (domain general_agent; shell, write, submit): count / find / extract in small files;
 - ``code`` (domain coding_agent; write, shell, submit): implement a small function in solution.py.
 
