@@ -10,16 +10,17 @@ from k3.rl.sft import sft_main
 from k3.serve.launch import launch
 
 TEXT = "Hello! The user greets me, so I greet back. Hi there, nice to meet you. How are you today? "
+ANSWER = "Hi, nice to meet you."  # the same for every name: a fact the toy model learns for sure
 NAMES = ["Ann", "Bob", "Cy", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu"]
 
 
 def chat(name):
     return {"messages": [{"role": "user", "content": f"Hello! I am {name}."},
                          {"role": "assistant", "reasoning_content": "The user greets me, so I greet back.",
-                          "content": f"Hi {name}, nice to meet you."}]}
+                          "content": ANSWER}]}
 
 
-def ask(server, name="Eve"):
+def ask(server, name="Max"):  # a name the conversations never had
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     r = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=60, temperature=0,
                                        messages=[{"role": "user", "content": f"Hello! I am {name}."}])
@@ -39,8 +40,8 @@ def test_served_sft_model_closes_its_thinking_and_answers(tmp_path, make_nano_ch
         got = ask(server)
     assert got.finish_reason == "stop"
     assert got.message.model_extra["reasoning_content"] == "The user greets me, so I greet back."
-    assert got.message.content == "Hi Eve, nice to meet you."
+    assert got.message.content == ANSWER
     # control: the checkpoint it started from neither closes its thinking nor answers so
     with launch(ckpt, threads=1) as server:
         before = ask(server)
-    assert before.message.content != "Hi Eve, nice to meet you."
+    assert before.message.content != ANSWER
