@@ -366,7 +366,12 @@ class Trainer:
         start = self.data.state_dict(), rng_state()
         # every label of the step weighs the same, whichever micro-batch and process holds it (SFT
         # rows carry different numbers of trained tokens): loss = Σ CE / (labels of the whole step)
-        micros = [self.data.next_batch(seq_len) for _ in range(tc.grad_accum)]
+        micros = []
+        for _ in range(tc.grad_accum):
+            if self.stop_signal is not None:  # stop within one micro-batch, here too
+                self._abandon_step(*start)
+                return {"kind": "stopped", "step": self.step}
+            micros.append(self.data.next_batch(seq_len))
         labels = self._sum_over_ranks(float(sum(int((b[1] != IGNORE_INDEX).sum()) for b in micros)))
         scale = self._grad_scale() / max(labels, 1.0)
         for micro, (x, y, *docs) in enumerate(micros):
