@@ -212,3 +212,14 @@ def test_sft_on_two_processes_equals_one(base):
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = losses(d / "one"), losses(d / "two")
     assert len(b) == 4 and max(abs(p - q) / abs(p) for p, q in zip(a, b)) < 1e-4, (a, b)
+    # a distributed resume needs only the run's own checkpoint too
+    import shutil
+    moved = ckpt.with_name("nano-moved-dist")
+    shutil.move(ckpt, moved)
+    try:
+        r = subprocess.run([sys.executable, "-m", "k3", "sft", "--nproc", "2", "--resume", str(d / "two"),
+                            "--threads", "1"], capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.move(moved, ckpt)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(d / "two") == b

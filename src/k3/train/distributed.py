@@ -215,6 +215,18 @@ class _RankRows:
         self.batches.load_state_dict(state)
 
 
+def _layout_config(tc, resume: bool, resolve):
+    """The model config the mesh is laid out for: a resumed fine-tuning run's own (its ``init_from``
+    checkpoint may be gone), else ``resolve(tc)``."""
+    if resume and tc.init_from:
+        from k3.config import K3Config
+        from k3.train.state import find_checkpoint, load_trainer_state
+        ckpt = find_checkpoint(tc.out)
+        if ckpt is not None:
+            return K3Config.from_dict(load_trainer_state(ckpt)["model_config"])
+    return resolve(tc)
+
+
 class DistTrainer(Trainer):
     """The Trainer on a dp × ep mesh; same records, same checkpoints semantics (module docstring).
 
@@ -230,7 +242,7 @@ class DistTrainer(Trainer):
         from k3.train.runinfo import absolute_paths
 
         tc = absolute_paths(tc)
-        self.layout = init_distributed(tc, resolve_model_config(tc).num_experts)
+        self.layout = init_distributed(tc, _layout_config(tc, resume, resolve_model_config).num_experts)
         self.comm = CommStats()
         self._pending_signal: int | None = None
         rank0 = self.layout.rank == 0
