@@ -173,9 +173,11 @@ class Harness:
             if reply is None:
                 break
             self.tokens += reply.usage.get("prompt_tokens", 0) + reply.usage.get("completion_tokens", 0)
-            turn = AgentTurn(reply.visible, reply.reasoning, [], [], self.provider.id,
-                             {"usage": reply.usage, "finish_reason": reply.finish_reason,
-                              "elapsed": round(self.clock() - t1, 6)})
+            meta = {"usage": reply.usage, "finish_reason": reply.finish_reason,
+                    "elapsed": round(self.clock() - t1, 6)}
+            if reply.sample is not None:  # the sampled ids and their logprobs (RL's importance ratios)
+                meta["sample"] = reply.sample
+            turn = AgentTurn(reply.visible, reply.reasoning, [], [], self.provider.id, meta)
             self.turns.append(turn)
             index = len(self.turns) - 1
             self.record("turn", {"index": index, "provider": turn.provider, "visible": turn.visible,

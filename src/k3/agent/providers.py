@@ -47,6 +47,10 @@ class ProviderReply:
     tool_calls: list[dict]     # {"id", "name" (model-side), "arguments": dict | str (unparsed JSON)}
     usage: dict = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
     finish_reason: str | None = None
+    # what an in-process sampler knows (LocalEngine): {"prompt_ids", "token_ids", "logprobs" (log p of
+    # each sampled token under the raw logits of the weights that sampled it), "forced" (indices of
+    # tokens the engine put in itself: the thinking cap's </think>)}; None for remote providers
+    sample: dict | None = None
 
 
 def _calls_from_openai(raw: list | None) -> list[dict]:
@@ -143,10 +147,10 @@ class LocalEngine:
         room = self.engine.config.max_position_embeddings - len(ids)
         if room < 1:
             raise ProviderError(f"provider {self.id}: the prompt has {len(ids)} tokens, no room to answer")
+        cap = thinking_budget(req.effort)
         params = SamplingParams(max_tokens=min(req.max_tokens or room, room), temperature=req.temperature,
-                                seed=req.seed, stop_token_ids=(self.fmt.end_id,),
-                                max_thinking_tokens=thinking_budget(req.effort),
-                                think_end_id=self.fmt.think_end_id)
+                                seed=req.seed, stop_token_ids=(self.fmt.end_id,), max_thinking_tokens=cap,
+                                think_end_id=self.fmt.think_end_id, logprobs=0)
         done = self.engine.submit(ids, params).result()
         parser = self.fmt.parser()
         for t in done.token_ids:
@@ -154,9 +158,14 @@ class LocalEngine:
                 break
             parser.feed(t)
         res = parser.finish(done.finish_reason)
+        out = list(done.token_ids)
+        end = self.fmt.think_end_id
+        forced = [cap] if cap is not None and len(out) > cap and out[cap] == end and end not in out[:cap] else []
         return ProviderReply(res.content, res.reasoning, _calls_from_openai(res.tool_calls),
-                             {"prompt_tokens": len(ids), "completion_tokens": len(done.token_ids)},
-                             res.finish_reason)
+                             {"prompt_tokens": len(ids), "completion_tokens": len(out)},
+                             res.finish_reason,
+                             {"prompt_ids": list(ids), "token_ids": out, "logprobs": list(done.logprobs),
+                              "forced": forced})
 
     def close(self) -> None:
         self.engine.close()
