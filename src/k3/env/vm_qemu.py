@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import os
 import secrets
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3.env.guest import WINDOW
 from k3.env.sandbox import SandboxError
 from k3.env.vm_image import qemu_binary
 
@@ -201,6 +203,13 @@ class Channel:
             nums = [int(v) for v in head.split()[2:]]
             n_out, n_err = nums[5], nums[6]
             self.buf = rest
+            # the guest sends stdout, then stderr, in windows of WINDOW bytes and waits for an ack
+            # after each but the last (a console has no flow control of its own)
+            ends = list(itertools.accumulate(_windows(n_out) + _windows(n_err)))
+            for end in ends[:-1]:
+                while len(self.buf) < end:
+                    self._fill(deadline)
+                self.sock.sendall(b"K3A " + tag + b"\n")
             while len(self.buf) < n_out + n_err:
                 self._fill(deadline)
         except TimeoutError:
@@ -208,6 +217,11 @@ class Channel:
         out, err = self.buf[:n_out], self.buf[n_out:n_out + n_err]
         self.buf = self.buf[n_out + n_err:]
         return nums[:5], out, err
+
+
+def _windows(n: int) -> list[int]:
+    """The sizes of the windows the guest sends ``n`` bytes in."""
+    return [WINDOW] * (n // WINDOW) + ([n % WINDOW] if n % WINDOW else [])
 
 
 _CHILDREN: dict[int, subprocess.Popen] = {}   # QEMUs this process started (reaped on kill)

@@ -13,8 +13,13 @@ every process the agent starts costs tens of ms under TCG, so it starts few):
                    process), then n_stdin bytes of base64 stdin;  ``K3 <tag> ping\\n``
     guest -> host  ``K3R <tag> <rc> <timed_out> <oom_kills> <out_size> <err_size> <n_out> <n_err>\\n``
                    then n_out + n_err raw bytes (the first ``cap`` bytes of stdout, of stderr; the
-                   tty is raw, ``-opost``, so output passes unchanged);
-                   ``K3R <tag> pong\\n``
+                   tty is raw, ``-opost``, so output passes unchanged) in windows of ``WINDOW``
+                   bytes (stdout's, then stderr's);  ``K3R <tag> pong\\n``
+    host -> guest  ``K3A <tag>\\n`` once the host holds a whole window, for every window but the
+                   reply's last: the guest sends the next one only then. QEMU gives a console port
+                   no flow control and drops what its socket cannot take at once (a 1 MiB reply
+                   lost 34 KiB while the host was busy); a window is far below the socket's buffer.
+                   A request that arrives instead of an ack means the host gave the reply up.
 
 The guest reads a payload with ``dd iflag=fullblock`` (exactly n bytes; ``head -c`` reads ahead
 on a tty). A command runs in its own session (``setsid``); on timeout a watchdog kills that whole
@@ -22,7 +27,9 @@ process group. Lines that do not start with ``K3`` are ignored, so noise on the 
 echo before the agent set raw mode) cannot desynchronize it.
 """
 
-INIT = r"""#!/bin/busybox sh
+WINDOW = 1 << 16   # bytes of a reply in flight before the guest waits for the host's ack
+
+_INIT = r"""#!/bin/busybox sh
 /bin/busybox mkdir -p /proc /sys /dev /tmp /run /sbin /usr/bin /usr/sbin /workspace
 /bin/busybox mount -t proc proc /proc
 /bin/busybox --install -s /bin
@@ -72,17 +79,41 @@ k3_run() {
   [ $no -gt $cap ] && no=$cap
   [ $ne -gt $cap ] && ne=$cap
   printf 'K3R %s %s %s %s %s %s %s %s\n' $tag $rc $to $((n - o0)) $1 $2 $no $ne
-  [ $no -gt 0 ] && head -c $no $d/out
-  [ $ne -gt 0 ] && head -c $ne $d/err
+  total=$((no + ne)) sent=0
+  send $d/out $no && send $d/err $ne
 }
-while read -r magic tag op a1 a2 a3 a4; do
-  [ "$magic" = K3 ] || continue
-  case $op in
-    ping) printf 'K3R %s pong\n' $tag ;;
-    run) k3_run $tag $a1 $a2 $a3 $a4 ;;
+# send FILE N: its first N bytes, one window at a time; after every window but the reply's last,
+# wait for the host's ack (a console has no flow control: QEMU drops what the socket cannot take)
+send() {
+  left=$2 i=0
+  while [ $left -gt 0 ]; do
+    len=$left; [ $len -gt @WINDOW@ ] && len=@WINDOW@
+    dd if=$1 bs=@WINDOW@ skip=$i count=$len iflag=count_bytes 2> /dev/null
+    left=$((left - len)) i=$((i + 1)) sent=$((sent + len))
+    [ $sent -lt $total ] && { ack || return 1; }
+  done
+  return 0
+}
+# ack: read up to the host's "K3A <tag>"; a new request instead means the host gave this reply up:
+# keep that line for the main loop and stop sending
+ack() {
+  while IFS= read -r l; do
+    case $l in "K3A $tag") return 0 ;; "K3 "*) next=$l; return 1 ;; esac
+  done
+  return 1
+}
+set -f
+next=
+while if [ -n "$next" ]; then l=$next; next=; else IFS= read -r l; fi; do
+  set -- $l
+  [ "$1" = K3 ] || continue
+  case $3 in
+    ping) printf 'K3R %s pong\n' $2 ;;
+    run) k3_run $2 $4 $5 $6 $7 ;;
   esac
 done
 AGENT
 cd /workspace
 while :; do sh /run/k3/agent < /dev/hvc0 > /dev/hvc0 2> /dev/console; sleep 0.1; done
 """
+INIT = _INIT.replace("@WINDOW@", str(WINDOW))
