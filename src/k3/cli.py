@@ -1,5 +1,5 @@
 """The ``k3`` command: ``k3 params | train | sample | generate | chat | plot | convert | inspect |
-quantize | demo | plan | env | task``."""
+quantize | demo | plan | env | task | sft | rl``."""
 
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 _DELEGATED = [
     ("train", "k3.train.commands:train_main", "train a K3 model (k3 train --preset tiny --out runs/tiny)"),
     ("sft", "k3.rl.sft:sft_main", "fine-tune on conversations / passing trajectories (k3 sft --from RUN --data F)"),
+    ("rl", "k3.rl.rl_cli:rl_main", "RL from hidden verifiers on tasks (k3 rl --from RUN --tasks files:0:16)"),
     ("sample", "k3.infer.run_model:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
     ("generate", "k3.infer.cli:generate_main", "continue a prompt, streaming (k3 generate CKPT --prompt ...)"),
     ("chat", "k3.infer.cli:chat_main", "chat with a model in the terminal (k3 chat CKPT --show-thinking)"),

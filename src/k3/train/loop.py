@@ -101,13 +101,24 @@ class Trainer:
 
     ``on_step_start(trainer, step)`` callbacks run before each step's first forward (tests inject
     faults there); ``on_step_end(trainer, record)`` after the step and the bias update.
+
+    ``objective`` (post-training, e.g. ``k3.rl.grpo``) replaces what a step learns from, with the
+    rest of the trainer (optimizer, schedule, checkpoints, resume, signals) unchanged: it builds
+    the run's data (``build_data(trainer, ckpt, saved)`` sets ``tokenizer``, ``corpus`` with a
+    ``name``, ``fingerprint``, ``doc_digests()`` and ``counts()``, ``curriculum``, ``schedule``, ``token_bytes`` and
+    ``data``), says how many micro-batches the coming step has (``micro_batches(trainer)``) and
+    gives each micro-batch's loss summed over its trained tokens (``loss(trainer, *micro)``; a
+    micro-batch's second tensor holds the targets, ``IGNORE_INDEX`` where nothing is trained, so
+    every trained token of the step weighs the same). An objective's run has no validation loss.
     """
 
     def __init__(self, tc: TrainConfig, resume: bool = False, print_fn: Callable[[str], None] = print,
                  tty: bool | None = None, overwrite: bool = False,
-                 read_rows: Callable[[str], Iterable[tuple[str, Any]]] = read_chat_rows):
+                 read_rows: Callable[[str], Iterable[tuple[str, Any]]] = read_chat_rows,
+                 objective: Any = None):
         tc = absolute_paths(tc)
         self.tc, self.print = tc, print_fn
+        self.objective = objective
         self.read_rows = read_rows  # SFT rows from tc.sft_data (k3.rl.sft adds trajectories)
         self.run_dir = Path(tc.out)
         self.lock = self._open_run_dir(resume)  # held until train() returns (or close())
@@ -256,6 +267,8 @@ class Trainer:
 
     def _build_data(self, ckpt: Path | None, saved: dict | None) -> None:
         """Corpus, tokenizer (the checkpoint's when resuming), token streams, batches, schedules."""
+        if self.objective is not None:
+            return self.objective.build_data(self, ckpt, saved)
         if self.tc.sft_data is not None:
             return self._build_chat_data(ckpt, saved)
         tc = self.tc
@@ -367,7 +380,8 @@ class Trainer:
         # every label of the step weighs the same, whichever micro-batch and process holds it (SFT
         # rows carry different numbers of trained tokens): loss = Σ CE / (labels of the whole step)
         micros = []
-        for _ in range(tc.grad_accum):
+        n_micro = self.objective.micro_batches(self) if self.objective is not None else tc.grad_accum
+        for _ in range(n_micro):
             if self.stop_signal is not None:  # stop within one micro-batch, here too
                 self._abandon_step(*start)
                 return {"kind": "stopped", "step": self.step}
@@ -378,7 +392,8 @@ class Trainer:
             if self.stop_signal is not None:  # stop within one micro-batch: undo this step's part
                 self._abandon_step(*start)
                 return {"kind": "stopped", "step": self.step}
-            loss = self._loss(x, y, "sum", *docs)
+            loss = (self._loss(x, y, "sum", *docs) if self.objective is None
+                    else self.objective.loss(self, x, y, *docs))
             lv = self._sum_over_ranks(loss.item())
             if not math.isfinite(lv):
                 reason = f"non-finite loss ({lv}) in micro-batch {micro}"
@@ -395,7 +410,7 @@ class Trainer:
             grad_norm = self._clip_grad_norm(max_norm)
             if not math.isfinite(grad_norm):
                 reason = f"non-finite gradient norm ({grad_norm})"
-        tokens = tc.batch_size * seq_len * tc.grad_accum
+        tokens = tc.batch_size * seq_len * tc.grad_accum if self.objective is None else int(labels)
         self.step += 1
         self.tokens_seen += tokens
         if reason is not None:
@@ -442,7 +457,10 @@ class Trainer:
     def evaluate(self, max_batches: int = 0) -> dict[str, float] | None:
         """Validation loss (nats/token) and bits per byte over the first ``max_batches`` batches
         (0: the whole validation split), at the curriculum's longest sequence length; None when a
-        stop signal arrived meanwhile (checked per batch)."""
+        stop signal arrived meanwhile (checked per batch), or for an objective's run (nothing to
+        validate on: post-training is evaluated on held-out tasks)."""
+        if self.objective is not None:
+            return None
         self.model.eval()
         self.balancer.recording(False)
         if self.qk_clip is not None:

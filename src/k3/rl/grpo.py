@@ -1,0 +1,516 @@
+"""``k3 rl`` (SPEC §10): reinforcement learning from hidden verifiers on Autonomous Execution Tasks.
+
+The learner is the one Trainer (``k3.train.loop``) with ``GRPOObjective`` as its objective: the
+optimizer, lr schedule, checkpoints, bit-exact resume and signal handling are ``k3 train``'s.
+What a step learns from:
+
+1. **Rollouts.** The step's tasks are ``tasks_per_step`` consecutive entries of the task list
+   (wrapping). Each gets a group of ``group`` episodes sampled by the current weights: a copy of
+   the policy is loaded into an ``Engine`` and driven through ``LocalEngine`` and the real harness
+   and sandboxes (``k3.rl.rollout.run_episode``, the path ``k3 task run`` takes). Every episode has
+   its own seed (from the run seed, step, task slot and member), used for its sampling and, with
+   ``randomize``, for its harness randomization. A group has one effort (the efforts cycle).
+2. **Rewards** come only from the clean-room verifier (the episode's score). A verifier that
+   crashes scores 0 (``k3.tasks.verify``). An episode whose harness or sandbox failed is *lost*:
+   counted, left out of its group; a group with fewer than 2 episodes left is dropped and counted.
+3. **Advantages** are group-relative (``k3.ops.policy_loss.group_advantages``: reward minus the
+   group mean, ÷ std with ``scale_std``); a group whose rewards are all equal has advantage 0.
+4. **Tokens.** Each assistant turn is one sequence: the prompt the engine saw (``prompt_ids``)
+   followed by what it sampled (``token_ids``), as the engine recorded them. Loss falls only on
+   the sampled tokens, minus those the engine forced (the thinking cap's ``</think>``); system,
+   user and tool-result tokens are only ever in prompts, so they never carry loss.
+5. **Loss**: the token-level clipped surrogate against the sampler's recorded logprobs, with the
+   optional k3 KL penalty toward the frozen starting weights (``beta``); every trained token of
+   the step weighs the same (the Trainer divides the summed loss by the step's trained tokens).
+
+Sampling and training alternate (the rollouts of step s are sampled by exactly the weights step s
+starts from), so the importance ratio of a step's update is 1 up to float rounding; the
+``sampler_max_abs_diff`` of each step measures that rounding (recorded − recomputed logprob).
+
+Resume: the rollouts of step s are a function of the weights at step s and the seeds, so a run
+killed mid-step resumes from its last checkpoint and samples that step again, identically.
+The RL options live in the checkpoint (``data`` state), so ``k3 rl --resume DIR`` needs nothing
+else. Before the first step every hack transcript of every task is replayed through the same
+episode and verification path and must score at most its ``expect_reward`` (else the reward is
+forgeable and the run is refused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3.data.packing import IGNORE_INDEX
+from k3.errors import CheckpointError, ConfigError, K3Error
+from k3.ops.policy_loss import clipped_policy_loss, group_advantages
+
+__all__ = ["RLConfig", "GRPOObjective", "episode_sequences", "resolve_tasks", "FORMAT"]
+
+FORMAT = 1            # of the data state an RL checkpoint holds
+EFFORT_CHOICES = ("low", "high", "max")
+
+
+@dataclass
+class RLConfig:
+    """The options of one RL run (saved in every checkpoint of it)."""
+
+    tasks: list[str] = field(default_factory=list)   # task dirs / FAMILY:A:B; absolute dirs once resolved
+    group: int = 8                  # episodes per task and step (G)
+    tasks_per_step: int = 2
+    efforts: list[str | None] = field(default_factory=lambda: [None])  # cycled over the step's groups
+    temperature: float = 1.0
+    max_tokens: int = 256           # completion tokens per model call
+    context_tokens: int = 4096      # the harness's context budget
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    beta: float = 0.0               # KL penalty toward the starting weights (0: off)
+    scale_std: bool = False
+    micro_tokens: int = 8192        # padded tokens per micro-batch (memory bound of one forward)
+    randomize: bool = True          # harness randomization, seeded per episode
+    backend: str = "namespace"
+    seed: int = 0
+    keep_rollouts: bool = True      # write each episode's trajectory under OUT/rollouts/
+
+    def validate(self) -> "RLConfig":
+        if not self.tasks:
+            raise ConfigError("k3 rl: no tasks (--tasks DIR or FAMILY:A:B)")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 2:
+            raise ConfigError(f"--group must be an int >= 2 (advantages are relative to the group), got {self.group!r}")
+        for name in ("tasks_per_step", "max_tokens", "context_tokens", "micro_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
+        for e in self.efforts:
+            if e is not None and e not in EFFORT_CHOICES:
+                raise ConfigError(f"--effort must be one of {', '.join(EFFORT_CHOICES)} or all, got {e!r}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"--temperature must be > 0 (RL samples), got {self.temperature!r}")
+        for name in ("eps_low", "eps_high", "beta"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a number >= 0, got {v!r}")
+        if self.backend == "local":
+            raise ConfigError("--backend local does not isolate the agent; RL needs namespace or vm")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RLConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"RL options: unknown keys {unknown}")
+        return cls(**d).validate()
+
+
+def resolve_tasks(specs: list[str], out: Path) -> list[str]:
+    """Task directories (absolute, in the order given) from ``--tasks`` values."""
+    from k3.tasks.families import HELDOUT_START, get_family
+    from k3.tasks.format import find_tasks
+
+    found: list[str] = []
+    for spec in specs:
+        if os.path.exists(spec):
+            found += [str(p.resolve()) for p in find_tasks(spec)]
+            continue
+        parts = spec.split(":")
+        if len(parts) != 3:
+            raise ConfigError(f"--tasks {spec!r}: not a path, nor FAMILY:A:B")
+        fam = get_family(parts[0])
+        try:
+            a, b = int(parts[1]), int(parts[2])
+        except ValueError:
+            raise ConfigError(f"--tasks {spec!r}: A and B of FAMILY:A:B must be ints") from None
+        if not 0 <= a < b:
+            raise ConfigError(f"--tasks {spec!r}: the seed range A..B-1 is empty or negative")
+        if b > HELDOUT_START:
+            raise ConfigError(f"--tasks {spec!r}: seeds from {HELDOUT_START:,} on are held out for evaluation; "
+                              "RL trains on training seeds only")
+        for seed in range(a, b):
+            found.append(str(fam.generate(seed, out / "tasks", overwrite=True).resolve()))
+    if len(set(found)) != len(found):
+        raise ConfigError("--tasks names a task twice")
+    return found
+
+
+def episode_seed(seed: int, step: int, slot: int, member: int) -> int:
+    """The seed of one episode: a hash of (run seed, step, task slot, group member), 62 bits."""
+    h = hashlib.sha256(f"k3-rl:{seed}:{step}:{slot}:{member}".encode()).digest()
+    return int.from_bytes(h[:8], "little") >> 2
+
+
+def family_of(task_id: str) -> str:
+    """``files-1000003`` -> ``files``; a task without a numeric suffix is its own family."""
+    head, _, tail = task_id.rpartition("-")
+    return head if head and tail.isdigit() else task_id
+
+
+def episode_sequences(records: list[dict]) -> list[dict]:
+    """The trainable sequences of one trajectory: per assistant turn with a recorded sample,
+    ``ids`` (prompt + sampled tokens), ``start`` (index in ``ids`` of the first sampled token),
+    ``logprobs`` (the sampler's, one per sampled token) and ``train`` (0/1 per sampled token: 0 for
+    tokens the engine forced)."""
+    out = []
+    for r in records:
+        if r.get("type") != "turn":
+            continue
+        s = (r.get("metadata") or {}).get("sample")
+        if not s or not s.get("token_ids"):
+            continue
+        prompt, toks, lps = list(s["prompt_ids"]), list(s["token_ids"]), list(s["logprobs"])
+        if len(lps) != len(toks):
+            raise K3Error(f"turn {r.get('index')}: {len(toks)} sampled tokens but {len(lps)} logprobs")
+        forced = set(s.get("forced") or [])
+        out.append({"ids": prompt + toks, "start": len(prompt), "logprobs": lps,
+                    "train": [0 if i in forced else 1 for i in range(len(toks))]})
+    return out
+
+
+class TaskSet:
+    """What the run trains on, as the Trainer's ``corpus``: a fingerprint of the tasks' digests."""
+
+    def __init__(self, tasks: list[Path]):
+        from k3.tasks.format import load_task
+
+        self.tasks = [load_task(t, transcripts=True) for t in tasks]
+        self.digests = {t.id: t.digest() for t in self.tasks}
+        self.fingerprint = hashlib.sha256(json.dumps(self.digests, sort_keys=True).encode()).hexdigest()
+        fams: dict[str, int] = {}
+        for t in self.tasks:
+            fams[family_of(t.id)] = fams.get(family_of(t.id), 0) + 1
+        self.families = fams
+        self.name = "tasks: " + ", ".join(f"{f} ({n})" for f, n in sorted(fams.items()))
+
+    def counts(self) -> dict:
+        return {"tasks": len(self.tasks), "families": dict(self.families),
+                "hacks": sum(len(t.hacks) for t in self.tasks)}
+
+    def doc_digests(self) -> dict:
+        return dict(self.digests)
+
+
+class RolloutData:
+    """The Trainer's ``data`` for RL: the micro-batches of the coming step, sampled on demand."""
+
+    def __init__(self, objective: "GRPOObjective"):
+        self.obj = objective
+        self.step: int | None = None
+        self.micros: list[tuple[torch.Tensor, ...]] = []
+        self.next = 0
+
+    def state_dict(self) -> dict:
+        return {"format": FORMAT, "rl": self.obj.rl.to_dict()}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d.get("format") != FORMAT or "rl" not in d:
+            raise K3Error("the checkpoint is not one of a k3 rl run (its data state has no RL options)")
+        self.step, self.next = None, 0   # a step is sampled again from its weights after a resume
+
+    def prepare(self, trainer) -> int:
+        if self.step != trainer.step:
+            self.micros = self.obj.sample_step(trainer)
+            self.step = trainer.step
+        self.next = 0
+        return len(self.micros)
+
+    def next_batch(self, seq_len: int):
+        m = self.micros[self.next]
+        self.next += 1
+        return m
+
+
+class GRPOObjective:
+    """The Trainer objective of ``k3 rl`` (module doc)."""
+
+    def __init__(self, rl: RLConfig | None, log=print):
+        """``rl``: a fresh run's options (its ``tasks`` still as given on the command line); None
+        when resuming (the options come from the checkpoint)."""
+        self.rl, self.log = (rl.validate() if rl is not None else None), log
+        self.sandboxes = None
+        self.reference = None
+        self.step_stats: dict = {}
+        self.rollout_stats: dict = {}
+
+    # ------------------------------------------------------------------ Trainer protocol
+    def build_data(self, trainer, ckpt, saved) -> None:
+        from k3.data.chat import ChatFormat
+        from k3.data.tokenizer import Tokenizer
+        from k3.train.loop import token_byte_lengths
+
+        tc = trainer.tc
+        if saved is not None:
+            if not isinstance(saved.get("data"), dict) or "rl" not in saved["data"]:
+                raise CheckpointError(f"cannot resume {trainer.run_dir} with k3 rl: its checkpoint is not "
+                                      "of an RL run (resume it with the command that wrote it)")
+            self.rl = RLConfig.from_dict(saved["data"]["rl"])
+        elif self.rl is None:
+            raise ConfigError("k3 rl: a fresh run needs its RL options")
+        else:   # generated tasks go into the run dir, which the Trainer has claimed by now
+            self.rl.tasks = resolve_tasks(self.rl.tasks, trainer.run_dir)
+        tok_path = (ckpt / "tokenizer.json") if saved is not None else trainer.init_dir.tokenizer
+        trainer.tokenizer = Tokenizer.load(tok_path)
+        try:
+            self.fmt = ChatFormat(trainer.tokenizer)
+        except K3Error as e:
+            raise ConfigError(f"k3 rl: {tok_path}: {e}") from None
+        trainer.curriculum = tc.context_curriculum()
+        trainer.schedule = tc.lr_schedule()
+        trainer.corpus = TaskSet([Path(t) for t in self.rl.tasks])
+        if saved is not None and saved["corpus_fingerprint"] != trainer.corpus.fingerprint:
+            from k3.train.runinfo import corpus_difference
+            raise CheckpointError(f"cannot resume {trainer.run_dir}: "
+                                     + corpus_difference(saved.get("corpus_docs"), trainer.corpus))
+        trainer.token_bytes = token_byte_lengths(trainer.tokenizer)
+        trainer.data = RolloutData(self)
+        trainer.on_step_end.append(self._log_step)
+
+    def micro_batches(self, trainer) -> int:
+        return trainer.data.prepare(trainer)
+
+    def loss(self, trainer, x, y, old, adv) -> torch.Tensor:
+        """Σ over the micro-batch's trained tokens of the clipped surrogate (+ beta · k3 KL)."""
+        dev = trainer.device
+        x, y, old, adv = x.to(dev), y.to(dev), old.to(dev), adv.to(dev)
+        with torch.autocast(dev.type, dtype=trainer.autocast_dtype or torch.bfloat16,
+                            enabled=trainer.autocast_dtype is not None):
+            logits = trainer.model(x).logits
+        logp_all = torch.log_softmax(logits.float(), -1)
+        mask = y != IGNORE_INDEX
+        tgt = y.clamp_min(0).unsqueeze(-1)
+        logp = logp_all.gather(-1, tgt).squeeze(-1)
+        ref = None
+        if self.rl.beta > 0:
+            with torch.no_grad():
+                ref = torch.log_softmax(self._reference(trainer)(x).logits.float(), -1).gather(-1, tgt).squeeze(-1)
+        loss, st = clipped_policy_loss(logp, old, adv, mask.float(), self.rl.eps_low, self.rl.eps_high,
+                                       self.rl.beta, ref)
+        n = float(mask.sum())
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+            d = (old - logp)[mask]
+            acc = self.step_stats
+            acc["tokens"] = acc.get("tokens", 0.0) + n
+            for k in ("ratio", "clip_fraction", "kl"):
+                acc[k] = acc.get(k, 0.0) + st[k] * n
+            acc["entropy"] = acc.get("entropy", 0.0) + float(ent[mask].sum())
+            acc["sampler_kl"] = acc.get("sampler_kl", 0.0) + float((d.exp() - d - 1).sum())
+            acc["sampler_max_abs_diff"] = max(acc.get("sampler_max_abs_diff", 0.0),
+                                              float(d.abs().max()) if d.numel() else 0.0)
+        return loss * n
+
+    # ------------------------------------------------------------------------ rollouts
+    def _sandboxes(self):
+        if self.sandboxes is None:
+            from k3.tasks.verify import Sandboxes
+            self.sandboxes = Sandboxes(self.rl.backend)
+            if not self.sandboxes.isolating:
+                raise ConfigError(f"k3 rl: sandbox backend {self.rl.backend!r} does not isolate the agent")
+        return self.sandboxes
+
+    def _reference(self, trainer):
+        """The frozen starting weights (saved in the run dir at the first step, so a resumed run
+        needs no other folder)."""
+        if self.reference is None:
+            from k3.checkpoint import load_model_weights, save_model_weights
+            from k3.model.decoder import K3ForCausalLM
+
+            where = trainer.run_dir / "reference"
+            ref = K3ForCausalLM(trainer.model_config)
+            if (where / "model").exists():
+                load_model_weights(ref, where / "model")
+            elif trainer.step == 0:
+                ref.load_state_dict(trainer.model.state_dict())
+                save_model_weights(ref, where / "model")
+            else:
+                raise K3Error(f"{where}: the reference weights of this run are missing (needed for --beta > 0)")
+            self.reference = ref.to(trainer.device).eval().requires_grad_(False)
+        return self.reference
+
+    def close(self) -> None:
+        if self.sandboxes is not None:
+            self.sandboxes.close()
+            self.sandboxes = None
+
+    def check_hacks(self, trainer) -> dict:
+        """Replay every hack transcript of every task through the episode + verification path the
+        rollouts take; any that scores above its expect_reward refuses the run."""
+        from k3.agent.providers import Scripted
+        from k3.rl.rollout import run_episode
+        from k3.rl.trajectory import TrajectoryWriter
+
+        worst, n = 0.0, 0
+        for task in trainer.corpus.tasks:
+            for h in task.hacks:
+                w = TrajectoryWriter(None)
+                s = run_episode(task.root, Scripted(h.turns), w, sandboxes=self._sandboxes(),
+                                context_tokens=self.rl.context_tokens)
+                n += 1
+                worst = max(worst, s["score"])
+                if s["score"] > h.expect_reward:
+                    raise ConfigError(f"k3 rl: hack {h.path} scored {s['score']} (expected at most "
+                                      f"{h.expect_reward}): the reward of task {task.id} is forgeable; "
+                                      "fix its verifier before training on it")
+        rec = trainer.metrics.log("hacks", step=trainer.step, hacks=n, max_score=worst)
+        self.log(f"hack suite: {n} hack transcripts replayed through the RL verification path, max score {worst}")
+        return rec
+
+    def sample_step(self, trainer) -> list[tuple[torch.Tensor, ...]]:
+        """The rollouts of the coming step -> its micro-batches (x, y, old logprobs, advantages)."""
+        from k3.agent.providers import LocalEngine
+        from k3.infer.engine import Engine
+        from k3.model.decoder import K3ForCausalLM
+        from k3.rl.rollout import run_episode
+        from k3.rl.trajectory import TrajectoryWriter
+
+        rl, step = self.rl, trainer.step
+        t0 = time.perf_counter()
+        policy = K3ForCausalLM(trainer.model_config)
+        policy.load_state_dict(trainer.model.state_dict())
+        provider = LocalEngine(Engine(policy.to(trainer.device), tokenizer=trainer.tokenizer),
+                               name=f"policy-step{step}")
+        tasks = [trainer.corpus.tasks[(step * rl.tasks_per_step + j) % len(trainer.corpus.tasks)]
+                 for j in range(rl.tasks_per_step)]
+        episodes: list[dict] = []
+        try:
+            for slot, task in enumerate(tasks):
+                effort = rl.efforts[(step * rl.tasks_per_step + slot) % len(rl.efforts)]
+                for member in range(rl.group):
+                    seed = episode_seed(rl.seed, step, slot, member)
+                    path = (trainer.run_dir / "rollouts" / f"step-{step + 1:06d}" / f"{slot}-{task.id}-{member}.jsonl"
+                            if rl.keep_rollouts else None)
+                    w = TrajectoryWriter(path)
+                    ep = {"slot": slot, "task": task.id, "family": family_of(task.id), "effort": effort}
+                    try:
+                        s = run_episode(task.root, provider, w, sandboxes=self._sandboxes(),
+                                        harness=seed if rl.randomize else None, seed=seed,
+                                        temperature=rl.temperature, max_tokens=rl.max_tokens,
+                                        effort=effort, context_tokens=rl.context_tokens)
+                        ep.update(reward=float(s["score"]), status=s["status"], records=w.records)
+                    except Exception as e:  # noqa: BLE001 - a lost episode is counted, never fatal
+                        ep.update(reward=None, status="lost", detail=f"{type(e).__name__}: {e}", records=[])
+                        self.log(f"step {step + 1}: episode {slot}-{task.id}-{member} lost: {ep['detail']}")
+                    finally:
+                        w.close()
+                    episodes.append(ep)
+        finally:
+            provider.close()
+        t_sample = time.perf_counter() - t0
+        micros, stats = self._micro_batches(episodes)
+        stats["sample_s"] = t_sample
+        stats["sampled_tokens_per_s"] = stats["sampled_tokens"] / max(t_sample, 1e-9)
+        self.rollout_stats = stats
+        self.step_stats = {}
+        self._t_train = time.perf_counter()
+        return micros
+
+    def _micro_batches(self, episodes: list[dict]):
+        rl = self.rl
+        end_think = self.fmt.think_end_id
+        lost = [e for e in episodes if e["reward"] is None]
+        kept = [e for e in episodes if e["reward"] is not None]
+        by_slot: dict[int, list[dict]] = {}
+        for e in kept:
+            by_slot.setdefault(e["slot"], []).append(e)
+        dropped = [s for s, es in by_slot.items() if len(es) < 2]
+        train_eps = [e for e in kept if e["slot"] not in dropped]
+        degenerate = 0
+        if train_eps:
+            adv, degenerate = group_advantages(torch.tensor([e["reward"] for e in train_eps]),
+                                               torch.tensor([e["slot"] for e in train_eps]), rl.scale_std)
+            for e, a in zip(train_eps, adv.tolist()):
+                e["advantage"] = a
+        seqs, sampled, reasoning, calls, turns = [], 0, [], [], 0
+        for e in kept:
+            ts = [r for r in e["records"] if r.get("type") == "turn"]
+            turns += len(ts)
+            calls.append(sum(len(t.get("tool_calls") or []) for t in ts))
+            r_tok = 0
+            for t in ts:
+                toks = ((t.get("metadata") or {}).get("sample") or {}).get("token_ids") or []
+                sampled += len(toks)
+                r_tok += toks.index(end_think) if end_think in toks else len(toks)
+            reasoning.append(r_tok)
+            if "advantage" in e:
+                for sq in episode_sequences(e["records"]):
+                    seqs.append((sq, e["advantage"]))
+        micros = self._pack(seqs)
+        rewards = [e["reward"] for e in kept]
+        fam: dict[str, list[float]] = {}
+        for e in kept:
+            fam.setdefault(e["family"], []).append(e["reward"])
+        stats = {"episodes": len(episodes), "lost": len(lost), "groups_dropped": len(dropped),
+                 "groups_degenerate": degenerate,
+                 "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+                 "pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else None,
+                 "reward_by_family": {f: sum(v) / len(v) for f, v in sorted(fam.items())},
+                 "reasoning_tokens": sum(reasoning) / len(reasoning) if reasoning else None,
+                 "tool_calls": sum(calls) / len(calls) if calls else None,
+                 "turns": turns, "sampled_tokens": sampled, "sequences": len(seqs)}
+        return micros, stats
+
+    def _pack(self, seqs: list[tuple[dict, float]]) -> list[tuple[torch.Tensor, ...]]:
+        """Sequences (longest first) into micro-batches of at most ``micro_tokens`` padded tokens;
+        one empty micro-batch when nothing is trained this step (its loss is 0)."""
+        order = sorted(seqs, key=lambda s: -len(s[0]["ids"]))
+        groups: list[list[tuple[dict, float]]] = []
+        for sq in order:   # a micro-batch's first sequence is its longest: rows x that length
+            if groups and (len(groups[-1]) + 1) * (len(groups[-1][0][0]["ids"]) - 1) <= self.rl.micro_tokens:
+                groups[-1].append(sq)
+            else:
+                groups.append([sq])
+        if not groups:
+            z = torch.zeros(1, 1)
+            return [(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX), z, z)]
+        out = []
+        for g in groups:
+            T = len(g[0][0]["ids"]) - 1
+            x = torch.zeros(len(g), T, dtype=torch.long)
+            y = torch.full((len(g), T), IGNORE_INDEX, dtype=torch.long)
+            old = torch.zeros(len(g), T)
+            adv = torch.zeros(len(g), T)
+            for b, (sq, a) in enumerate(g):
+                ids, st = sq["ids"], sq["start"]
+                x[b, :len(ids) - 1] = torch.tensor(ids[:-1])
+                for m, (lp, tr) in enumerate(zip(sq["logprobs"], sq["train"])):
+                    k = st - 1 + m           # the position whose next token is sampled token m
+                    if tr:
+                        y[b, k] = ids[st + m]
+                        old[b, k] = lp
+                        adv[b, k] = a
+            out.append((x, y, old, adv))
+        return out
+
+    # ------------------------------------------------------------------------- logging
+    def _log_step(self, trainer, rec: dict) -> None:
+        if rec.get("kind") != "train":
+            return
+        acc, n = self.step_stats, max(self.step_stats.get("tokens", 0.0), 1.0)
+        t_train = time.perf_counter() - getattr(self, "_t_train", time.perf_counter())
+        rs = self.rollout_stats
+        row = {**rs, "trained_tokens": acc.get("tokens", 0.0),
+               "ratio": acc.get("ratio", 0.0) / n, "clip_fraction": acc.get("clip_fraction", 0.0) / n,
+               "kl_ref": acc.get("kl", 0.0) / n if self.rl.beta > 0 else None,
+               "sampler_kl": acc.get("sampler_kl", 0.0) / n, "entropy": acc.get("entropy", 0.0) / n,
+               "sampler_max_abs_diff": acc.get("sampler_max_abs_diff", 0.0),
+               "train_s": t_train, "trained_tokens_per_s": acc.get("tokens", 0.0) / max(t_train, 1e-9),
+               "loss": rec["loss"]}
+        trainer.metrics.log("rl", step=rec["step"], **row)
+        fam = "  ".join(f"{k} {v:.2f}" for k, v in rs.get("reward_by_family", {}).items())
+        trainer.print(f"step {rec['step']}: reward {_f(rs.get('reward_mean'))}  pass {_f(rs.get('pass_rate'))}  "
+                      f"[{fam}]  degenerate {rs.get('groups_degenerate')}/{self.rl.tasks_per_step}  "
+                      f"lost {rs.get('lost')}  clip {row['clip_fraction']:.3f}  entropy {row['entropy']:.3f}  "
+                      f"sampler diff {row['sampler_max_abs_diff']:.1e}")
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.3f}"

@@ -1,0 +1,157 @@
+"""``k3 rl --from CKPT --tasks DIR|FAMILY:A:B [...] --out DIR`` and ``k3 rl --resume DIR``.
+
+RL from hidden verifiers (``k3.rl.grpo``) on the one Trainer. ``--tasks`` is repeatable: a task
+directory, a folder of them, or ``FAMILY:A:B`` (training seeds A..B-1 of a task family, generated
+into ``OUT/tasks``; held-out seeds are refused: they are the evaluation's). Trainer flags (lr,
+optimizer, seed, threads, checkpoint interval, ...) are ``k3 train``'s; the lr is constant by
+default (no warmup or decay), and checkpoints are written every ``--ckpt-interval`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from k3.errors import CheckpointError, ConfigError
+
+__all__ = ["rl_main"]
+
+_TRAINER_FLAGS = ("steps", "optimizer", "ns_dtype", "lr", "weight_decay", "warmup_frac", "decay_frac",
+                  "min_lr_ratio", "grad_clip", "max_skips", "balance", "dtype", "ckpt_interval", "seed",
+                  "threads", "device", "plot", "out")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from k3.train.commands import _TRAIN_FLAGS
+
+    p = argparse.ArgumentParser(prog="k3 rl", description="RL from hidden verifiers on tasks (SPEC §10)")
+    p.add_argument("--from", dest="init_from", help="checkpoint (run dir, checkpoint or model dir) to start from")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the RL run in RUN_DIR from its checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run's checkpoint in --out")
+    p.add_argument("--tasks", action="append", default=None,
+                   help="task dir, folder of tasks, or FAMILY:A:B (training seeds A..B-1); repeatable")
+    p.add_argument("--group", type=int, default=8, help="episodes per task and step (>= 2)")
+    p.add_argument("--tasks-per-step", type=int, default=2)
+    p.add_argument("--effort", action="append", default=None, help="low | high | max | all (cycled per group)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=256, help="completion tokens per model call")
+    p.add_argument("--context-tokens", type=int, default=4096)
+    p.add_argument("--eps-low", type=float, default=0.2, help="clip range below 1")
+    p.add_argument("--eps-high", type=float, default=0.2, help="clip range above 1")
+    p.add_argument("--beta", type=float, default=0.0, help="k3 KL penalty toward the starting weights")
+    p.add_argument("--scale-std", action="store_true", help="divide advantages by the group's std")
+    p.add_argument("--micro-tokens", type=int, default=8192, help="padded tokens per micro-batch")
+    p.add_argument("--no-randomize", dest="randomize", action="store_false",
+                   help="the canonical harness for every episode (default: seeded randomization)")
+    p.add_argument("--backend", default="namespace", help="sandbox backend: namespace | vm")
+    p.add_argument("--no-rollouts", dest="keep_rollouts", action="store_false",
+                   help="do not keep each episode's trajectory under OUT/rollouts/")
+    flags = {name: (flag, typ, hlp) for flag, name, typ, hlp in _TRAIN_FLAGS}
+    for name in _TRAINER_FLAGS:
+        flag, typ, hlp = flags[name]
+        if typ is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=hlp)
+        else:
+            p.add_argument(flag, dest=name, type=typ, default=None, help=hlp)
+    p.add_argument("--nproc", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def _rl_config(args):
+    """The RL options of a fresh run; its tasks are resolved into the run dir once it is claimed."""
+    from k3.rl.grpo import RLConfig
+
+    efforts: list = [None]
+    if args.effort:
+        efforts = []
+        for e in args.effort:
+            efforts += ["low", "high", "max"] if e == "all" else [e]
+    return RLConfig(tasks=list(args.tasks), group=args.group, tasks_per_step=args.tasks_per_step,
+                    efforts=efforts, temperature=args.temperature, max_tokens=args.max_tokens,
+                    context_tokens=args.context_tokens, eps_low=args.eps_low, eps_high=args.eps_high,
+                    beta=args.beta, scale_std=args.scale_std, micro_tokens=args.micro_tokens,
+                    randomize=args.randomize, backend=args.backend, seed=args.seed or 0,
+                    keep_rollouts=args.keep_rollouts).validate()
+
+
+_RL_FLAGS = ("tasks", "effort", "beta", "scale_std", "micro_tokens", "randomize", "backend", "keep_rollouts",
+             "group", "tasks_per_step", "temperature", "max_tokens", "context_tokens", "eps_low", "eps_high")
+
+
+def _train_config(args):
+    from k3.train.config import TrainConfig
+    from k3.train.state import find_checkpoint, load_trainer_state
+
+    flags = {n: getattr(args, n) for n in _TRAINER_FLAGS if getattr(args, n) is not None}
+    if args.resume:
+        if args.overwrite:
+            raise ConfigError("--overwrite starts a fresh run; it cannot be combined with --resume")
+        if flags.get("out") not in (None, args.resume):
+            raise ConfigError("--resume continues a run in place; do not pass a different --out")
+        defaults = _parser().parse_args([])
+        changed = [n for n in _RL_FLAGS if getattr(args, n) != getattr(defaults, n)]
+        if args.init_from or changed:
+            raise ConfigError("--resume takes the run's options from its checkpoint; only trainer flags "
+                              f"(e.g. --steps) may change, got {', '.join(['from'] * bool(args.init_from) + changed)}")
+        ckpt = find_checkpoint(args.resume)
+        if ckpt is None:
+            raise CheckpointError(f"nothing to resume: {args.resume} holds no checkpoint")
+        base = load_trainer_state(ckpt)["train_config"]
+        base.update(flags)
+        base["out"] = args.resume
+        tc = TrainConfig.from_dict(base, "options")
+    else:
+        if not args.init_from:
+            raise ConfigError("--from CKPT (the checkpoint to start from) is required")
+        if not args.tasks:
+            raise ConfigError("--tasks DIR|FAMILY:A:B is required")
+        base = {"init_from": args.init_from, "out": f"runs/{Path(args.init_from).resolve().name}-rl",
+                "steps": 50, "lr": 3e-4, "warmup_frac": 0.0, "decay_frac": 0.0,
+                "eval_interval": 0, "ckpt_interval": 10, "log_interval": 1}
+        base.update(flags)
+        tc = TrainConfig.from_dict(base, "options")
+    tc.validate()
+    return tc
+
+
+def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
+    from k3.cliutil import guarded
+
+    args = _parser().parse_args(argv)
+
+    def run() -> int:
+        from k3.rl.grpo import GRPOObjective
+        from k3.train.distributed import is_distributed_launch
+        from k3.train.loop import Trainer, TrainingDiverged
+
+        if args.nproc is not None or is_distributed_launch():
+            raise ConfigError("k3 rl: the learner runs in one process in this version (--nproc / torchrun "
+                              "are refused, not ignored)")
+        tc = _train_config(args)
+        obj = GRPOObjective(None if args.resume else _rl_config(args))
+        trainer = Trainer(tc, resume=bool(args.resume), overwrite=args.overwrite, objective=obj)
+        try:
+            obj.log = trainer.print
+            if trainer_hook is not None:
+                trainer_hook(trainer)
+            trainer.print(f"k3 rl: {len(obj.rl.tasks)} tasks, groups of {obj.rl.group}, "
+                          f"{obj.rl.tasks_per_step} tasks per step; run dir {tc.out}"
+                          + (f"; resuming at step {trainer.step}" if args.resume else ""))
+            if not args.resume:
+                obj.check_hacks(trainer)
+            res = trainer.train()
+        except TrainingDiverged as e:
+            print(f"k3 rl: {e}", file=sys.stderr)
+            return 1
+        finally:
+            trainer.close()
+            obj.close()
+        if res.status == "interrupted":
+            from k3.cliutil import exit_quietly_on_signals
+            exit_quietly_on_signals()
+            return 128 + int(trainer.stop_signal)
+        return 0
+
+    return guarded("rl", run)
