@@ -52,7 +52,7 @@ from k3.data.packing import IGNORE_INDEX
 from k3.errors import CheckpointError, ConfigError, K3Error
 from k3.ops.policy_loss import clipped_policy_loss, group_advantages
 
-__all__ = ["RLConfig", "GRPOObjective", "episode_sequences", "resolve_tasks", "FORMAT"]
+__all__ = ["RLConfig", "GRPOObjective", "episode_sequences", "resolve_tasks", "replay_hacks", "FORMAT"]
 
 FORMAT = 1            # of the data state an RL checkpoint holds
 EFFORT_CHOICES = ("low", "high", "max")
@@ -174,6 +174,24 @@ def episode_sequences(records: list[dict]) -> list[dict]:
         out.append({"ids": prompt + toks, "start": len(prompt), "logprobs": lps,
                     "train": [0 if i in forced else 1 for i in range(len(toks))]})
     return out
+
+
+def replay_hacks(tasks, sandboxes, context_tokens: int = 4096, solutions: bool = False) -> list[tuple]:
+    """(task id, transcript path, score, expect_reward) of every hack transcript of ``tasks``
+    (loaded ``Task`` objects), each replayed by the Scripted provider through ``run_episode`` and
+    the clean-room verifier, as a rollout is; ``solutions``: the reference solutions instead (the
+    positive control: the same path gives their reward)."""
+    from k3.agent.providers import Scripted
+    from k3.rl.rollout import run_episode
+    from k3.rl.trajectory import TrajectoryWriter
+
+    rows = []
+    for task in tasks:
+        for h in ([task.solution] if solutions else task.hacks):
+            s = run_episode(task.root, Scripted(h.turns), TrajectoryWriter(None), sandboxes=sandboxes,
+                            context_tokens=context_tokens)
+            rows.append((task.id, str(h.path), float(s["score"]), float(h.expect_reward)))
+    return rows
 
 
 class TaskSet:
@@ -342,26 +360,17 @@ class GRPOObjective:
             self.sandboxes = None
 
     def check_hacks(self, trainer) -> dict:
-        """Replay every hack transcript of every task through the episode + verification path the
-        rollouts take; any that scores above its expect_reward refuses the run."""
-        from k3.agent.providers import Scripted
-        from k3.rl.rollout import run_episode
-        from k3.rl.trajectory import TrajectoryWriter
-
-        worst, n = 0.0, 0
-        for task in trainer.corpus.tasks:
-            for h in task.hacks:
-                w = TrajectoryWriter(None)
-                s = run_episode(task.root, Scripted(h.turns), w, sandboxes=self._sandboxes(),
-                                context_tokens=self.rl.context_tokens)
-                n += 1
-                worst = max(worst, s["score"])
-                if s["score"] > h.expect_reward:
-                    raise ConfigError(f"k3 rl: hack {h.path} scored {s['score']} (expected at most "
-                                      f"{h.expect_reward}): the reward of task {task.id} is forgeable; "
-                                      "fix its verifier before training on it")
-        rec = trainer.metrics.log("hacks", step=trainer.step, hacks=n, max_score=worst)
-        self.log(f"hack suite: {n} hack transcripts replayed through the RL verification path, max score {worst}")
+        """Every hack transcript of every task through the rollouts' episode + verification path
+        (``replay_hacks``); one that scores above its expect_reward refuses the run."""
+        rows = replay_hacks(trainer.corpus.tasks, self._sandboxes(), self.rl.context_tokens)
+        for task_id, path, score, expect in rows:
+            if score > expect:
+                raise ConfigError(f"k3 rl: hack {path} scored {score} (expected at most {expect}): the reward "
+                                  f"of task {task_id} is forgeable; fix its verifier before training on it")
+        worst = max((r[2] for r in rows), default=0.0)
+        rec = trainer.metrics.log("hacks", step=trainer.step, hacks=len(rows), max_score=worst)
+        self.log(f"hack suite: {len(rows)} hack transcripts replayed through the RL verification path, "
+                 f"max score {worst}")
         return rec
 
     def sample_step(self, trainer) -> list[tuple[torch.Tensor, ...]]:
@@ -371,6 +380,7 @@ class GRPOObjective:
         from k3.model.decoder import K3ForCausalLM
         from k3.rl.rollout import run_episode
         from k3.rl.trajectory import TrajectoryWriter
+        from k3.tasks.verify import verifier_failed
 
         rl, step = self.rl, trainer.step
         t0 = time.perf_counter()
@@ -395,7 +405,8 @@ class GRPOObjective:
                                         harness=seed if rl.randomize else None, seed=seed,
                                         temperature=rl.temperature, max_tokens=rl.max_tokens,
                                         effort=effort, context_tokens=rl.context_tokens)
-                        ep.update(reward=float(s["score"]), status=s["status"], records=w.records)
+                        ep.update(reward=float(s["score"]), status=s["status"], records=w.records,
+                                  verifier_failed=any(verifier_failed(v["reason"]) for v in s["verdicts"]))
                     except Exception as e:  # noqa: BLE001 - a lost episode is counted, never fatal
                         ep.update(reward=None, status="lost", detail=f"{type(e).__name__}: {e}", records=[])
                         self.log(f"step {step + 1}: episode {slot}-{task.id}-{member} lost: {ep['detail']}")
@@ -449,6 +460,7 @@ class GRPOObjective:
         for e in kept:
             fam.setdefault(e["family"], []).append(e["reward"])
         stats = {"episodes": len(episodes), "lost": len(lost), "groups_dropped": len(dropped),
+                 "verifier_failed": sum(bool(e.get("verifier_failed")) for e in kept),
                  "groups_degenerate": degenerate,
                  "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                  "pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else None,
@@ -508,7 +520,7 @@ class GRPOObjective:
         fam = "  ".join(f"{k} {v:.2f}" for k, v in rs.get("reward_by_family", {}).items())
         trainer.print(f"step {rec['step']}: reward {_f(rs.get('reward_mean'))}  pass {_f(rs.get('pass_rate'))}  "
                       f"[{fam}]  degenerate {rs.get('groups_degenerate')}/{self.rl.tasks_per_step}  "
-                      f"lost {rs.get('lost')}  clip {row['clip_fraction']:.3f}  entropy {row['entropy']:.3f}  "
+                      f"lost {rs.get('lost')}  verifier failed {rs.get('verifier_failed')}  clip {row['clip_fraction']:.3f}  entropy {row['entropy']:.3f}  "
                       f"sampler diff {row['sampler_max_abs_diff']:.1e}")
 
 

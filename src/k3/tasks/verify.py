@@ -42,7 +42,7 @@ from k3.tasks.vharness import LAYERS
 from k3.errors import ConfigError
 
 __all__ = ["Verdict", "Submission", "Sandboxes", "agent_sandbox", "collect_submission", "verify",
-           "glob_regex", "VERIFIER_ENV", "MAX_SUBMIT_FILE", "MAX_SUBMIT_FILES"]
+           "verifier_failed", "VERIFIER_FAILURES", "glob_regex", "VERIFIER_ENV", "MAX_SUBMIT_FILE", "MAX_SUBMIT_FILES"]
 
 VERIFIER_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp/home", "LANG": "C.UTF-8"}
 VHARNESS = Path(__file__).with_name("vharness.py")  # the verifier helper every task's verify.py imports
@@ -198,6 +198,16 @@ def _reward(d, line: str, keys: set) -> tuple[float, str]:
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0 or r != r:
         return 0.0, f"verifier's reward {r!r} is not a number in [0, 1]"
     return float(r), str(d.get("reason", ""))[:500]
+
+
+# How the reasons of a verdict begin when the verifier did not judge the submission (it crashed, was
+# killed, timed out or gave no verdict): the reward is 0 and RL counts these episodes apart.
+VERIFIER_FAILURES = ("verifier timed out", "verifier exited", "verifier was killed", "verifier printed nothing",
+                     "no verdict on the verdict channel", "verification failed")
+
+
+def verifier_failed(reason: str) -> bool:
+    return reason.startswith(VERIFIER_FAILURES)
 
 
 def channel_verdict(channel: bytes | None, nonce: str, exit_code, timed_out: bool,

@@ -119,7 +119,8 @@ class Progress:
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Write a PNG: train/val loss, val bits per byte, expert-load CV against step."""
+    """Write a PNG: train/val loss, val bits per byte (an RL run: its reward curve), expert-load CV
+    against step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -138,9 +139,16 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     ax.legend()
     ax = axes[1]
-    if val:
-        ax.plot([r["step"] for r in val], [r["val_bpb"] for r in val], "o-", color="C1")
-    ax.set(xlabel="step", ylabel="bits per byte", title="validation bits per byte")
+    rl = [r for r in recs if r.get("kind") == "rl" and r.get("reward_mean") is not None]
+    if rl:  # an RL run (k3 rl): the reward curve instead of validation
+        ax.plot([r["step"] for r in rl], [r["reward_mean"] for r in rl], "o-", ms=3, label="mean reward")
+        ax.plot([r["step"] for r in rl], [r["pass_rate"] for r in rl], "s--", ms=3, label="pass rate")
+        ax.set(xlabel="step", ylabel="reward", title="rollout reward (hidden verifier)", ylim=(-0.05, 1.05))
+        ax.legend()
+    else:
+        if val:
+            ax.plot([r["step"] for r in val], [r["val_bpb"] for r in val], "o-", color="C1")
+        ax.set(xlabel="step", ylabel="bits per byte", title="validation bits per byte")
     ax = axes[2]
     cv = [r for r in train if r.get("load_cv_layers")]
     if cv:
