@@ -78,3 +78,42 @@ def write_transcript(path: Path, turns: list, expect: float = 1.0, description: 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"description": description, "expect_reward": expect, "turns": turns}))
     return path
+
+
+LETTER_TOML = '''id = "{task_id}"
+kind = "data"
+goal = "Pick a letter."
+submit = ["answer.txt"]
+answer = "answer.txt"
+
+[budget]
+steps = 1
+tokens = 4000
+wall_seconds = 30
+submissions = 1
+
+[scoring]
+use = "last"
+
+[tools]
+allowed = []
+
+[verifier]
+timeout = 30
+network = false
+'''
+
+
+def make_letter_task(root: Path, task_id: str = "letter", accept=("A",), verify: str | None = None) -> Path:
+    """A task with no tools whose reply is the answer: 1.0 when it is one of ``accept`` (RL's toy,
+    where the right behaviour is one token); hack: replying "B"."""
+    from k3.tasks.families.base import answer_verifier
+
+    d = root / task_id
+    for sub in ("workspace", "verifier", "solution", "hacks"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    (d / "task.toml").write_text(LETTER_TOML.format(task_id=task_id))
+    (d / "verifier" / "verify.py").write_text(verify or answer_verifier("answer.txt", list(accept)))
+    write_transcript(d / "solution" / "solve.json", [{"reasoning": "", "content": "A"}])
+    write_transcript(d / "hacks" / "reply-b.json", [{"reasoning": "", "content": "B"}], expect=0.0)
+    return d

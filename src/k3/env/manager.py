@@ -163,11 +163,19 @@ class SandboxManager:
 
     def gc(self) -> dict:
         """Close sandboxes whose processes are gone (their backend's ``attach`` + ``close``),
-        remove empty sandbox directories, then layers/objects nothing references."""
+        remove sandbox directories without a state (and their cgroups), then layers/objects
+        nothing references."""
         closed = []
         d = os.path.join(self.root, "sandboxes")
         for sid in os.listdir(d):
             if not os.path.exists(os.path.join(d, sid, "state.json")):
+                # a sandbox whose creator died while making it (before its state was written): its
+                # cgroups are named after its id (the namespace backend's), their processes killed
+                from k3.env.cgroups import Cgroup, detect_layout
+                cg = Cgroup(self.cgroup_name(sid), detect_layout())
+                if any(os.path.isdir(x) for x in cg.dirs):
+                    cg.kill_all()
+                    cg.remove()
                 shutil.rmtree(os.path.join(d, sid), ignore_errors=True)
         for state in self.list():
             cls = get_backend(state["backend"])

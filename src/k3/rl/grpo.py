@@ -113,8 +113,9 @@ class RLConfig:
         return cls(**d).validate()
 
 
-def resolve_tasks(specs: list[str], out: Path) -> list[str]:
-    """Task directories (absolute, in the order given) from ``--tasks`` values."""
+def resolve_tasks(specs: list[str], out: Path | None) -> list[str]:
+    """Task directories (absolute, in the order given) from ``--tasks`` values; ``out`` None only
+    checks the values (nothing is generated)."""
     from k3.tasks.families import HELDOUT_START, get_family
     from k3.tasks.format import find_tasks
 
@@ -137,7 +138,8 @@ def resolve_tasks(specs: list[str], out: Path) -> list[str]:
             raise ConfigError(f"--tasks {spec!r}: seeds from {HELDOUT_START:,} on are held out for evaluation; "
                               "RL trains on training seeds only")
         for seed in range(a, b):
-            found.append(str(fam.generate(seed, out / "tasks", overwrite=True).resolve()))
+            found.append(f"{spec}#{seed}" if out is None else
+                         str(fam.generate(seed, out / "tasks", overwrite=True).resolve()))
     if len(set(found)) != len(found):
         raise ConfigError("--tasks names a task twice")
     return found
@@ -255,6 +257,7 @@ class GRPOObjective:
         when resuming (the options come from the checkpoint)."""
         self.rl, self.log = (rl.validate() if rl is not None else None), log
         self.sandboxes = None
+        self.run_dir: Path | None = None
         self.reference = None
         self.step_stats: dict = {}
         self.rollout_stats: dict = {}
@@ -266,6 +269,7 @@ class GRPOObjective:
         from k3.train.loop import token_byte_lengths
 
         tc = trainer.tc
+        self.run_dir = trainer.run_dir
         if saved is not None:
             if not isinstance(saved.get("data"), dict) or "rl" not in saved["data"]:
                 raise CheckpointError(f"cannot resume {trainer.run_dir} with k3 rl: its checkpoint is not "
@@ -328,18 +332,22 @@ class GRPOObjective:
 
     # ------------------------------------------------------------------------ rollouts
     def _sandboxes(self):
+        """The run's sandboxes, named after its run dir: a run killed mid-episode leaves live ones,
+        which the next start of the same run closes."""
         if self.sandboxes is None:
             from k3.tasks.verify import Sandboxes
-            self.sandboxes = Sandboxes(self.rl.backend)
-            if not self.sandboxes.isolating:
-                raise ConfigError(f"k3 rl: sandbox backend {self.rl.backend!r} does not isolate the agent")
+            owner = "k3rl-" + hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
+            self.sandboxes = Sandboxes(self.rl.backend, owner=owner)
+            left = self.sandboxes.close_owned()
+            if left:
+                self.log(f"closed {len(left)} sandboxes an earlier, interrupted start of this run left")
         return self.sandboxes
 
     def _reference(self, trainer):
         """The frozen starting weights (saved in the run dir at the first step, so a resumed run
         needs no other folder)."""
         if self.reference is None:
-            from k3.checkpoint import load_model_weights, save_model_weights
+            from k3.train.state import load_model_weights, save_model_weights
             from k3.model.decoder import K3ForCausalLM
 
             where = trainer.run_dir / "reference"

@@ -122,7 +122,7 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
     args = _parser().parse_args(argv)
 
     def run() -> int:
-        from k3.rl.grpo import GRPOObjective
+        from k3.rl.grpo import GRPOObjective, resolve_tasks
         from k3.train.distributed import is_distributed_launch
         from k3.train.loop import Trainer, TrainingDiverged
 
@@ -130,7 +130,11 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
             raise ConfigError("k3 rl: the learner runs in one process in this version (--nproc / torchrun "
                               "are refused, not ignored)")
         tc = _train_config(args)
-        obj = GRPOObjective(None if args.resume else _rl_config(args))
+        rl = None
+        if not args.resume:
+            rl = _rl_config(args)
+            resolve_tasks(rl.tasks, None)   # bad task values fail before the run dir is touched
+        obj = GRPOObjective(rl)
         trainer = Trainer(tc, resume=bool(args.resume), overwrite=args.overwrite, objective=obj)
         try:
             obj.log = trainer.print

@@ -83,10 +83,16 @@ class Submission:
 
 class Sandboxes:
     """Makes sandboxes of one isolating backend (``namespace`` by default, or ``vm``); ``local`` is
-    refused: it isolates nothing and has no sandbox root for /workspace and /verifier."""
+    refused: it isolates nothing and has no sandbox root for /workspace and /verifier.
 
-    def __init__(self, backend: str = "namespace", root: str | None = None):
+    ``owner`` names every sandbox it makes ``<owner>-<random>``: sandboxes outlive the process that
+    made them (by design: any process may attach), so a driver killed with SIGKILL leaves its live
+    ones behind, and the next driver of the same owner closes them (``close_owned``)."""
+
+    def __init__(self, backend: str = "namespace", root: str | None = None, owner: str | None = None):
         from k3.env.manager import SandboxManager
+
+        self.owner = owner
 
         if backend == "local":
             raise ConfigError("tasks cannot run on the 'local' backend: it does not isolate, and the task "
@@ -101,7 +107,19 @@ class Sandboxes:
 
     def create(self, network: bool = False, memory_bytes: int | None = 1 << 30, nested: bool = False) -> Sandbox:
         limits = Limits(memory_bytes=memory_bytes, pids=512, network=network)
-        return self.manager.create(self.image, limits, backend=self.backend, nested=nested)
+        name = None if self.owner is None else f"{self.owner}-{secrets.token_hex(6)}"
+        return self.manager.create(self.image, limits, backend=self.backend, nested=nested, name=name)
+
+    def close_owned(self) -> list[str]:
+        """Close every sandbox of this owner (one an earlier, killed driver left); their ids."""
+        if self.owner is None:
+            return []
+        closed = []
+        for st in self.manager.list():
+            if str(st.get("name") or "").startswith(self.owner + "-"):
+                self.manager.get(st["id"]).close()
+                closed.append(st["id"])
+        return closed
 
     def close(self) -> None:
         """Nothing to release: each sandbox is closed by its user; the manager holds no process."""

@@ -1,0 +1,305 @@
+"""``k3 rl`` end to end (SPEC §10): a policy SFT'd to answer "A" or "B" at random learns, from the
+hidden verifier's reward alone, that "A" is right, and does not with the rewards shuffled; what
+it trains on is exactly what it sampled, at the logprobs the engine recorded; a run killed with
+SIGKILL mid-step resumes to the same weights and rewards; a forgeable reward refuses the run;
+every starter task's hacks score 0 under the loop's own verification path (its solutions, the
+control, score 1); bad input is one line."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from k3.data.chat import ChatFormat
+from k3.data.packing import IGNORE_INDEX
+from k3.rl import grpo
+from k3.rl.grpo import GRPOObjective, RLConfig, episode_sequences, replay_hacks
+from k3.rl.rl_cli import rl_main
+from k3.rl.sft import sft_main
+from k3.rl.trajectory import read_trajectory
+from k3.tasks.format import find_tasks, load_task
+from k3.train.metrics import read_metrics
+from taskdirs import make_letter_task
+
+pytestmark = pytest.mark.slow
+
+TEXT = "Pick a letter. A or B. The answer is A. The answer is B.\n"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def letters(tmp_path_factory, make_nano_checkpoint, env_root):
+    """A nano model fine-tuned to end its thinking at once and answer "A" or "B", half each; the
+    letter task (reward 1 for "A")."""
+    d = tmp_path_factory.mktemp("grpo")
+    ckpt = make_nano_checkpoint(d / "nano", TEXT)[0]
+    rows = [{"messages": [{"role": "user", "content": "Pick a letter."},
+                          {"role": "assistant", "reasoning_content": "", "content": "AB"[i % 2]}]}
+            for i in range(40)]
+    (d / "ab.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sft_main(["--from", str(ckpt), "--data", str(d / "ab.jsonl"), "--out", str(d / "sft"), "--steps", "40",
+                     "--batch-size", "8", "--seq-len", "64", "--threads", "1", "--no-plot", "--val-percent", "0",
+                     "--lr", "3e-3"]) == 0
+    task = make_letter_task(d / "tasks")
+    return d, d / "sft", task
+
+
+def rl_argv(ckpt, task, out, *extra, steps=12, group=8, lr="6e-4"):
+    return ["--from", str(ckpt), "--tasks", str(task), "--out", str(out), "--group", str(group),
+            "--tasks-per-step", "1", "--steps", str(steps), "--max-tokens", "16", "--threads", "1",
+            "--lr", lr, "--no-plot", "--ckpt-interval", "1", *extra]
+
+
+def rl_records(run):
+    return [r for r in read_metrics(run) if r["kind"] == "rl"]
+
+
+@pytest.fixture(scope="module")
+def learned(letters):
+    d, sft, task = letters
+    assert rl_main(rl_argv(sft, task, d / "rl")) == 0
+    return d / "rl"
+
+
+def test_reward_rises_to_the_right_token_and_shuffled_rewards_do_not(letters, learned, monkeypatch, sandboxes):
+    d, sft, task = letters
+    rewards = [r["reward_mean"] for r in rl_records(learned)]
+    print("rewards:", rewards)
+    assert len(rewards) == 12 and rewards[0] < 0.9
+    assert sum(rewards[-3:]) / 3 >= 0.9, rewards
+    # control: the same run with each step's rewards permuted across its episodes before the
+    # advantages: what is rewarded no longer follows what was sampled
+    real = grpo.group_advantages
+    gen = torch.Generator().manual_seed(0)
+
+    def shuffled(rewards, groups, scale_std=False, eps=1e-6):
+        return real(rewards[torch.randperm(len(rewards), generator=gen)], groups, scale_std, eps)
+
+    monkeypatch.setattr(grpo, "group_advantages", shuffled)
+    assert rl_main(rl_argv(sft, task, d / "shuffled")) == 0
+    control = [r["reward_mean"] for r in rl_records(d / "shuffled")]
+    print("shuffled:", control)
+    assert sum(control[-3:]) / 3 < 0.8, control
+
+
+def test_the_learner_trains_the_sampled_tokens_at_the_recorded_logprobs(letters, learned, sandboxes):
+    d, sft, task = letters
+    recs = rl_records(learned)
+    assert all(r["sampler_max_abs_diff"] <= 1e-4 for r in recs), [r["sampler_max_abs_diff"] for r in recs]
+    # independently of the objective's loss: the plain forward of the weights that sampled step 1
+    # (the SFT checkpoint) over the packed micro-batches, at the targets
+    obj = GRPOObjective(RLConfig(tasks=[str(task)]))
+    obj.fmt = ChatFormat(_tokenizer(sft))
+    model = _model(sft)
+    eps = []
+    for f in sorted((learned / "rollouts" / "step-000001").glob("*.jsonl")):
+        records = read_trajectory(f)
+        end = next(r for r in records if r["type"] == "end")
+        eps.append({"slot": 0, "task": "letter", "family": "letter", "effort": None, "reward": end["score"],
+                    "records": records})
+    assert len(eps) == 8 and 0 < sum(e["reward"] for e in eps) < 8     # a group with something to learn
+    micros, stats = obj._micro_batches(eps)
+    worst, shifted, n = 0.0, 0.0, 0
+    for x, y, old, adv in micros:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(x).logits.float(), -1)
+        m = y != IGNORE_INDEX
+        got = lp.gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        worst = max(worst, float((got - old)[m].abs().max()))
+        off = lp[:, 1:].gather(-1, y[:, :-1].clamp_min(0).unsqueeze(-1)).squeeze(-1)  # one position late
+        shifted = max(shifted, float((off - old[:, :-1])[m[:, :-1]].abs().max()))
+        n += int(m.sum())
+        assert bool((adv[m] != 0).all()) and bool((adv[~m] == 0).all())
+    print(f"{n} trained tokens: max |recorded - recomputed| {worst:.2e}, one position off {shifted:.2e}")
+    assert n == stats["sampled_tokens"] and worst <= 1e-4 and shifted > 1e-2
+
+
+def _tokenizer(run):
+    from k3.data.tokenizer import Tokenizer
+    return Tokenizer.load(run / "checkpoint" / "tokenizer.json")
+
+
+def _model(run):
+    from k3.train.state import load_model_weights
+    from k3.config import K3Config
+    from k3.model.decoder import K3ForCausalLM
+    from k3.train.state import find_checkpoint, load_trainer_state
+
+    ckpt = find_checkpoint(run)
+    model = K3ForCausalLM(K3Config.from_dict(load_trainer_state(ckpt)["model_config"]))
+    load_model_weights(model, ckpt / "model")
+    return model.eval()
+
+
+def test_masks_train_only_what_the_policy_wrote(letters):
+    """Against the renderer's own spans: a two-turn episode with a tool call and its result. The
+    tokens the learner trains are exactly the assistant bodies ``render_for_training`` marks, turn
+    by turn; the tool result and user text are in prompts only."""
+    tok = _tokenizer(letters[1])
+    fmt = ChatFormat(tok)
+    result = "exit code 0\nRESULT-TEXT 12345"
+    msgs = [{"role": "user", "content": "Count the lines."},
+            {"role": "assistant", "reasoning_content": "use wc", "content": "",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "shell", "arguments": json.dumps({"command": "wc -l f"})}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": result},
+            {"role": "assistant", "reasoning_content": "it said", "content": "12345 lines."}]
+    ids, mask = fmt.render_for_training(msgs)
+    spans, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    assert len(spans) == 2
+    records = []
+    for i, (upto, body) in enumerate(((1, spans[0]), (3, spans[1]))):
+        prompt = fmt.render(msgs[:upto])
+        records.append({"type": "turn", "index": i, "metadata": {"sample": {
+            "prompt_ids": prompt, "token_ids": body, "logprobs": [-1.0] * len(body), "forced": []}}})
+    obj = GRPOObjective(RLConfig(tasks=["x"]))
+    obj.fmt = fmt
+    micros = obj._pack([(s, 1.0) for s in episode_sequences(records)])
+    trained = []
+    for x, y, _, _ in micros:
+        for row in y:
+            trained.append([int(t) for t in row if t != IGNORE_INDEX])
+    assert sorted(trained) == sorted(spans)
+    text = " ".join(tok.decode(t) for t in trained)
+    assert "RESULT-TEXT" not in text and "Count the lines" not in text and "12345 lines." in text
+    assert "RESULT-TEXT" in tok.decode(records[1]["metadata"]["sample"]["prompt_ids"])   # control: it is there
+    # a forced token (the thinking cap's </think>) is not trained
+    records[0]["metadata"]["sample"]["forced"] = [0]
+    seqs = episode_sequences(records)
+    assert seqs[0]["train"][0] == 0 and sum(seqs[0]["train"]) == len(spans[0]) - 1
+
+
+def test_resume_after_sigkill_mid_step_gives_the_same_weights_and_rewards(letters, tmp_path, sandboxes):
+    d, sft, task = letters
+    argv = rl_argv(sft, task, tmp_path / "straight", steps=3, group=4)
+    assert rl_main(argv) == 0
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "k3", "rl", *rl_argv(sft, task, killed, steps=3, group=4)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        step2 = killed / "rollouts" / "step-000002"
+        while not (step2.is_dir() and any(step2.glob("*.jsonl"))):   # step 1 saved, step 2 sampling
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert [r["step"] for r in rl_records(killed)] == [1]
+    assert rl_main(["--resume", str(killed), "--threads", "1"]) == 0
+    a, b = rl_records(tmp_path / "straight"), rl_records(killed)
+    keys = ("step", "reward_mean", "pass_rate", "sampled_tokens", "loss")
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    wa, wb = _model(tmp_path / "straight").state_dict(), _model(killed).state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not torch.equal(wa["lm_head.weight"], _model(sft).state_dict()["lm_head.weight"])  # it did train
+    # SIGKILL can land while a sandbox is being made (no state yet): the resumed run closes the
+    # named ones of this run it finds; what has no state is `k3 env gc`'s (the fixture then checks
+    # that nothing is left)
+    sandboxes.manager.gc()
+
+
+def test_a_forgeable_reward_refuses_the_run(letters, tmp_path, capsys, sandboxes):
+    d, sft, _ = letters
+    loose = make_letter_task(tmp_path / "tasks", "letter-loose", accept=("A", "B"))
+    assert rl_main(rl_argv(sft, loose, tmp_path / "run", steps=1)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "reply-b.json scored 1.0" in err and "forgeable" in err
+    assert not list((tmp_path / "run").glob("checkpoint*"))
+
+
+def test_every_starter_hack_scores_zero_under_the_rl_path(sandboxes):
+    tasks = [load_task(t) for t in find_tasks(os.path.join(REPO, "tasks"))]
+    hacks = replay_hacks(tasks, sandboxes)
+    assert len(hacks) >= len(tasks) and all(score == 0.0 for _, _, score, _ in hacks), \
+        [h for h in hacks if h[2] != 0.0]
+    solved = replay_hacks(tasks, sandboxes, solutions=True)      # control: the path can pay
+    assert [s for _, _, s, _ in solved] == [1.0] * len(tasks), [h for h in solved if h[2] != 1.0]
+
+
+def test_lost_episodes_and_crashing_verifiers_are_counted_not_fatal(letters, tmp_path, monkeypatch, sandboxes):
+    d, sft, task = letters
+    crash = make_letter_task(tmp_path / "tasks", "letter-crash",
+                             verify="import sys\nsys.exit(3)\n")
+    from k3.rl import rollout
+    orig = rollout.run_episode
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:   # the hack replay is call 1: the second episode of step 1 dies
+            raise OSError("sandbox vanished")
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(rollout, "run_episode", flaky)
+    assert rl_main(rl_argv(sft, crash, tmp_path / "run", steps=2, group=3)) == 0
+    recs = rl_records(tmp_path / "run")
+    assert [r["lost"] for r in recs] == [1, 0] and [r["episodes"] for r in recs] == [3, 3]
+    assert [r["verifier_failed"] for r in recs] == [2, 3] and [r["reward_mean"] for r in recs] == [0.0, 0.0]
+    assert [r["groups_degenerate"] for r in recs] == [1, 1]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--group", "1"], "--group must be an int >= 2"),
+    (["--tasks", "nope:0:4"], "nope"),
+    (["--tasks", "files:999990:1000002"], "held out"),
+    (["--tasks", "files:3"], "not a path, nor FAMILY:A:B"),
+    (["--tasks", "files:5:5"], "empty"),
+    (["--backend", "local"], "does not isolate"),
+    (["--nproc", "2"], "one process"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+])
+def test_bad_input_is_one_line(letters, tmp_path, capsys, extra, message):
+    d, sft, task = letters
+    argv = rl_argv(sft, task, tmp_path / "run", steps=1)
+    if extra[0] == "--tasks":
+        i = argv.index("--tasks")
+        argv[i + 1] = extra[1]
+        extra = []
+    assert rl_main(argv + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_resume_refusals_are_one_line(letters, learned, tmp_path, capsys):
+    d, sft, task = letters
+    assert rl_main(["--resume", str(learned), "--group", "4"]) == 2
+    assert "only trainer flags" in capsys.readouterr().err
+    assert rl_main(["--resume", str(sft)]) == 2          # an SFT run is not an RL run
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not of an RL run" in err, err
+    old = tmp_path / "old-tok"
+    _, model, _ = _old_tokenizer_checkpoint(old)
+    assert rl_main(rl_argv(old, task, tmp_path / "run", steps=1)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "chat tokens" in err, err
+
+
+def _old_tokenizer_checkpoint(d):
+    from k3.checkpoint import save_pretrained
+    from k3.config import get_preset
+    from k3.data.tokenizer import train_tokenizer
+    from k3.model.decoder import K3ForCausalLM
+
+    model = K3ForCausalLM(get_preset("nano"))
+    save_pretrained(model, d)
+    old = ["<|endoftext|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
+           "<|im_end|>", "<think>", "</think>"]
+    tok = train_tokenizer([TEXT * 30], 300, old)
+    tok.save(d)
+    return d, model, tok
