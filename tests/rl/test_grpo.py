@@ -303,3 +303,24 @@ def _old_tokenizer_checkpoint(d):
     tok = train_tokenizer([TEXT * 30], 300, old)
     tok.save(d)
     return d, model, tok
+
+
+def test_a_stop_signal_while_sampling_drops_the_step_and_resumes(letters, tmp_path, monkeypatch, sandboxes):
+    d, sft, task = letters
+    from k3.rl import rollout
+    orig, seen, box = rollout.run_episode, [], {}
+
+    def stop_on_second(*a, **kw):
+        seen.append(1)
+        if len(seen) == 3:   # call 1 is the hack replay; the signal lands in step 1's second episode
+            box["trainer"].stop_signal = signal.SIGINT
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(rollout, "run_episode", stop_on_second)
+    run = tmp_path / "run"
+    rc = rl_main(rl_argv(sft, task, run, steps=2, group=4), trainer_hook=lambda t: box.update(trainer=t))
+    assert rc == 128 + signal.SIGINT and len(seen) == 3          # no episode after the signal
+    assert rl_records(run) == []                                 # the step was dropped, not trained
+    monkeypatch.setattr(rollout, "run_episode", orig)
+    assert rl_main(["--resume", str(run), "--threads", "1"]) == 0
+    assert [r["step"] for r in rl_records(run)] == [1, 2] and rl_records(run)[0]["episodes"] == 4

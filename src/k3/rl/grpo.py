@@ -403,6 +403,8 @@ class GRPOObjective:
             for slot, task in enumerate(tasks):
                 effort = rl.efforts[(step * rl.tasks_per_step + slot) % len(rl.efforts)]
                 for member in range(rl.group):
+                    if trainer.stop_signal is not None:   # the trainer drops this step and saves
+                        break
                     seed = episode_seed(rl.seed, step, slot, member)
                     path = (trainer.run_dir / "rollouts" / f"step-{step + 1:06d}" / f"{slot}-{task.id}-{member}.jsonl"
                             if rl.keep_rollouts else None)
@@ -528,7 +530,8 @@ class GRPOObjective:
         fam = "  ".join(f"{k} {v:.2f}" for k, v in rs.get("reward_by_family", {}).items())
         trainer.print(f"step {rec['step']}: reward {_f(rs.get('reward_mean'))}  pass {_f(rs.get('pass_rate'))}  "
                       f"[{fam}]  degenerate {rs.get('groups_degenerate')}/{self.rl.tasks_per_step}  "
-                      f"lost {rs.get('lost')}  verifier failed {rs.get('verifier_failed')}  clip {row['clip_fraction']:.3f}  entropy {row['entropy']:.3f}  "
+                      f"lost {rs.get('lost')}  verifier failed {rs.get('verifier_failed')}  "
+                      f"clip {row['clip_fraction']:.3f}  entropy {row['entropy']:.3f}  "
                       f"sampler diff {row['sampler_max_abs_diff']:.1e}")
 
 

@@ -42,7 +42,8 @@ from k3.tasks.vharness import LAYERS
 from k3.errors import ConfigError
 
 __all__ = ["Verdict", "Submission", "Sandboxes", "agent_sandbox", "collect_submission", "verify",
-           "verifier_failed", "VERIFIER_FAILURES", "glob_regex", "VERIFIER_ENV", "MAX_SUBMIT_FILE", "MAX_SUBMIT_FILES"]
+           "verifier_failed", "VERIFIER_FAILURES", "glob_regex", "VERIFIER_ENV", "MAX_SUBMIT_FILE",
+           "MAX_SUBMIT_FILES"]
 
 VERIFIER_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp/home", "LANG": "C.UTF-8"}
 VHARNESS = Path(__file__).with_name("vharness.py")  # the verifier helper every task's verify.py imports
@@ -93,7 +94,6 @@ class Sandboxes:
         from k3.env.manager import SandboxManager
 
         self.owner = owner
-
         if backend == "local":
             raise ConfigError("tasks cannot run on the 'local' backend: it does not isolate, and the task "
                               "protocol needs a sandbox root with /workspace and /verifier (use namespace or vm)")

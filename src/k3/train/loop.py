@@ -105,8 +105,9 @@ class Trainer:
     ``objective`` (post-training, e.g. ``k3.rl.grpo``) replaces what a step learns from, with the
     rest of the trainer (optimizer, schedule, checkpoints, resume, signals) unchanged: it builds
     the run's data (``build_data(trainer, ckpt, saved)`` sets ``tokenizer``, ``corpus`` with a
-    ``name``, ``fingerprint``, ``doc_digests()`` and ``counts()``, ``curriculum``, ``schedule``, ``token_bytes`` and
-    ``data``), says how many micro-batches the coming step has (``micro_batches(trainer)``) and
+    ``name``, ``fingerprint``, ``doc_digests()`` and ``counts()``, ``curriculum``, ``schedule``,
+    ``token_bytes`` and ``data``), says how many micro-batches (at least one) the coming step has
+    (``micro_batches(trainer)``; a stop signal while it prepares them drops the step) and
     gives each micro-batch's loss summed over its trained tokens (``loss(trainer, *micro)``; a
     micro-batch's second tensor holds the targets, ``IGNORE_INDEX`` where nothing is trained, so
     every trained token of the step weighs the same). An objective's run has no validation loss.
