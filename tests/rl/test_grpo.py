@@ -324,3 +324,27 @@ def test_a_stop_signal_while_sampling_drops_the_step_and_resumes(letters, tmp_pa
     monkeypatch.setattr(rollout, "run_episode", orig)
     assert rl_main(["--resume", str(run), "--threads", "1"]) == 0
     assert [r["step"] for r in rl_records(run)] == [1, 2] and rl_records(run)[0]["episodes"] == 4
+
+
+def test_episodes_in_worker_processes_are_the_ones_sampled_in_process(letters, tmp_path, sandboxes):
+    """--workers 2: each episode runs in a worker process from the step's saved weights, alone in
+    its engine; the step's rollouts (tokens, logprobs, rewards) equal those sampled in process."""
+    d, sft, task = letters
+    runs = {}
+    for w in (1, 2):
+        runs[w] = tmp_path / f"w{w}"
+        assert rl_main(rl_argv(sft, task, runs[w], "--workers", str(w), steps=1, group=4)) == 0
+
+    def samples(run):
+        out = []
+        for f in sorted((run / "rollouts" / "step-000001").glob("*.jsonl")):
+            recs = read_trajectory(f)
+            out.append(([r["metadata"]["sample"] for r in recs if r["type"] == "turn"],
+                        next(r["score"] for r in recs if r["type"] == "end")))
+        return out
+
+    a, b = samples(runs[1]), samples(runs[2])
+    assert len(a) == 4 and a == b
+    ra, rb = rl_records(runs[1])[0], rl_records(runs[2])[0]
+    assert (ra["reward_mean"], ra["loss"], ra["lost"]) == (rb["reward_mean"], rb["loss"], rb["lost"]) and rb["lost"] == 0
+    assert rb["sampler_max_abs_diff"] <= 1e-4

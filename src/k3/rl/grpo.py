@@ -76,6 +76,8 @@ class RLConfig:
     micro_tokens: int = 8192        # padded tokens per micro-batch (memory bound of one forward)
     randomize: bool = True          # harness randomization, seeded per episode
     backend: str = "namespace"
+    workers: int = 1                # episodes at once: >1 in worker processes (or Ray tasks), each
+    ray: bool = False               # loading the step's weights from OUT/rollouts/policy
     seed: int = 0
     keep_rollouts: bool = True      # write each episode's trajectory under OUT/rollouts/
 
@@ -84,7 +86,7 @@ class RLConfig:
             raise ConfigError("k3 rl: no tasks (--tasks DIR or FAMILY:A:B)")
         if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 2:
             raise ConfigError(f"--group must be an int >= 2 (advantages are relative to the group), got {self.group!r}")
-        for name in ("tasks_per_step", "max_tokens", "context_tokens", "micro_tokens"):
+        for name in ("tasks_per_step", "max_tokens", "context_tokens", "micro_tokens", "workers"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an int >= 1, got {v!r}")
@@ -394,37 +396,44 @@ class GRPOObjective:
         t0 = time.perf_counter()
         policy = K3ForCausalLM(trainer.model_config)
         policy.load_state_dict(trainer.model.state_dict())
-        provider = LocalEngine(Engine(policy.to(trainer.device), tokenizer=trainer.tokenizer),
-                               name=f"policy-step{step}")
         tasks = [trainer.corpus.tasks[(step * rl.tasks_per_step + j) % len(trainer.corpus.tasks)]
                  for j in range(rl.tasks_per_step)]
-        episodes: list[dict] = []
-        try:
-            for slot, task in enumerate(tasks):
-                effort = rl.efforts[(step * rl.tasks_per_step + slot) % len(rl.efforts)]
-                for member in range(rl.group):
+        plan = []   # (slot, task, member, effort, seed, trajectory path)
+        for slot, task in enumerate(tasks):
+            effort = rl.efforts[(step * rl.tasks_per_step + slot) % len(rl.efforts)]
+            for member in range(rl.group):
+                path = (trainer.run_dir / "rollouts" / f"step-{step + 1:06d}" / f"{slot}-{task.id}-{member}.jsonl"
+                        if rl.keep_rollouts else None)
+                plan.append((slot, task, member, effort, episode_seed(rl.seed, step, slot, member), path))
+        sampling = {"temperature": rl.temperature, "max_tokens": rl.max_tokens, "context_tokens": rl.context_tokens}
+        if rl.workers > 1 or rl.ray:
+            episodes = self._sample_in_workers(trainer, policy, plan, sampling)
+        else:
+            episodes = []
+            provider = LocalEngine(Engine(policy.to(trainer.device), tokenizer=trainer.tokenizer),
+                                   name=f"policy-step{step}")
+            try:
+                for slot, task, member, effort, seed, path in plan:
                     if trainer.stop_signal is not None:   # the trainer drops this step and saves
                         break
-                    seed = episode_seed(rl.seed, step, slot, member)
-                    path = (trainer.run_dir / "rollouts" / f"step-{step + 1:06d}" / f"{slot}-{task.id}-{member}.jsonl"
-                            if rl.keep_rollouts else None)
                     w = TrajectoryWriter(path)
                     ep = {"slot": slot, "task": task.id, "family": family_of(task.id), "effort": effort}
                     try:
                         s = run_episode(task.root, provider, w, sandboxes=self._sandboxes(),
-                                        harness=seed if rl.randomize else None, seed=seed,
-                                        temperature=rl.temperature, max_tokens=rl.max_tokens,
-                                        effort=effort, context_tokens=rl.context_tokens)
+                                        harness=seed if rl.randomize else None, seed=seed, effort=effort,
+                                        **sampling)
                         ep.update(reward=float(s["score"]), status=s["status"], records=w.records,
                                   verifier_failed=any(verifier_failed(v["reason"]) for v in s["verdicts"]))
                     except Exception as e:  # noqa: BLE001 - a lost episode is counted, never fatal
                         ep.update(reward=None, status="lost", detail=f"{type(e).__name__}: {e}", records=[])
-                        self.log(f"step {step + 1}: episode {slot}-{task.id}-{member} lost: {ep['detail']}")
                     finally:
                         w.close()
                     episodes.append(ep)
-        finally:
-            provider.close()
+            finally:
+                provider.close()
+        for ep in episodes:
+            if ep["reward"] is None:
+                self.log(f"step {step + 1}: an episode of {ep['task']} was lost: {ep['detail']}")
         t_sample = time.perf_counter() - t0
         micros, stats = self._micro_batches(episodes)
         stats["sample_s"] = t_sample
@@ -433,6 +442,48 @@ class GRPOObjective:
         self.step_stats = {}
         self._t_train = time.perf_counter()
         return micros
+
+    def _sample_in_workers(self, trainer, policy, plan, sampling) -> list[dict]:
+        """The step's episodes as ``k3.rl.rollout`` jobs (a process pool of ``workers``, or Ray
+        tasks): the weights go to OUT/rollouts/policy once, each job loads them into its own
+        engine and runs one episode alone (so its numbers do not depend on the others)."""
+        import shutil
+        import tempfile
+
+        from k3.checkpoint import save_pretrained
+        from k3.rl.rollout import run_jobs
+        from k3.rl.trajectory import read_trajectory
+        from k3.tasks.verify import verifier_failed
+
+        rl = self.rl
+        wdir = trainer.run_dir / "rollouts" / "policy"
+        shutil.rmtree(wdir, ignore_errors=True)
+        save_pretrained(policy, wdir)
+        trainer.tokenizer.save(wdir)
+        scratch = Path(tempfile.mkdtemp(prefix="k3rl-", dir=trainer.run_dir / "rollouts"))
+        jobs = []
+        for i, (slot, task, member, effort, seed, path) in enumerate(plan):
+            jobs.append({"task": str(task.root), "provider": {"kind": "local", "ckpt": str(wdir)},
+                         "seed": seed, "harness": seed if rl.randomize else None, "backend": rl.backend,
+                         "out": str(path or scratch / f"{i}.jsonl"), "sampling": {**sampling, "effort": effort}})
+        try:
+            try:
+                results = run_jobs(jobs, rl.workers, rl.ray)
+            except Exception as e:  # noqa: BLE001 - a pool that broke (a worker died): all counted lost
+                results = [{"status": "error", "detail": f"the rollout workers failed: {type(e).__name__}: {e}"}
+                           for _ in jobs]
+            episodes = []
+            for (slot, task, member, effort, seed, path), job, res in zip(plan, jobs, results):
+                ep = {"slot": slot, "task": task.id, "family": family_of(task.id), "effort": effort}
+                if res.get("status") == "error":
+                    ep.update(reward=None, status="lost", detail=res.get("detail"), records=[])
+                else:
+                    ep.update(reward=float(res["score"]), status=res["status"], records=read_trajectory(job["out"]),
+                              verifier_failed=any(verifier_failed(v["reason"]) for v in res.get("verdicts", [])))
+                episodes.append(ep)
+            return episodes
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def _micro_batches(self, episodes: list[dict]):
         rl = self.rl

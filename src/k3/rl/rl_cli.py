@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-randomize", dest="randomize", action="store_false",
                    help="the canonical harness for every episode (default: seeded randomization)")
     p.add_argument("--backend", default="namespace", help="sandbox backend: namespace | vm")
+    p.add_argument("--workers", type=int, default=1,
+                   help="episodes at once (> 1: worker processes, each loading the step's weights)")
+    p.add_argument("--ray", action="store_true", help="run the episodes as Ray tasks (RAY_ADDRESS: a cluster)")
     p.add_argument("--no-rollouts", dest="keep_rollouts", action="store_false",
                    help="do not keep each episode's trajectory under OUT/rollouts/")
     flags = {name: (flag, typ, hlp) for flag, name, typ, hlp in _TRAIN_FLAGS}
@@ -72,11 +75,13 @@ def _rl_config(args):
                     efforts=efforts, temperature=args.temperature, max_tokens=args.max_tokens,
                     context_tokens=args.context_tokens, eps_low=args.eps_low, eps_high=args.eps_high,
                     beta=args.beta, scale_std=args.scale_std, micro_tokens=args.micro_tokens,
-                    randomize=args.randomize, backend=args.backend, seed=args.seed or 0,
+                    randomize=args.randomize, backend=args.backend, workers=args.workers, ray=args.ray,
+                    seed=args.seed or 0,
                     keep_rollouts=args.keep_rollouts).validate()
 
 
 _RL_FLAGS = ("tasks", "effort", "beta", "scale_std", "micro_tokens", "randomize", "backend", "keep_rollouts",
+             "workers", "ray",
              "group", "tasks_per_step", "temperature", "max_tokens", "context_tokens", "eps_low", "eps_high")
 
 

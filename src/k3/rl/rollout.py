@@ -15,7 +15,8 @@ already connected; ``RAY_ADDRESS`` reaches a cluster), each running ``rollout`` 
 Job dict: ``{"task": DIR, "provider": {"kind": "scripted", "transcript": FILE} | {"kind": "openai",
 "base_url", "model", "api_key_env"?} | {"kind": "local", "ckpt"}, "seed": int|None, "backend":
 str, "out": FILE|None, "label": str, "expect": float|None, "yolo": bool, "sampling": {"max_tokens",
-"temperature", "effort"}}`` (all but task and provider optional).
+"temperature", "effort", "context_tokens"}, "harness": int|None}`` (all but task and provider
+optional; ``harness``, the randomization seed, defaults to ``seed``, the sampling seed).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def rollout(job: dict) -> dict:
     try:
         provider = make_provider(job["provider"])
         s = run_episode(job["task"], provider, writer, backend=job.get("backend", "namespace"),
-                        harness=job.get("seed"), yolo=job.get("yolo", False), seed=job.get("seed"),
+                        harness=job.get("harness", job.get("seed")), yolo=job.get("yolo", False),
+                        seed=job.get("seed"),
                         **job.get("sampling", {}))
     except Exception as e:  # noqa: BLE001 - one broken rollout is reported (status error), not fatal to a suite
         s = {"task": Path(job["task"]).name, "score": 0.0, "status": "error",
