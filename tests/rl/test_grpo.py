@@ -348,3 +348,21 @@ def test_episodes_in_worker_processes_are_the_ones_sampled_in_process(letters, t
     ra, rb = rl_records(runs[1])[0], rl_records(runs[2])[0]
     assert (ra["reward_mean"], ra["loss"], ra["lost"]) == (rb["reward_mean"], rb["loss"], rb["lost"]) and rb["lost"] == 0
     assert rb["sampler_max_abs_diff"] <= 1e-4
+
+
+def test_the_kl_penalty_is_to_the_starting_weights_kept_in_the_run(letters, tmp_path, sandboxes):
+    """--beta: the reference is the weights the run starts from, saved in OUT/reference: the KL to
+    it is 0 at step 1 (the policy is still the reference) and > 0 once the policy moved; a resume
+    reads it from the run dir."""
+    d, sft, task = letters
+    run = tmp_path / "kl"
+    assert rl_main(rl_argv(sft, task, run, "--beta", "0.5", steps=2, group=4)) == 0
+    kl = [r["kl_ref"] for r in rl_records(run)]
+    assert abs(kl[0]) < 1e-6 and kl[1] > 1e-6, kl
+    ref = run / "reference" / "model"
+    assert ref.is_dir()
+    assert rl_main(["--resume", str(run), "--steps", "3", "--threads", "1"]) == 0
+    assert [r["step"] for r in rl_records(run)] == [1, 2, 3] and rl_records(run)[2]["kl_ref"] > 1e-6
+    # control: without --beta no reference is kept and no KL is reported
+    assert rl_main(rl_argv(sft, task, tmp_path / "nokl", steps=1, group=4)) == 0
+    assert not (tmp_path / "nokl" / "reference").exists() and rl_records(tmp_path / "nokl")[0]["kl_ref"] is None

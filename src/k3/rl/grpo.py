@@ -234,9 +234,9 @@ class RolloutData:
         return {"format": FORMAT, "rl": self.obj.rl.to_dict()}
 
     def load_state_dict(self, d: dict) -> None:
-        if d.get("format") != FORMAT or "rl" not in d:
-            raise K3Error("the checkpoint is not one of a k3 rl run (its data state has no RL options)")
-        self.step, self.next = None, 0   # a step is sampled again from its weights after a resume
+        """(``build_data`` has read the RL options from ``d``.) Nothing else to restore: a step is
+        sampled again from its weights."""
+        self.step, self.next = None, 0
 
     def prepare(self, trainer) -> int:
         if self.step != trainer.step:
@@ -293,7 +293,7 @@ class GRPOObjective:
         if saved is not None and saved["corpus_fingerprint"] != trainer.corpus.fingerprint:
             from k3.train.runinfo import corpus_difference
             raise CheckpointError(f"cannot resume {trainer.run_dir}: "
-                                     + corpus_difference(saved.get("corpus_docs"), trainer.corpus))
+                                  + corpus_difference(saved.get("corpus_docs"), trainer.corpus))
         trainer.token_bytes = token_byte_lengths(trainer.tokenizer)
         trainer.data = RolloutData(self)
         trainer.on_step_end.append(self._log_step)
@@ -356,9 +356,13 @@ class GRPOObjective:
             ref = K3ForCausalLM(trainer.model_config)
             if (where / "model").exists():
                 load_model_weights(ref, where / "model")
-            elif trainer.step == 0:
+            elif trainer.step == 0:   # written whole, then renamed: a kill leaves none or all of it
+                import shutil
                 ref.load_state_dict(trainer.model.state_dict())
-                save_model_weights(ref, where / "model")
+                tmp = where / "model.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
+                save_model_weights(ref, tmp)
+                os.replace(tmp, where / "model")
             else:
                 raise K3Error(f"{where}: the reference weights of this run are missing (needed for --beta > 0)")
             self.reference = ref.to(trainer.device).eval().requires_grad_(False)
