@@ -32,6 +32,47 @@ def test_gc_closes_a_sandbox_whose_processes_died(manager):
     live.close()
 
 
+def test_a_name_is_there_before_the_backend_starts_and_survives_state_rewrites(manager, monkeypatch):
+    """A creator killed while the backend makes the sandbox leaves one its owner can find by name
+    (k3 rl closes what a killed run left); a later state write (pause) keeps the name."""
+    from k3.env import backends
+    from k3.env.backends.namespace import NamespaceBackend
+
+    seen = {}
+    real = NamespaceBackend.create.__func__
+
+    def create(cls, mgr, sid, *a, **kw):
+        path = os.path.join(mgr.sandbox_dir(sid), "name")
+        seen["name"] = open(path).read() if os.path.exists(path) else None
+        return real(cls, mgr, sid, *a, **kw)
+
+    monkeypatch.setattr(NamespaceBackend, "create", classmethod(create))
+    assert backends.get_backend("namespace") is NamespaceBackend
+    with manager.create(name="owner-1") as sb:
+        assert seen == {"name": "owner-1"}
+        sb.pause()
+        sb.resume()                                      # both rewrite state.json
+        assert [s["name"] for s in manager.list()] == ["owner-1"] and manager.get("owner-1").id == sb.id
+    with manager.create() as anon:                        # control: no name, none invented
+        assert seen == {"name": None} and [s["name"] for s in manager.list()] == [None] and anon.id
+
+
+def test_gc_removes_a_sandbox_its_creator_died_making(manager):
+    """No state yet (the creator was killed before the backend wrote it): gc removes its
+    directory and its cgroups; a sandbox with a state beside it is kept (the control)."""
+    from k3.env.cgroups import Cgroup
+
+    live = manager.create()
+    sid = manager._new_id(None)
+    cg = Cgroup(manager.cgroup_name(sid))
+    cg.create(Limits())
+    assert any(os.path.isdir(d) for d in cg.dirs)
+    manager.gc()
+    assert not os.path.exists(manager.sandbox_dir(sid)) and not any(os.path.isdir(d) for d in cg.dirs)
+    assert [s["id"] for s in manager.list()] == [live.id] and live.exec("true").ok
+    live.close()
+
+
 def test_gc_frees_layers_only_when_no_snapshot_needs_them(manager):
     with manager.create() as sb:
         sb.write_file("unique.bin", os.urandom(300_000))

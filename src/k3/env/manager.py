@@ -23,6 +23,8 @@ from k3.env.images import default_image, image_names
 from k3.env.sandbox import Limits, Sandbox, SandboxError, SnapshotInfo
 from k3.env.store import Store
 
+NAME_FILE = "name"   # a sandbox's name, in its directory, written before the backend makes it
+
 __all__ = ["SandboxManager", "default_root"]
 
 
@@ -55,7 +57,7 @@ class SandboxManager:
             raise SandboxError(f"bad sandbox id {sandbox_id!r}")
         try:
             with open(os.path.join(self.sandbox_dir(sandbox_id), "state.json")) as f:
-                return json.load(f)
+                return self._with_name(json.load(f))
         except FileNotFoundError:
             raise SandboxError(f"unknown sandbox {sandbox_id} (manager root {self.root})") from None
 
@@ -75,7 +77,21 @@ class SandboxManager:
                 raise SandboxError(f"sandbox name {name!r} is already in use")
         sid = "sb-" + secrets.token_hex(6)
         os.makedirs(self.sandbox_dir(sid))
+        if name is not None:   # before the backend starts anything: a sandbox is never live unnamed
+            with open(os.path.join(self.sandbox_dir(sid), NAME_FILE + ".tmp"), "w") as f:
+                f.write(name)
+            os.replace(os.path.join(self.sandbox_dir(sid), NAME_FILE + ".tmp"),
+                       os.path.join(self.sandbox_dir(sid), NAME_FILE))
         return sid
+
+    def _with_name(self, state: dict) -> dict:
+        """``state`` with the sandbox's name (kept in its own file, beside the backend's state)."""
+        try:
+            with open(os.path.join(self.sandbox_dir(state["id"]), NAME_FILE)) as f:
+                state["name"] = f.read()
+        except (OSError, KeyError):
+            state.setdefault("name", None)
+        return state
 
     def create(self, image: str = "default", limits: Limits | None = None, backend: str = "namespace",
                workspace: str | None = None, name: str | None = None, nested: bool = False) -> Sandbox:
@@ -95,7 +111,6 @@ class SandboxManager:
         except BaseException:
             self._discard(sid)
             raise
-        self._set_name(sb, name)
         return sb
 
     def fork(self, snapshot_id: str, limits: Limits | None = None, backend: str | None = None,
@@ -111,14 +126,7 @@ class SandboxManager:
         except BaseException:
             self._discard(sid)
             raise
-        self._set_name(sb, name)
         return sb
-
-    def _set_name(self, sb: Sandbox, name: str | None) -> None:
-        if name is not None:
-            state = self.read_state(sb.id)
-            state["name"] = name
-            self.write_state(sb.id, state)
 
     def _discard(self, sid: str) -> None:
         shutil.rmtree(self.sandbox_dir(sid), ignore_errors=True)
@@ -143,7 +151,7 @@ class SandboxManager:
         for sid in sorted(os.listdir(d)):
             try:
                 with open(os.path.join(d, sid, "state.json")) as f:
-                    out.append(json.load(f))
+                    out.append(self._with_name({"id": sid, **json.load(f)}))
             except (OSError, ValueError):
                 continue
         return out
