@@ -280,6 +280,8 @@ def test_resume_refusals_are_one_line(letters, learned, tmp_path, capsys):
     d, sft, task = letters
     assert rl_main(["--resume", str(learned), "--group", "4"]) == 2
     assert "only trainer flags" in capsys.readouterr().err
+    assert rl_main(["--resume", str(learned), "--seed", "3"]) == 2
+    assert "got seed" in capsys.readouterr().err
     assert rl_main(["--resume", str(sft)]) == 2          # an SFT run is not an RL run
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not of an RL run" in err, err

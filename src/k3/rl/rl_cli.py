@@ -97,6 +97,8 @@ def _train_config(args):
             raise ConfigError("--resume continues a run in place; do not pass a different --out")
         defaults = _parser().parse_args([])
         changed = [n for n in _RL_FLAGS if getattr(args, n) != getattr(defaults, n)]
+        if args.seed is not None:   # the episodes' seeds are the run's: a new one would not apply
+            changed.append("seed")
         if args.init_from or changed:
             raise ConfigError("--resume takes the run's options from its checkpoint; only trainer flags "
                               f"(e.g. --steps) may change, got {', '.join(['from'] * bool(args.init_from) + changed)}")
