@@ -394,7 +394,6 @@ class GRPOObjective:
         from k3.model.decoder import K3ForCausalLM
         from k3.rl.rollout import run_episode
         from k3.rl.trajectory import TrajectoryWriter
-        from k3.tasks.verify import verifier_failed
 
         rl, step = self.rl, trainer.step
         t0 = time.perf_counter()
@@ -421,18 +420,15 @@ class GRPOObjective:
                     if trainer.stop_signal is not None:   # the trainer drops this step and saves
                         break
                     w = TrajectoryWriter(path)
-                    ep = {"slot": slot, "task": task.id, "family": family_of(task.id), "effort": effort}
                     try:
                         s = run_episode(task.root, provider, w, sandboxes=self._sandboxes(),
                                         harness=seed if rl.randomize else None, seed=seed, effort=effort,
                                         **sampling)
-                        ep.update(reward=float(s["score"]), status=s["status"], records=w.records,
-                                  verifier_failed=any(verifier_failed(v["reason"]) for v in s["verdicts"]))
+                        episodes.append(_episode(slot, task, effort, s, w.records))
                     except Exception as e:  # noqa: BLE001 - a lost episode is counted, never fatal
-                        ep.update(reward=None, status="lost", detail=f"{type(e).__name__}: {e}", records=[])
+                        episodes.append(_episode(slot, task, effort, lost=f"{type(e).__name__}: {e}"))
                     finally:
                         w.close()
-                    episodes.append(ep)
             finally:
                 provider.close()
         for ep in episodes:
@@ -457,7 +453,6 @@ class GRPOObjective:
         from k3.checkpoint import save_pretrained
         from k3.rl.rollout import run_jobs
         from k3.rl.trajectory import read_trajectory
-        from k3.tasks.verify import verifier_failed
 
         rl = self.rl
         wdir = trainer.run_dir / "rollouts" / "policy"
@@ -476,16 +471,9 @@ class GRPOObjective:
             except Exception as e:  # noqa: BLE001 - a pool that broke (a worker died): all counted lost
                 results = [{"status": "error", "detail": f"the rollout workers failed: {type(e).__name__}: {e}"}
                            for _ in jobs]
-            episodes = []
-            for (slot, task, member, effort, seed, path), job, res in zip(plan, jobs, results):
-                ep = {"slot": slot, "task": task.id, "family": family_of(task.id), "effort": effort}
-                if res.get("status") == "error":
-                    ep.update(reward=None, status="lost", detail=res.get("detail"), records=[])
-                else:
-                    ep.update(reward=float(res["score"]), status=res["status"], records=read_trajectory(job["out"]),
-                              verifier_failed=any(verifier_failed(v["reason"]) for v in res.get("verdicts", [])))
-                episodes.append(ep)
-            return episodes
+            return [_episode(slot, task, effort, lost=res.get("detail")) if res.get("status") == "error"
+                    else _episode(slot, task, effort, res, read_trajectory(job["out"]))
+                    for (slot, task, member, effort, seed, path), job, res in zip(plan, jobs, results)]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -588,6 +576,19 @@ class GRPOObjective:
                       f"lost {rs.get('lost')}  verifier failed {rs.get('verifier_failed')}  "
                       f"clip {row['clip_fraction']:.3f}  entropy {row['entropy']:.3f}  "
                       f"sampler diff {row['sampler_max_abs_diff']:.1e}")
+
+
+def _episode(slot: int, task, effort, summary: dict | None = None, records: list | None = None,
+             lost: str | None = None) -> dict:
+    """One sampled episode as the step uses it: its group (slot), reward and records from the
+    episode's summary, or lost (reward None, with why)."""
+    from k3.tasks.verify import verifier_failed
+
+    ep = {"slot": slot, "task": task.id, "family": family_of(task.id), "effort": effort}
+    if summary is None:
+        return {**ep, "reward": None, "status": "lost", "detail": lost, "records": []}
+    return {**ep, "reward": float(summary["score"]), "status": summary["status"], "records": records,
+            "verifier_failed": any(verifier_failed(v["reason"]) for v in summary.get("verdicts", []))}
 
 
 def _f(v) -> str:
