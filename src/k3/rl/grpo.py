@@ -115,9 +115,10 @@ class RLConfig:
         return cls(**d).validate()
 
 
-def resolve_tasks(specs: list[str], out: Path | None) -> list[str]:
+def resolve_tasks(specs: list[str], out: Path | None, generate: bool = True) -> list[str]:
     """Task directories (absolute, in the order given) from ``--tasks`` values; ``out`` None only
-    checks the values (nothing is generated)."""
+    checks the values (nothing is generated); ``generate`` False: a family's tasks are the ones
+    already generated into ``out/tasks`` (by another process of the same run)."""
     from k3.tasks.families import HELDOUT_START, get_family
     from k3.tasks.format import find_tasks
 
@@ -140,8 +141,15 @@ def resolve_tasks(specs: list[str], out: Path | None) -> list[str]:
             raise ConfigError(f"--tasks {spec!r}: seeds from {HELDOUT_START:,} on are held out for evaluation; "
                               "RL trains on training seeds only")
         for seed in range(a, b):
-            found.append(f"{spec}#{seed}" if out is None else
-                         str(fam.generate(seed, out / "tasks", overwrite=True).resolve()))
+            if out is None:
+                found.append(f"{spec}#{seed}")
+            elif generate:
+                found.append(str(fam.generate(seed, out / "tasks", overwrite=True).resolve()))
+            else:
+                d = (out / "tasks" / fam.task_id(seed)).resolve()
+                if not d.is_dir():
+                    raise K3Error(f"{d}: the task was not generated (another process of this run makes it)")
+                found.append(str(d))
     if len(set(found)) != len(found):
         raise ConfigError("--tasks names a task twice")
     return found
@@ -263,6 +271,7 @@ class GRPOObjective:
         self.reference = None
         self.step_stats: dict = {}
         self.rollout_stats: dict = {}
+        self.micros_trained: list = []   # this process's share of the step's micro-batches
 
     # ------------------------------------------------------------------ Trainer protocol
     def build_data(self, trainer, ckpt, saved) -> None:
@@ -279,8 +288,9 @@ class GRPOObjective:
             self.rl = RLConfig.from_dict(saved["data"]["rl"])
         elif self.rl is None:
             raise ConfigError("k3 rl: a fresh run needs its RL options")
-        else:   # generated tasks go into the run dir, which the Trainer has claimed by now
-            self.rl.tasks = resolve_tasks(self.rl.tasks, trainer.run_dir)
+        else:   # generated tasks go into the run dir, which the Trainer has claimed by now; under
+            # torchrun rank 0 writes them before the other ranks get here (DistTrainer._build_data)
+            self.rl.tasks = resolve_tasks(self.rl.tasks, trainer.run_dir, generate=trainer.rank == 0)
         tok_path = (ckpt / "tokenizer.json") if saved is not None else trainer.init_dir.tokenizer
         trainer.tokenizer = Tokenizer.load(tok_path)
         try:
@@ -297,9 +307,17 @@ class GRPOObjective:
         trainer.token_bytes = token_byte_lengths(trainer.tokenizer)
         trainer.data = RolloutData(self)
         trainer.on_step_end.append(self._log_step)
+        if trainer.rank == 0:   # before any process of this start makes one (the others wait for rank 0)
+            from k3.tasks.verify import Sandboxes
+            left = Sandboxes(self.rl.backend, owner=self._owner()).close_owned()
+            if left:
+                self.log(f"closed {len(left)} sandboxes an earlier, interrupted start of this run left")
 
     def micro_batches(self, trainer) -> int:
         return trainer.data.prepare(trainer)
+
+    def is_padding(self, trainer, i: int) -> bool:
+        return i >= len(self.micros_trained)
 
     def loss(self, trainer, x, y, old, adv) -> torch.Tensor:
         """Σ over the micro-batch's trained tokens of the clipped surrogate (+ beta · k3 KL)."""
@@ -315,7 +333,7 @@ class GRPOObjective:
         ref = None
         if self.rl.beta > 0:
             with torch.no_grad():
-                ref = torch.log_softmax(self._reference(trainer)(x).logits.float(), -1).gather(-1, tgt).squeeze(-1)
+                ref = torch.log_softmax(self.reference(x).logits.float(), -1).gather(-1, tgt).squeeze(-1)
         loss, st = clipped_policy_loss(logp, old, adv, mask.float(), self.rl.eps_low, self.rl.eps_high,
                                        self.rl.beta, ref)
         n = float(mask.sum())
@@ -333,40 +351,38 @@ class GRPOObjective:
         return loss * n
 
     # ------------------------------------------------------------------------ rollouts
-    def _sandboxes(self):
-        """The run's sandboxes, named after its run dir: a run killed mid-episode leaves live ones,
-        which the next start of the same run closes."""
+    def _owner(self) -> str:
+        """The name prefix of the run's sandboxes (each process adds ``-r<rank>``): a run killed
+        mid-episode leaves live ones, which rank 0 of the next start closes (``build_data``)."""
+        return "k3rl-" + hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
+
+    def _sandboxes(self, rank: int = 0):
         if self.sandboxes is None:
             from k3.tasks.verify import Sandboxes
-            owner = "k3rl-" + hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
-            self.sandboxes = Sandboxes(self.rl.backend, owner=owner)
-            left = self.sandboxes.close_owned()
-            if left:
-                self.log(f"closed {len(left)} sandboxes an earlier, interrupted start of this run left")
+            self.sandboxes = Sandboxes(self.rl.backend, owner=f"{self._owner()}-r{rank}")
         return self.sandboxes
 
-    def _reference(self, trainer):
-        """The frozen starting weights (saved in the run dir at the first step, so a resumed run
-        needs no other folder)."""
-        if self.reference is None:
-            from k3.train.state import load_model_weights, save_model_weights
-            from k3.model.decoder import K3ForCausalLM
+    def _load_reference(self, trainer, state: dict) -> None:
+        """The frozen starting weights (``state``: the policy's at this step, every process), kept
+        whole in the run dir at the first step, so a resumed run needs no other folder."""
+        from k3.model.decoder import K3ForCausalLM
+        from k3.train.state import load_model_weights, save_model_weights
 
-            where = trainer.run_dir / "reference"
-            ref = K3ForCausalLM(trainer.model_config)
-            if (where / "model").exists():
-                load_model_weights(ref, where / "model")
-            elif trainer.step == 0:   # written whole, then renamed: a kill leaves none or all of it
+        where = trainer.run_dir / "reference"
+        ref = K3ForCausalLM(trainer.model_config)
+        if trainer.step == 0:
+            ref.load_state_dict(state)
+            if trainer.rank == 0:   # written whole, then renamed: a kill leaves none or all of it
                 import shutil
-                ref.load_state_dict(trainer.model.state_dict())
                 tmp = where / "model.tmp"
                 shutil.rmtree(tmp, ignore_errors=True)
                 save_model_weights(ref, tmp)
                 os.replace(tmp, where / "model")
-            else:
-                raise K3Error(f"{where}: the reference weights of this run are missing (needed for --beta > 0)")
-            self.reference = ref.to(trainer.device).eval().requires_grad_(False)
-        return self.reference
+        elif (where / "model").exists():
+            load_model_weights(ref, where / "model")
+        else:
+            raise K3Error(f"{where}: the reference weights of this run are missing (needed for --beta > 0)")
+        self.reference = ref.to(trainer.device).eval().requires_grad_(False)
 
     def close(self) -> None:
         if self.sandboxes is not None:
@@ -376,7 +392,9 @@ class GRPOObjective:
     def check_hacks(self, trainer) -> dict:
         """Every hack transcript of every task through the rollouts' episode + verification path
         (``replay_hacks``); one that scores above its expect_reward refuses the run."""
-        rows = replay_hacks(trainer.corpus.tasks, self._sandboxes(), self.rl.context_tokens)
+        mine = trainer.corpus.tasks[trainer.rank::trainer.world]     # each process replays its share
+        rows = [r for part in trainer.gather_objects(
+            replay_hacks(mine, self._sandboxes(trainer.rank), self.rl.context_tokens)) for r in part]
         for task_id, path, score, expect in rows:
             if score > expect:
                 raise ConfigError(f"k3 rl: hack {path} scored {score} (expected at most {expect}): the reward "
@@ -397,8 +415,12 @@ class GRPOObjective:
 
         rl, step = self.rl, trainer.step
         t0 = time.perf_counter()
+        state = trainer.full_model_state()
         policy = K3ForCausalLM(trainer.model_config)
-        policy.load_state_dict(trainer.model.state_dict())
+        policy.load_state_dict(state)
+        if rl.beta > 0 and self.reference is None:
+            self._load_reference(trainer, state)
+        del state
         tasks = [trainer.corpus.tasks[(step * rl.tasks_per_step + j) % len(trainer.corpus.tasks)]
                  for j in range(rl.tasks_per_step)]
         plan = []   # (slot, task, member, effort, seed, trajectory path)
@@ -409,19 +431,21 @@ class GRPOObjective:
                         if rl.keep_rollouts else None)
                 plan.append((slot, task, member, effort, episode_seed(rl.seed, step, slot, member), path))
         sampling = {"temperature": rl.temperature, "max_tokens": rl.max_tokens, "context_tokens": rl.context_tokens}
+        rank, world = trainer.rank, trainer.world
+        mine = plan[rank::world]                      # under torchrun each process samples its share
         if rl.workers > 1 or rl.ray:
-            episodes = self._sample_in_workers(trainer, policy, plan, sampling)
+            episodes = self._sample_in_workers(trainer, policy, mine, sampling)
         else:
             episodes = []
             provider = LocalEngine(Engine(policy.to(trainer.device), tokenizer=trainer.tokenizer),
                                    name=f"policy-step{step}")
             try:
-                for slot, task, member, effort, seed, path in plan:
-                    if trainer.stop_signal is not None:   # the trainer drops this step and saves
+                for slot, task, member, effort, seed, path in mine:
+                    if trainer.stop_requested() is not None:   # the trainer drops this step and saves
                         break
                     w = TrajectoryWriter(path)
                     try:
-                        s = run_episode(task.root, provider, w, sandboxes=self._sandboxes(),
+                        s = run_episode(task.root, provider, w, sandboxes=self._sandboxes(rank),
                                         harness=seed if rl.randomize else None, seed=seed, effort=effort,
                                         **sampling)
                         episodes.append(_episode(slot, task, effort, s, w.records))
@@ -431,11 +455,23 @@ class GRPOObjective:
                         w.close()
             finally:
                 provider.close()
+        if world > 1:   # every process gets every episode, in plan order, and whether any was stopped
+            parts = trainer.gather_objects((episodes, trainer.stop_requested()))
+            stops = [sig for _, sig in parts if sig is not None]
+            if stops:   # DistTrainer acts on a signal at a step boundary; this drops the step on every rank
+                trainer.stop_signal = stops[0]
+            episodes = [None] * len(plan)
+            for r, (eps, _) in enumerate(parts):
+                episodes[r::world] = eps if len(eps) == len(plan[r::world]) else [None] * len(plan[r::world])
+            episodes = [e for e in episodes if e is not None]
         for ep in episodes:
             if ep["reward"] is None:
                 self.log(f"step {step + 1}: an episode of {ep['task']} was lost: {ep['detail']}")
         t_sample = time.perf_counter() - t0
         micros, stats = self._micro_batches(episodes)
+        mb = micros[rank::world]   # the same micro-batches on every process: each trains its share,
+        self.micros_trained = mb   # all as many (padded with ones that train nothing)
+        micros = mb + [_empty_micro()] * (-(-len(micros) // world) - len(mb))
         stats["sample_s"] = t_sample
         stats["sampled_tokens_per_s"] = stats["sampled_tokens"] / max(t_sample, 1e-9)
         self.rollout_stats = stats
@@ -456,15 +492,18 @@ class GRPOObjective:
 
         rl = self.rl
         wdir = trainer.run_dir / "rollouts" / "policy"
-        shutil.rmtree(wdir, ignore_errors=True)
-        save_pretrained(policy, wdir)
-        trainer.tokenizer.save(wdir)
+        if trainer.rank == 0:
+            shutil.rmtree(wdir, ignore_errors=True)
+            save_pretrained(policy, wdir)
+            trainer.tokenizer.save(wdir)
+        trainer.gather_objects(None)   # the weights are written before any process's jobs load them
         scratch = Path(tempfile.mkdtemp(prefix="k3rl-", dir=trainer.run_dir / "rollouts"))
         jobs = []
         for i, (slot, task, member, effort, seed, path) in enumerate(plan):
             jobs.append({"task": str(task.root), "provider": {"kind": "local", "ckpt": str(wdir)},
                          "seed": seed, "harness": seed if rl.randomize else None, "backend": rl.backend,
-                         "out": str(path or scratch / f"{i}.jsonl"), "sampling": {**sampling, "effort": effort}})
+                         "out": str(path or scratch / f"{i}.jsonl"), "sampling": {**sampling, "effort": effort},
+                         "threads": torch.get_num_threads()})   # the numbers of the in-process path
         try:
             try:
                 results = run_jobs(jobs, rl.workers, rl.ray)
@@ -534,8 +573,7 @@ class GRPOObjective:
             else:
                 groups.append([sq])
         if not groups:
-            z = torch.zeros(1, 1)
-            return [(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX), z, z)]
+            return [_empty_micro()]
         out = []
         for g in groups:
             T = len(g[0][0]["ids"]) - 1
@@ -559,7 +597,13 @@ class GRPOObjective:
     def _log_step(self, trainer, rec: dict) -> None:
         if rec.get("kind") != "train":
             return
-        acc, n = self.step_stats, max(self.step_stats.get("tokens", 0.0), 1.0)
+        keys = ("tokens", "ratio", "clip_fraction", "kl", "sampler_kl", "entropy")
+        sums = trainer.reduce_(torch.tensor([float(self.step_stats.get(k, 0.0)) for k in keys],
+                                            dtype=torch.float64, device=trainer.device))
+        worst = trainer.reduce_(torch.tensor([float(self.step_stats.get("sampler_max_abs_diff", 0.0))],
+                                             dtype=torch.float64, device=trainer.device), "max")
+        acc = {**dict(zip(keys, sums.tolist())), "sampler_max_abs_diff": float(worst)}
+        n = max(acc["tokens"], 1.0)
         t_train = time.perf_counter() - getattr(self, "_t_train", time.perf_counter())
         rs = self.rollout_stats
         row = {**rs, "trained_tokens": acc.get("tokens", 0.0),
@@ -589,6 +633,13 @@ def _episode(slot: int, task, effort, summary: dict | None = None, records: list
         return {**ep, "reward": None, "status": "lost", "detail": lost, "records": []}
     return {**ep, "reward": float(summary["score"]), "status": summary["status"], "records": records,
             "verifier_failed": any(verifier_failed(v["reason"]) for v in summary.get("verdicts", []))}
+
+
+def _empty_micro() -> tuple[torch.Tensor, ...]:
+    """A micro-batch that trains nothing (its loss is 0): a step with nothing to train, and a
+    process's padding so that every process runs as many forwards."""
+    z = torch.zeros(1, 1)
+    return (torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX), z, z)
 
 
 def _f(v) -> str:

@@ -5,6 +5,8 @@ directory, a folder of them, or ``FAMILY:A:B`` (training seeds A..B-1 of a task 
 into ``OUT/tasks``; held-out seeds are refused: they are the evaluation's). Trainer flags (lr,
 optimizer, seed, threads, checkpoint interval, ...) are ``k3 train``'s; the lr is constant by
 default (no warmup or decay), and checkpoints are written every ``--ckpt-interval`` steps.
+``--nproc N`` (or torchrun) runs the learner in N processes (DistTrainer: FSDP2 over the ranks),
+each sampling its share of a step's episodes and training its share of the micro-batches.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=hlp)
         else:
             p.add_argument(flag, dest=name, type=typ, default=None, help=hlp)
-    p.add_argument("--nproc", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="learn in N processes (torchrun; each samples its share of a step's episodes)")
     return p
 
 
@@ -128,21 +131,33 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
 
     args = _parser().parse_args(argv)
 
-    def run() -> int:
-        from k3.rl.grpo import GRPOObjective, resolve_tasks
-        from k3.train.distributed import is_distributed_launch
-        from k3.train.loop import Trainer, TrainingDiverged
+    def launch() -> int:
+        from k3.train.commands import launch_torchrun
+        _train_config(args)   # bad options fail here, once, before any process starts
+        if not args.resume:
+            from k3.rl.grpo import resolve_tasks
+            resolve_tasks(_rl_config(args).tasks, None)
+        return launch_torchrun(args.nproc, argv, "rl")
 
-        if args.nproc is not None or is_distributed_launch():
-            raise ConfigError("k3 rl: the learner runs in one process in this version (--nproc / torchrun "
-                              "are refused, not ignored)")
+    def run() -> int:
+        from k3.train.distributed import destroy
+        try:
+            return learn()
+        finally:
+            destroy()   # a distributed run's process group (also when setup failed)
+
+    def learn() -> int:
+        from k3.rl.grpo import GRPOObjective, resolve_tasks
+        from k3.train.commands import make_trainer
+        from k3.train.loop import TrainingDiverged
+
         tc = _train_config(args)
         rl = None
         if not args.resume:
             rl = _rl_config(args)
             resolve_tasks(rl.tasks, None)   # bad task values fail before the run dir is touched
         obj = GRPOObjective(rl)
-        trainer = Trainer(tc, resume=bool(args.resume), overwrite=args.overwrite, objective=obj)
+        trainer = make_trainer(tc, args.resume, args.overwrite, "rl", objective=obj)
         try:
             obj.log = trainer.print
             if trainer_hook is not None:
@@ -165,4 +180,4 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
             return 128 + int(trainer.stop_signal)
         return 0
 
-    return guarded("rl", run)
+    return guarded("rl", launch if args.nproc is not None else run)

@@ -15,8 +15,10 @@ already connected; ``RAY_ADDRESS`` reaches a cluster), each running ``rollout`` 
 Job dict: ``{"task": DIR, "provider": {"kind": "scripted", "transcript": FILE} | {"kind": "openai",
 "base_url", "model", "api_key_env"?} | {"kind": "local", "ckpt"}, "seed": int|None, "backend":
 str, "out": FILE|None, "label": str, "expect": float|None, "yolo": bool, "sampling": {"max_tokens",
-"temperature", "effort", "context_tokens"}, "harness": int|None}`` (all but task and provider
-optional; ``harness``, the randomization seed, defaults to ``seed``, the sampling seed).
+"temperature", "effort", "context_tokens"}, "harness": int|None, "threads": int|None}`` (all but
+task and provider optional; ``harness``, the randomization seed, defaults to ``seed``, the sampling
+seed; ``threads``: the worker's torch thread count, so that its numbers are those of a process at
+that count: a model's last bits depend on how its reductions are split over threads).
 """
 
 from __future__ import annotations
@@ -169,6 +171,9 @@ def rollout(job: dict) -> dict:
     """The picklable entry a worker runs: one job dict -> its summary (with label/expect/out)."""
     writer, provider = TrajectoryWriter(job.get("out")), None
     try:
+        if job.get("threads"):
+            import torch
+            torch.set_num_threads(int(job["threads"]))
         provider = make_provider(job["provider"])
         s = run_episode(job["task"], provider, writer, backend=job.get("backend", "namespace"),
                         harness=job.get("harness", job.get("seed")), yolo=job.get("yolo", False),

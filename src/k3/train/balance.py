@@ -76,11 +76,17 @@ class RouterBalancer:
         self._hists = [None for _ in self.layers]
         self._dropped = [None for _ in self.layers]
 
-    def collect(self) -> None:
-        """Take the stats of the forward just run (call once after each micro-batch forward)."""
+    def collect(self, keep: bool = True) -> None:
+        """Take the stats of the forward just run (call once after each micro-batch forward);
+        ``keep`` False: the forward only kept this process in step with the others (padding), and
+        adds zeros (every process still has every buffer of the step's one all-reduce)."""
         for i, layer in enumerate(self.layers):
             if layer.last_scores is None or layer.last_counts is None:
                 raise RuntimeError("router stats missing: call recording(True) before the forward")
+            if not keep:
+                layer.last_scores = layer.last_scores[:0]
+                layer.last_counts = torch.zeros_like(layer.last_counts)
+                layer.last_dropped = None
             if self.mode == "quantile" and self.bins:
                 bias = layer.gate.e_score_correction_bias
                 h = qb_margin_histogram(qb_margins(layer.last_scores, bias, layer.top_k), self.bins,

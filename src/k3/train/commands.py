@@ -218,23 +218,27 @@ def launch_torchrun(nproc: int, argv: list[str] | None, command: str = "train") 
     return subprocess.run(cmd, env=env).returncode
 
 
-def _make_trainer(tc, args: argparse.Namespace):
-    """The one-process Trainer, or DistTrainer under torchrun / for a DCP checkpoint; dp·ep > 1
-    without torchrun is refused."""
+def make_trainer(tc, resume: str | None, overwrite: bool, command: str = "train", **extra):
+    """The one-process Trainer, or DistTrainer under torchrun / for a DCP checkpoint (``resume``:
+    the run dir, or None for a fresh run); dp·ep > 1 without torchrun is refused."""
     from k3.errors import ConfigError
     from k3.train.distributed import DistTrainer, is_distributed_launch
     from k3.train.loop import Trainer
     from k3.train.state import find_checkpoint, load_trainer_state
     dcp = False
-    if args.resume:
-        ckpt = find_checkpoint(args.resume)
+    if resume:
+        ckpt = find_checkpoint(resume)
         dcp = ckpt is not None and load_trainer_state(ckpt).get("format") == "dcp"
     if not is_distributed_launch() and (tc.dp or 1) * tc.ep > 1:
         raise ConfigError(f"dp × ep = {(tc.dp or 1) * tc.ep} processes: launch with "
-                          f"k3 train --nproc {(tc.dp or 1) * tc.ep} ... or torchrun")
+                          f"k3 {command} --nproc {(tc.dp or 1) * tc.ep} ... or torchrun")
     cls = DistTrainer if is_distributed_launch() or dcp else Trainer
+    return cls(tc, resume=bool(resume), overwrite=overwrite, **extra)
+
+
+def _make_trainer(tc, args: argparse.Namespace):
     extra = {"read_rows": args.read_rows} if getattr(args, "read_rows", None) else {}
-    return cls(tc, resume=bool(args.resume), overwrite=args.overwrite, **extra)
+    return make_trainer(tc, args.resume, args.overwrite, args.command, **extra)
 
 
 def _train(args: argparse.Namespace, trainer_hook: Callable | None) -> int:

@@ -103,14 +103,16 @@ class Layout:
         return slice(self.rank * per, (self.rank + 1) * per)
 
 
-def init_distributed(tc, num_experts: int) -> Layout:
+def init_distributed(tc, num_experts: int, rows: bool = True) -> Layout:
     """Start the process group (torchrun's env://, or a 1-rank group without torchrun), check the
-    layout, build the meshes. The backend follows the device: cuda -> nccl, cpu -> gloo."""
+    layout, build the meshes. The backend follows the device: cuda -> nccl, cpu -> gloo. ``rows``
+    False: the run's data is not a batch of ``batch_size`` rows split over the ranks (an objective
+    shares its own micro-batches out), so its divisibility is not checked."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    dp, ep = resolve_layout(world, tc.dp, tc.ep, num_experts, tc.batch_size)
+    dp, ep = resolve_layout(world, tc.dp, tc.ep, num_experts, tc.batch_size if rows else world)
     if tc.qk_clip is not None:
         raise ConfigError("qk_clip is not supported in distributed runs (MLA weights are sharded)")
     if tc.qat:
@@ -242,7 +244,8 @@ class DistTrainer(Trainer):
         from k3.train.runinfo import absolute_paths
 
         tc = absolute_paths(tc)
-        self.layout = init_distributed(tc, _layout_config(tc, resume, resolve_model_config).num_experts)
+        self.layout = init_distributed(tc, _layout_config(tc, resume, resolve_model_config).num_experts,
+                                       rows=kwargs.get("objective") is None)
         self.comm = CommStats()
         self._pending_signal: int | None = None
         rank0 = self.layout.rank == 0
@@ -275,7 +278,8 @@ class DistTrainer(Trainer):
         super()._build_data(ckpt, saved)
         if self.layout.rank == 0:
             dist.barrier()
-        self.data = _RankRows(self.data, self.layout.rows(self.tc.batch_size))
+        if self.objective is None:   # an objective shares its micro-batches out itself (rank, world)
+            self.data = _RankRows(self.data, self.layout.rows(self.tc.batch_size))
 
     def _parallelize(self) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -326,6 +330,49 @@ class DistTrainer(Trainer):
         t = torch.tensor([value], dtype=torch.float64, device=self.layout.device)
         dist.all_reduce(t)
         return float(t)
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    def gather_objects(self, obj):
+        out = [None] * self.layout.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        if op not in ops:
+            raise ValueError(f"reduce_: op must be 'sum' or 'max', got {op!r}")
+        dist.all_reduce(t, op=ops[op])
+        return t
+
+    def stop_requested(self):
+        return self.stop_signal if self.stop_signal is not None else self._pending_signal
+
+    @torch.no_grad()
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """Collective: FSDP shards all-gathered, expert shards gathered over ep (replicated over dp)."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        from k3.train.dist_checkpoint import _wrap_expert
+        for m in self.model.modules():  # an eval forward leaves the root's parameters gathered
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        experts = {n for n, p in self.model.named_parameters() if any(p is e for e in self.expert_params)}
+        out = {}
+        for name, t in self.model.state_dict().items():   # the same order on every rank
+            if name in experts and self.layout.ep > 1:
+                t = _wrap_expert(self, t.detach()).full_tensor()
+            elif isinstance(t, DTensor):
+                t = t.full_tensor()
+            out[name] = t.detach().clone()
+        return out
 
     def _grad_scale(self) -> float:
         """FSDP and the expert sync average gradients over the W processes: scale by W."""

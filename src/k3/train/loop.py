@@ -110,7 +110,9 @@ class Trainer:
     (``micro_batches(trainer)``; a stop signal while it prepares them drops the step) and
     gives each micro-batch's loss summed over its trained tokens (``loss(trainer, *micro)``; a
     micro-batch's second tensor holds the targets, ``IGNORE_INDEX`` where nothing is trained, so
-    every trained token of the step weighs the same). An objective's run has no validation loss.
+    every trained token of the step weighs the same), and whether micro-batch i only keeps this
+    process in step with the others (``is_padding(trainer, i)``: it trains nothing and its routing
+    is not counted by the balancer). An objective's run has no validation loss.
     """
 
     def __init__(self, tc: TrainConfig, resume: bool = False, print_fn: Callable[[str], None] = print,
@@ -245,6 +247,36 @@ class Trainer:
 
     def _clip_grad_norm(self, max_norm: float) -> float:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+
+    # ------------------------------------- for objectives (post-training): the run's processes
+    @property
+    def rank(self) -> int:
+        """This process's index among the run's processes (one process: 0)."""
+        return 0
+
+    @property
+    def world(self) -> int:
+        """How many processes train this run (one process: 1)."""
+        return 1
+
+    def gather_objects(self, obj: Any) -> list:
+        """Collective: every process's ``obj`` (picklable), in rank order (one process: [obj])."""
+        return [obj]
+
+    def reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Collective: ``t`` reduced in place over the processes, ``op`` sum or max (one process: t)."""
+        if op not in ("sum", "max"):
+            raise ValueError(f"reduce_: op must be 'sum' or 'max', got {op!r}")
+        return t
+
+    def stop_requested(self) -> int | None:
+        """The stop signal this process has received (acted on where the trainer decides), or None."""
+        return self.stop_signal
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model's state dict as plain tensors, the same on every process
+        (what a ``K3ForCausalLM`` of ``model_config`` loads; one process: the model's own)."""
+        return self.model.state_dict()
 
     # -------------------------------------------------------------------------------- setup
     def _checkpoint_to_resume(self, resume: bool, overwrite: bool) -> tuple[Path | None, dict | None]:
@@ -400,7 +432,8 @@ class Trainer:
                 reason = f"non-finite loss ({lv}) in micro-batch {micro}"
                 break
             (loss * scale).backward()
-            self.balancer.collect()
+            padding = self.objective is not None and self.objective.is_padding(self, micro)
+            self.balancer.collect(keep=not padding)
             if self.qk_clip is not None:
                 self.qk_clip.collect()
             loss_sum += lv / max(labels, 1.0)
