@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from k3.rl.agent_demo import AgentDemo, episode_stats
+from k3.rl.agent_demo import AgentDemo, episode_stats, evaluate_heldout
 from k3.tasks.families import FAMILIES
 
 
@@ -34,6 +34,13 @@ def test_agent_demo_pipeline_end_to_end(tmp_path, make_nano_checkpoint, env_root
     assert sft["train_conversations"] >= 6 and sft["truncated"] >= sft["dropped"]
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert len(lines) == len(cells) and all(json.loads(x)["machine"] and json.loads(x)["date"] for x in lines)
+    # the same held-out evaluation under a randomized harness (the RL demo's spread): its episodes
+    # record that harness seed; the canonical ones (control) record none
+    seeded = evaluate_heldout(base, tmp_path / "out", ("low",), 1, "base", 1, 8, harness=3)
+    assert [(c["family"], c["harness"], c["tasks"]) for c in seeded] == [(f, 3, 1) for f in FAMILIES]
+    hs = json.loads((tmp_path / "out" / "eval" / "base-h3" / "arith-1000000.low.jsonl").read_text().splitlines()[0])
+    assert hs["conditions"]["harness"]["seed"] == 3
+    assert json.loads(one.read_text().splitlines()[0])["conditions"]["harness"]["seed"] is None
 
 
 def test_episode_stats_counts_malformed_turns(tmp_path):
@@ -49,5 +56,5 @@ def test_episode_stats_counts_malformed_turns(tmp_path):
         + rec(type="turn", index=1, tool_calls=[{"name": "nope"}], metadata={"finish_reason": "tool_calls"})
         + rec(type="tool", turn=1, result={"meta": {"bad_call": True}})
         + rec(type="turn", index=2, tool_calls=[], metadata={"finish_reason": "length"})
-        + rec(type="turn", index=3, tool_calls=[], metadata={"finish_reason": "stop"}))
-    assert episode_stats(p) == {"turns": 4, "well_formed": 2, "tool_calls": 2}
+        + rec(type="turn", index=3, tool_calls=[], reasoning="think", metadata={"finish_reason": "stop"}))
+    assert episode_stats(p) == {"turns": 4, "well_formed": 2, "tool_calls": 2, "reasoning_chars": 5}

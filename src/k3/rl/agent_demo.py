@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["agent_demo_main", "AgentDemo", "episode_stats"]
+__all__ = ["agent_demo_main", "AgentDemo", "episode_stats", "evaluate_heldout", "machine"]
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -109,35 +109,46 @@ class AgentDemo:
         return report
 
     def evaluate(self, ckpt: Path, efforts, n: int, model: str) -> list[dict]:
-        from k3.rl.rollout import run_jobs
-        from k3.tasks.families import FAMILIES, HELDOUT_START, get_family
+        return evaluate_heldout(ckpt, self.out, efforts, n, model, self.workers, self.max_tokens)
 
-        tasks = self.out / "heldout"
-        jobs = []
-        for fam in FAMILIES:
-            f = get_family(fam)
-            for seed in range(HELDOUT_START, HELDOUT_START + n):
-                d = f.generate(seed, tasks, overwrite=True)
-                for e in efforts:
-                    jobs.append({"task": str(d), "provider": {"kind": "local", "ckpt": str(ckpt)}, "seed": None,
-                                 "backend": "namespace", "label": f"{fam}/{e}",
-                                 "out": str(self.out / "eval" / model / f"{d.name}.{e}.jsonl"),
-                                 "sampling": {"effort": e, "temperature": 0.0, "max_tokens": self.max_tokens}})
-        results = run_jobs(jobs, workers=self.workers)
-        cells = []
-        for fam in FAMILIES:
+
+def evaluate_heldout(ckpt: Path, out: Path, efforts, n: int, model: str, workers: int, max_tokens: int,
+                     harness: int | None = None) -> list[dict]:
+    """Held-out pass rates of ``ckpt``: the first ``n`` held-out seeds of every family × effort,
+    LocalEngine, greedy, through the real harness (the canonical one, or randomized with seed
+    ``harness``) and sandboxes; one cell per family × effort. Tasks go to ``out/heldout``,
+    trajectories to ``out/eval/<model>[-h<harness>]/``."""
+    from k3.rl.rollout import run_jobs
+    from k3.tasks.families import FAMILIES, HELDOUT_START, get_family
+
+    tasks = out / "heldout"
+    where = out / "eval" / (model if harness is None else f"{model}-h{harness}")
+    jobs = []
+    for fam in FAMILIES:
+        f = get_family(fam)
+        for seed in range(HELDOUT_START, HELDOUT_START + n):
+            d = f.generate(seed, tasks, overwrite=True)
             for e in efforts:
-                mine = [(j, r) for j, r in zip(jobs, results) if j["label"] == f"{fam}/{e}"]
-                stats = [episode_stats(j["out"]) for j, _ in mine]
-                turns = sum(s["turns"] for s in stats)
-                cells.append({"model": model, "family": fam, "domain": get_family(fam).domain, "effort": e,
-                              "tasks": len(mine), "passed": sum(r["score"] >= 1.0 for _, r in mine),
-                              "pass_rate": sum(r["score"] >= 1.0 for _, r in mine) / max(len(mine), 1),
-                              "turns": turns, "well_formed": sum(s["well_formed"] for s in stats),
-                              "well_formed_rate": sum(s["well_formed"] for s in stats) / max(turns, 1),
-                              "tool_calls": sum(s["tool_calls"] for s in stats),
-                              "errors": [r.get("detail") for _, r in mine if r["status"] == "error"][:3]})
-        return cells
+                jobs.append({"task": str(d), "provider": {"kind": "local", "ckpt": str(ckpt)}, "seed": None,
+                             "harness": harness, "backend": "namespace", "label": f"{fam}/{e}",
+                             "out": str(where / f"{d.name}.{e}.jsonl"),
+                             "sampling": {"effort": e, "temperature": 0.0, "max_tokens": max_tokens}})
+    results = run_jobs(jobs, workers=workers)
+    cells = []
+    for fam in FAMILIES:
+        for e in efforts:
+            mine = [(j, r) for j, r in zip(jobs, results) if j["label"] == f"{fam}/{e}"]
+            stats = [episode_stats(j["out"]) for j, _ in mine]
+            turns = sum(s["turns"] for s in stats)
+            cells.append({"model": model, "family": fam, "domain": get_family(fam).domain, "effort": e,
+                          "harness": harness, "tasks": len(mine), "passed": sum(r["score"] >= 1.0 for _, r in mine),
+                          "pass_rate": sum(r["score"] >= 1.0 for _, r in mine) / max(len(mine), 1),
+                          "turns": turns, "well_formed": sum(s["well_formed"] for s in stats),
+                          "well_formed_rate": sum(s["well_formed"] for s in stats) / max(turns, 1),
+                          "tool_calls": sum(s["tool_calls"] for s in stats),
+                          "reasoning_chars": sum(s["reasoning_chars"] for s in stats) / max(len(stats), 1),
+                          "errors": [r.get("detail") for _, r in mine if r["status"] == "error"][:3]})
+    return cells
 
 
 def episode_stats(trajectory: str | os.PathLike) -> dict:
@@ -147,7 +158,7 @@ def episode_stats(trajectory: str | os.PathLike) -> dict:
 
     p = Path(trajectory)
     if not p.is_file():
-        return {"turns": 0, "well_formed": 0, "tool_calls": 0}
+        return {"turns": 0, "well_formed": 0, "tool_calls": 0, "reasoning_chars": 0}
     recs = read_trajectory(p)
     bad_calls: dict[int, int] = {}
     for r in recs:
@@ -156,7 +167,9 @@ def episode_stats(trajectory: str | os.PathLike) -> dict:
     turns = [r for r in recs if r["type"] == "turn"]
     ok = sum(1 for t in turns if t["metadata"].get("finish_reason") in ("stop", "tool_calls")
              and not bad_calls.get(t["index"]))
-    return {"turns": len(turns), "well_formed": ok, "tool_calls": sum(len(t["tool_calls"]) for t in turns)}
+    reasoning = sum(len(t.get("reasoning") or "") for t in turns)
+    return {"turns": len(turns), "well_formed": ok, "tool_calls": sum(len(t["tool_calls"]) for t in turns),
+            "reasoning_chars": reasoning}
 
 
 def machine() -> str:
