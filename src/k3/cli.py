@@ -78,6 +78,8 @@ _DELEGATED = [
     ("train", "k3.train.commands:train_main", "train a K3 model (k3 train --preset tiny --out runs/tiny)"),
     ("sft", "k3.rl.sft:sft_main", "fine-tune on conversations / passing trajectories (k3 sft --from RUN --data F)"),
     ("rl", "k3.rl.rl_cli:rl_main", "RL from hidden verifiers on tasks (k3 rl --from RUN --tasks files:0:16)"),
+    ("distill", "k3.rl.rl_cli:distill_main",
+     "on-policy distillation from teachers per domain/effort (k3 distill --student RUN --teachers T.toml --tasks ...)"),
     ("sample", "k3.infer.run_model:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
     ("generate", "k3.infer.cli:generate_main", "continue a prompt, streaming (k3 generate CKPT --prompt ...)"),
     ("chat", "k3.infer.cli:chat_main", "chat with a model in the terminal (k3 chat CKPT --show-thinking)"),

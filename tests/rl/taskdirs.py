@@ -104,15 +104,19 @@ network = false
 '''
 
 
-def make_letter_task(root: Path, task_id: str = "letter", accept=("A",), verify: str | None = None) -> Path:
+def make_letter_task(root: Path, task_id: str = "letter", accept=("A",), verify: str | None = None,
+                     domain: str | None = None) -> Path:
     """A task with no tools whose reply is the answer: 1.0 when it is one of ``accept`` (RL's toy,
-    where the right behaviour is one token); hack: replying "B"."""
+    where the right behaviour is one token); hack: replying "B". ``domain``: its task.toml's."""
     from k3.tasks.families.base import answer_verifier
 
     d = root / task_id
     for sub in ("workspace", "verifier", "solution", "hacks"):
         (d / sub).mkdir(parents=True, exist_ok=True)
-    (d / "task.toml").write_text(LETTER_TOML.format(task_id=task_id))
+    text = LETTER_TOML.format(task_id=task_id)
+    if domain is not None:
+        text = text.replace('answer = "answer.txt"\n', f'answer = "answer.txt"\ndomain = "{domain}"\n')
+    (d / "task.toml").write_text(text)
     (d / "verifier" / "verify.py").write_text(verify or answer_verifier("answer.txt", list(accept)))
     write_transcript(d / "solution" / "solve.json", [{"reasoning": "", "content": "A"}])
     write_transcript(d / "hacks" / "reply-b.json", [{"reasoning": "", "content": "B"}], expect=0.0)

@@ -84,8 +84,9 @@ class RLConfig:
     def validate(self) -> "RLConfig":
         if not self.tasks:
             raise ConfigError("k3 rl: no tasks (--tasks DIR or FAMILY:A:B)")
-        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < 2:
-            raise ConfigError(f"--group must be an int >= 2 (advantages are relative to the group), got {self.group!r}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or self.group < self.min_group():
+            raise ConfigError(f"--group must be an int >= {self.min_group()} (advantages are relative to the group), "
+                              f"got {self.group!r}")
         for name in ("tasks_per_step", "max_tokens", "context_tokens", "micro_tokens", "workers"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -102,6 +103,10 @@ class RLConfig:
         if self.backend == "local":
             raise ConfigError("--backend local does not isolate the agent; RL needs namespace or vm")
         return self
+
+    def min_group(self) -> int:
+        """Episodes a group needs (group-relative advantages: 2)."""
+        return 2
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -239,7 +244,7 @@ class RolloutData:
         self.next = 0
 
     def state_dict(self) -> dict:
-        return {"format": FORMAT, "rl": self.obj.rl.to_dict()}
+        return {"format": FORMAT, self.obj.KIND: self.obj.rl.to_dict()}
 
     def load_state_dict(self, d: dict) -> None:
         """(``build_data`` has read the RL options from ``d``.) Nothing else to restore: a step is
@@ -260,7 +265,12 @@ class RolloutData:
 
 
 class GRPOObjective:
-    """The Trainer objective of ``k3 rl`` (module doc)."""
+    """The Trainer objective of ``k3 rl`` (module doc). ``k3 distill`` (``k3.rl.distill``) is this
+    objective with another loss: the sampling, rewards, masks, packing, logging and resume are
+    these."""
+
+    KIND, WHAT, CONFIG = "rl", "an RL", RLConfig
+    TAGGED = False     # micro-batches carry each row's teacher tag (k3 distill)
 
     def __init__(self, rl: RLConfig | None, log=print):
         """``rl``: a fresh run's options (its ``tasks`` still as given on the command line); None
@@ -282,12 +292,12 @@ class GRPOObjective:
         tc = trainer.tc
         self.run_dir = trainer.run_dir
         if saved is not None:
-            if not isinstance(saved.get("data"), dict) or "rl" not in saved["data"]:
-                raise CheckpointError(f"cannot resume {trainer.run_dir} with k3 rl: its checkpoint is not "
-                                      "of an RL run (resume it with the command that wrote it)")
-            self.rl = RLConfig.from_dict(saved["data"]["rl"])
+            if not isinstance(saved.get("data"), dict) or self.KIND not in saved["data"]:
+                raise CheckpointError(f"cannot resume {trainer.run_dir} with k3 {self.KIND}: its checkpoint is "
+                                      f"not of {self.WHAT} run (resume it with the command that wrote it)")
+            self.rl = self.CONFIG.from_dict(saved["data"][self.KIND])
         elif self.rl is None:
-            raise ConfigError("k3 rl: a fresh run needs its RL options")
+            raise ConfigError(f"k3 {self.KIND}: a fresh run needs its options")
         else:   # generated tasks go into the run dir, which the Trainer has claimed by now; under
             # torchrun rank 0 writes them before the other ranks get here (DistTrainer._build_data)
             self.rl.tasks = resolve_tasks(self.rl.tasks, trainer.run_dir, generate=trainer.rank == 0)
@@ -471,7 +481,7 @@ class GRPOObjective:
         micros, stats = self._micro_batches(episodes)
         mb = micros[rank::world]   # the same micro-batches on every process: each trains its share,
         self.micros_trained = mb   # all as many (padded with ones that train nothing)
-        micros = mb + [_empty_micro()] * (-(-len(micros) // world) - len(mb))
+        micros = mb + [_empty_micro(self.TAGGED)] * (-(-len(micros) // world) - len(mb))
         stats["sample_s"] = t_sample
         stats["sampled_tokens_per_s"] = stats["sampled_tokens"] / max(t_sample, 1e-9)
         self.rollout_stats = stats
@@ -524,10 +534,13 @@ class GRPOObjective:
         by_slot: dict[int, list[dict]] = {}
         for e in kept:
             by_slot.setdefault(e["slot"], []).append(e)
-        dropped = [s for s, es in by_slot.items() if len(es) < 2]
+        dropped = [s for s, es in by_slot.items() if len(es) < self.min_group()]
         train_eps = [e for e in kept if e["slot"] not in dropped]
         degenerate = 0
-        if train_eps:
+        if not self.uses_rewards():
+            for e in train_eps:
+                e["advantage"] = 0.0
+        elif train_eps:
             adv, degenerate = group_advantages(torch.tensor([e["reward"] for e in train_eps]),
                                                torch.tensor([e["slot"] for e in train_eps]), rl.scale_std)
             for e, a in zip(train_eps, adv.tolist()):
@@ -545,7 +558,7 @@ class GRPOObjective:
             reasoning.append(r_tok)
             if "advantage" in e:
                 for sq in episode_sequences(e["records"]):
-                    seqs.append((sq, e["advantage"]))
+                    seqs.append((sq, e["advantage"], self.tag_id(e)))
         micros = self._pack(seqs)
         rewards = [e["reward"] for e in kept]
         fam: dict[str, list[float]] = {}
@@ -560,11 +573,33 @@ class GRPOObjective:
                  "reasoning_tokens": sum(reasoning) / len(reasoning) if reasoning else None,
                  "tool_calls": sum(calls) / len(calls) if calls else None,
                  "turns": turns, "sampled_tokens": sampled, "sequences": len(seqs)}
+        stats.update(self.episode_stats(kept, reasoning))
         return micros, stats
 
-    def _pack(self, seqs: list[tuple[dict, float]]) -> list[tuple[torch.Tensor, ...]]:
+    # seams of k3 distill
+    def min_group(self) -> int:
+        """Episodes a group needs to be trained on."""
+        return self.rl.min_group()
+
+    def uses_rewards(self) -> bool:
+        return True
+
+    def tag_id(self, episode: dict) -> int:
+        """The index of the teacher of an episode's tokens (RL: none)."""
+        return 0
+
+    def episode_stats(self, kept: list[dict], reasoning: list[int]) -> dict:
+        """More per-step figures of the kept episodes (``reasoning``: each one's reasoning tokens)."""
+        return {}
+
+    def update_stats(self, trainer) -> dict:
+        """More per-step figures of the update (collective: every process calls it)."""
+        return {}
+
+    def _pack(self, seqs: list[tuple[dict, float, int]]) -> list[tuple[torch.Tensor, ...]]:
         """Sequences (longest first) into micro-batches of at most ``micro_tokens`` padded tokens;
-        one empty micro-batch when nothing is trained this step (its loss is 0)."""
+        one empty micro-batch when nothing is trained this step (its loss is 0). A micro-batch is
+        (x, y, sampler logprobs, advantages) and, with ``TAGGED``, each row's teacher tag index."""
         order = sorted(seqs, key=lambda s: -len(s[0]["ids"]))
         groups: list[list[tuple[dict, float]]] = []
         for sq in order:   # a micro-batch's first sequence is its longest: rows x that length
@@ -573,7 +608,7 @@ class GRPOObjective:
             else:
                 groups.append([sq])
         if not groups:
-            return [_empty_micro()]
+            return [_empty_micro(self.TAGGED)]
         out = []
         for g in groups:
             T = len(g[0][0]["ids"]) - 1
@@ -581,7 +616,7 @@ class GRPOObjective:
             y = torch.full((len(g), T), IGNORE_INDEX, dtype=torch.long)
             old = torch.zeros(len(g), T)
             adv = torch.zeros(len(g), T)
-            for b, (sq, a) in enumerate(g):
+            for b, (sq, a, _) in enumerate(g):
                 ids, st = sq["ids"], sq["start"]
                 x[b, :len(ids) - 1] = torch.tensor(ids[:-1])
                 for m, (lp, tr) in enumerate(zip(sq["logprobs"], sq["train"])):
@@ -590,7 +625,8 @@ class GRPOObjective:
                         y[b, k] = ids[st + m]
                         old[b, k] = lp
                         adv[b, k] = a
-            out.append((x, y, old, adv))
+            tags = (torch.tensor([t for _, _, t in g], dtype=torch.long),) if self.TAGGED else ()
+            out.append((x, y, old, adv, *tags))
         return out
 
     # ------------------------------------------------------------------------- logging
@@ -612,7 +648,7 @@ class GRPOObjective:
                "sampler_kl": acc.get("sampler_kl", 0.0) / n, "entropy": acc.get("entropy", 0.0) / n,
                "sampler_max_abs_diff": acc.get("sampler_max_abs_diff", 0.0),
                "train_s": t_train, "trained_tokens_per_s": acc.get("tokens", 0.0) / max(t_train, 1e-9),
-               "loss": rec["loss"]}
+               "loss": rec["loss"], **self.update_stats(trainer)}
         trainer.metrics.log("rl", step=rec["step"], **row)
         fam = "  ".join(f"{k} {v:.2f}" for k, v in rs.get("reward_by_family", {}).items())
         trainer.print(f"step {rec['step']}: reward {_f(rs.get('reward_mean'))}  pass {_f(rs.get('pass_rate'))}  "
@@ -635,11 +671,12 @@ def _episode(slot: int, task, effort, summary: dict | None = None, records: list
             "verifier_failed": any(verifier_failed(v["reason"]) for v in summary.get("verdicts", []))}
 
 
-def _empty_micro() -> tuple[torch.Tensor, ...]:
+def _empty_micro(tagged: bool = False) -> tuple[torch.Tensor, ...]:
     """A micro-batch that trains nothing (its loss is 0): a step with nothing to train, and a
     process's padding so that every process runs as many forwards."""
     z = torch.zeros(1, 1)
-    return (torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX), z, z)
+    tags = (torch.zeros(1, dtype=torch.long),) if tagged else ()
+    return (torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX), z, z, *tags)
 
 
 def _f(v) -> str:

@@ -18,23 +18,35 @@ from pathlib import Path
 
 from k3.errors import CheckpointError, ConfigError
 
-__all__ = ["rl_main"]
+__all__ = ["rl_main", "distill_main"]
 
 _TRAINER_FLAGS = ("steps", "optimizer", "ns_dtype", "lr", "weight_decay", "warmup_frac", "decay_frac",
                   "min_lr_ratio", "grad_clip", "max_skips", "balance", "dtype", "ckpt_interval", "seed",
                   "threads", "device", "plot", "out")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(kind: str = "rl") -> argparse.ArgumentParser:
     from k3.train.commands import _TRAIN_FLAGS
 
-    p = argparse.ArgumentParser(prog="k3 rl", description="RL from hidden verifiers on tasks (SPEC §10)")
-    p.add_argument("--from", dest="init_from", help="checkpoint (run dir, checkpoint or model dir) to start from")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the RL run in RUN_DIR from its checkpoint")
+    distill = kind == "distill"
+    p = argparse.ArgumentParser(prog=f"k3 {kind}", description=(
+        "multi-teacher on-policy distillation on tasks (SPEC §10)" if distill else
+        "RL from hidden verifiers on tasks (SPEC §10)"))
+    if distill:
+        p.add_argument("--student", dest="init_from", metavar="CKPT", help="checkpoint (run dir, checkpoint or model dir) of the student")
+        p.add_argument("--teachers", help="TOML: a table per DOMAIN/EFFORT tag with checkpoint = PATH")
+        p.add_argument("--estimator", default="exact", help="exact (whole vocabulary; --top-k K) | sampled")
+        p.add_argument("--top-k", type=int, default=None, help="exact: the student's K likeliest tokens + a tail bucket")
+        p.add_argument("--reward-weight", type=float, default=0.0,
+                       help="add W x the k3 rl policy loss on the verifier's rewards (groups >= 2)")
+    else:
+        p.add_argument("--from", dest="init_from", metavar="CKPT", help="checkpoint (run dir, checkpoint or model dir) to start from")
+    p.add_argument("--resume", metavar="RUN_DIR", help=f"continue the {kind} run in RUN_DIR from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run's checkpoint in --out")
     p.add_argument("--tasks", action="append", default=None,
                    help="task dir, folder of tasks, or FAMILY:A:B (training seeds A..B-1); repeatable")
-    p.add_argument("--group", type=int, default=8, help="episodes per task and step (>= 2)")
+    p.add_argument("--group", type=int, default=4 if distill else 8,
+                   help="episodes per task and step" + ("" if distill else " (>= 2)"))
     p.add_argument("--tasks-per-step", type=int, default=2)
     p.add_argument("--effort", action="append", default=None, help="low | high | max | all (cycled per group)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -66,26 +78,35 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _rl_config(args):
-    """The RL options of a fresh run; its tasks are resolved into the run dir once it is claimed."""
+    """The options of a fresh run; its tasks are resolved into the run dir once it is claimed."""
     from k3.rl.grpo import RLConfig
 
-    efforts: list = [None]
+    distill = args.kind == "distill"
+    efforts: list = ["all"] if distill else [None]
     if args.effort:
-        efforts = []
-        for e in args.effort:
-            efforts += ["low", "high", "max"] if e == "all" else [e]
+        efforts = args.effort
+    efforts = [x for e in efforts for x in (["low", "high", "max"] if e == "all" else [e])]
+    extra = {}
+    if distill:
+        from k3.rl.distill import DistillConfig, read_teachers
+        if not args.teachers:
+            raise ConfigError("--teachers FILE (the tag -> teacher table) is required")
+        RLConfig = DistillConfig   # noqa: N806 - the distillation's options are RL's and its own
+        extra = {"teachers": read_teachers(args.teachers), "estimator": args.estimator, "top_k": args.top_k,
+                 "reward_weight": args.reward_weight}
     return RLConfig(tasks=list(args.tasks), group=args.group, tasks_per_step=args.tasks_per_step,
                     efforts=efforts, temperature=args.temperature, max_tokens=args.max_tokens,
                     context_tokens=args.context_tokens, eps_low=args.eps_low, eps_high=args.eps_high,
                     beta=args.beta, scale_std=args.scale_std, micro_tokens=args.micro_tokens,
                     randomize=args.randomize, backend=args.backend, workers=args.workers, ray=args.ray,
                     seed=args.seed or 0,
-                    keep_rollouts=args.keep_rollouts).validate()
+                    keep_rollouts=args.keep_rollouts, **extra).validate()
 
 
 _RL_FLAGS = ("tasks", "effort", "beta", "scale_std", "micro_tokens", "randomize", "backend", "keep_rollouts",
              "workers", "ray",
              "group", "tasks_per_step", "temperature", "max_tokens", "context_tokens", "eps_low", "eps_high")
+_DISTILL_FLAGS = ("teachers", "estimator", "top_k", "reward_weight")
 
 
 def _train_config(args):
@@ -98,8 +119,9 @@ def _train_config(args):
             raise ConfigError("--overwrite starts a fresh run; it cannot be combined with --resume")
         if flags.get("out") not in (None, args.resume):
             raise ConfigError("--resume continues a run in place; do not pass a different --out")
-        defaults = _parser().parse_args([])
-        changed = [n for n in _RL_FLAGS if getattr(args, n) != getattr(defaults, n)]
+        defaults = _parser(args.kind).parse_args([])
+        changed = [n for n in _RL_FLAGS + (_DISTILL_FLAGS if args.kind == "distill" else ())
+                   if getattr(args, n) != getattr(defaults, n)]
         if args.seed is not None:   # the episodes' seeds are the run's: a new one would not apply
             changed.append("seed")
         if args.init_from or changed:
@@ -114,10 +136,11 @@ def _train_config(args):
         tc = TrainConfig.from_dict(base, "options")
     else:
         if not args.init_from:
-            raise ConfigError("--from CKPT (the checkpoint to start from) is required")
+            raise ConfigError(("--student" if args.kind == "distill" else "--from")
+                              + " CKPT (the checkpoint to start from) is required")
         if not args.tasks:
             raise ConfigError("--tasks DIR|FAMILY:A:B is required")
-        base = {"init_from": args.init_from, "out": f"runs/{Path(args.init_from).resolve().name}-rl",
+        base = {"init_from": args.init_from, "out": f"runs/{Path(args.init_from).resolve().name}-{args.kind}",
                 "steps": 50, "lr": 3e-4, "warmup_frac": 0.0, "decay_frac": 0.0,
                 "eval_interval": 0, "ckpt_interval": 10, "log_interval": 1}
         base.update(flags)
@@ -126,10 +149,16 @@ def _train_config(args):
     return tc
 
 
-def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
+def distill_main(argv: list[str] | None = None, trainer_hook=None) -> int:
+    """``k3 distill --student CKPT --teachers teachers.toml --tasks ...`` (``k3.rl.distill``)."""
+    return rl_main(argv, trainer_hook, kind="distill")
+
+
+def rl_main(argv: list[str] | None = None, trainer_hook=None, kind: str = "rl") -> int:
     from k3.cliutil import guarded
 
-    args = _parser().parse_args(argv)
+    args = _parser(kind).parse_args(argv)
+    args.kind = kind
 
     def launch() -> int:
         from k3.train.commands import launch_torchrun
@@ -137,7 +166,7 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
         if not args.resume:
             from k3.rl.grpo import resolve_tasks
             resolve_tasks(_rl_config(args).tasks, None)
-        return launch_torchrun(args.nproc, argv, "rl")
+        return launch_torchrun(args.nproc, argv, kind)
 
     def run() -> int:
         from k3.train.distributed import destroy
@@ -147,6 +176,7 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
             destroy()   # a distributed run's process group (also when setup failed)
 
     def learn() -> int:
+        from k3.rl.distill import DistillObjective
         from k3.rl.grpo import GRPOObjective, resolve_tasks
         from k3.train.commands import make_trainer
         from k3.train.loop import TrainingDiverged
@@ -156,20 +186,20 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
         if not args.resume:
             rl = _rl_config(args)
             resolve_tasks(rl.tasks, None)   # bad task values fail before the run dir is touched
-        obj = GRPOObjective(rl)
-        trainer = make_trainer(tc, args.resume, args.overwrite, "rl", objective=obj)
+        obj = (DistillObjective if kind == "distill" else GRPOObjective)(rl)
+        trainer = make_trainer(tc, args.resume, args.overwrite, kind, objective=obj)
         try:
             obj.log = trainer.print
             if trainer_hook is not None:
                 trainer_hook(trainer)
-            trainer.print(f"k3 rl: {len(obj.rl.tasks)} tasks, groups of {obj.rl.group}, "
+            trainer.print(f"k3 {kind}: {len(obj.rl.tasks)} tasks, groups of {obj.rl.group}, "
                           f"{obj.rl.tasks_per_step} tasks per step; run dir {tc.out}"
                           + (f"; resuming at step {trainer.step}" if args.resume else ""))
             if not args.resume:
                 obj.check_hacks(trainer)
             res = trainer.train()
         except TrainingDiverged as e:
-            print(f"k3 rl: {e}", file=sys.stderr)
+            print(f"k3 {kind}: {e}", file=sys.stderr)
             return 1
         finally:
             trainer.close()
@@ -180,4 +210,4 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None) -> int:
             return 128 + int(trainer.stop_signal)
         return 0
 
-    return guarded("rl", launch if args.nproc is not None else run)
+    return guarded(kind, launch if args.nproc is not None else run)

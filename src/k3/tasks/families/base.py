@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3.errors import ConfigError
+from k3.tasks.format import DOMAINS  # noqa: F401 - the families' domains (re-exported)
 
 __all__ = ["Family", "TaskFiles", "HELDOUT_START", "SPLITS", "DOMAINS", "EFFORTS", "META_FILE",
            "split_of", "check_seed", "check_effort", "answer_verifier", "shell_output"]
 
 HELDOUT_START = 1_000_000
 SPLITS = ("train", "heldout")
-DOMAINS = ("general", "general_agent", "coding_agent")
 EFFORTS = ("low", "high", "max")  # == k3.data.chat.EFFORTS (checked by the tests)
 META_FILE = "family.json"
 FORMAT = 1  # of family.json

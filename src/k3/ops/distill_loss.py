@@ -1,0 +1,87 @@
+"""On-policy distillation losses (SPEC §10): the student samples, a teacher scores every token the
+student wrote, and the per-token reverse KL KL(π_s ‖ π_t) is what the student minimises. Pure
+tensor functions.
+
+At a position t whose next token x_t the student sampled (``mask`` 1: never prompt, tool-result or
+forced tokens), with student logprobs s(·) and teacher logprobs q(·) over the vocabulary::
+
+    exact KL      KL_t = Σ_v exp(s(v)) · (s(v) − q(v))                    (needs the teacher's whole row)
+    sampled       k_t  = s(x_t) − q(x_t)                                   (needs only q(x_t): a remote teacher)
+
+E_{x_t ~ π_s}[k_t] = KL_t, so the sampled form is an unbiased estimate of the exact one. They are
+trained two ways:
+
+- ``reverse_kl_exact``: the loss is Σ_t mask_t · KL_t, differentiated through the student's whole
+  row (no sampling noise in the gradient). With ``top_k`` only the student's k most likely tokens
+  keep their own entries and the rest of each distribution is one bucket (its mass 1 − Σ top-k);
+  that is the KL of the two coarsened distributions, never more than the exact KL, and equal to it
+  when the tail buckets agree.
+- ``reverse_kl_sampled``: the score-function (REINFORCE) form with k_t as a per-token cost, as a
+  policy gradient with a discount of 0 (the cost of a token does not flow to the tokens before it):
+  loss_t = sg(k_t) · ρ_t with ρ_t = exp(s(x_t) − old_t) the importance ratio against the sampler's
+  recorded logprob (1 when sampler and learner hold the same weights, as in ``k3 distill``), so
+  ∇loss_t = k_t · ∇s(x_t), whose expectation over x_t ~ π_s is ∇KL_t. Its reported value is k_t
+  (the estimate of the KL), not the surrogate.
+
+Both are 0 with zero gradient when the student equals the teacher. Each returns the sum over masked
+tokens (the caller divides by the step's trained tokens, as the Trainer does for every objective)
+and statistics (the KL estimate summed over the tokens, the token count).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["reverse_kl_exact", "reverse_kl_sampled"]
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16 logits are computed on in fp32; fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _check(name: str, t: torch.Tensor, shape) -> None:
+    if t.shape != shape:
+        raise ValueError(f"{name} shape {tuple(t.shape)} != {tuple(shape)}")
+
+
+def reverse_kl_exact(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
+                     top_k: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """student_logits [*, V] (differentiable), teacher_logprobs [*, V] (log-softmax of the
+    teacher), mask [*] 0/1 -> (Σ_t mask_t · KL_t, stats). ``top_k``: the student's k most likely
+    tokens and one tail bucket (module doc)."""
+    _check("teacher_logprobs", teacher_logprobs, student_logits.shape)
+    _check("mask", mask, student_logits.shape[:-1])
+    s = torch.log_softmax(_up(student_logits), -1)
+    q = _up(teacher_logprobs)
+    if top_k is not None:
+        V = s.shape[-1]
+        if not 1 <= top_k < V:
+            raise ValueError(f"top_k must be in 1..{V - 1} (the vocabulary has {V} tokens), got {top_k}")
+        idx = s.detach().topk(top_k, -1).indices
+        s_k, q_k = s.gather(-1, idx), q.gather(-1, idx)
+        # the tail bucket: log(1 − Σ top-k), computed as a log-sum-exp of the tail for precision
+        keep = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, idx, True)
+        tail_s = torch.logsumexp(s.masked_fill(keep, float("-inf")), -1, keepdim=True)
+        tail_q = torch.logsumexp(q.masked_fill(keep, float("-inf")), -1, keepdim=True)
+        s, q = torch.cat([s_k, tail_s], -1), torch.cat([q_k, tail_q], -1)
+    p = s.exp()
+    kl_t = (p * (s - q)).sum(-1)
+    m = mask.to(kl_t.dtype)
+    loss = (kl_t * m).sum()
+    return loss, {"kl": float(loss.detach()), "tokens": float(m.sum())}
+
+
+def reverse_kl_sampled(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                       mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """logp [*] the student's logprob of each sampled token (differentiable), old_logp [*] the
+    sampler's recorded one, teacher_logp [*] the teacher's, mask [*] 0/1 -> (Σ_t mask_t ·
+    sg(k_t) · ρ_t, stats with ``kl`` = Σ_t mask_t · k_t)."""
+    for name, t in (("old_logp", old_logp), ("teacher_logp", teacher_logp), ("mask", mask)):
+        _check(name, t, logp.shape)
+    lp = _up(logp)
+    m = mask.to(lp.dtype)
+    k = (lp - _up(teacher_logp)).detach()
+    ratio = torch.exp(lp - _up(old_logp))
+    loss = (k * ratio * m).sum()
+    return loss, {"kl": float((k * m).sum()), "tokens": float(m.sum())}

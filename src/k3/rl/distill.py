@@ -1,0 +1,272 @@
+"""``k3 distill`` (SPEC §10): multi-teacher on-policy distillation into one student.
+
+The student samples episodes exactly as ``k3 rl`` does (``GRPOObjective``: the same tasks, groups,
+seeds, harness randomization, sandboxes, verifier, masks, packing, resume and torchrun split), and
+a teacher scores every token the student wrote; the per-token reverse KL KL(π_s ‖ π_t) is the loss
+(``k3.ops.distill_loss``), on the student's sampled tokens only.
+
+**Teachers** come from a TOML file mapping a tag to a teacher::
+
+    ["coding_agent/max"]
+    checkpoint = "runs/teacher-code-max"    # a k3 run, checkpoint folder or model directory
+
+A tag is ``DOMAIN/EFFORT`` (domains ``general``, ``general_agent``, ``coding_agent``; efforts
+``low``, ``high``, ``max``). An episode's tag is its task's domain (``family.json`` of a generated
+task, else ``domain`` in ``task.toml``) and the effort of its group, which the system turn renders
+(SPEC §6.3), so the student learns to follow it. Every (task, effort) of the run must have a
+teacher: a missing tag, a task without a domain, a teacher whose tokenizer differs from the
+student's (vocabulary or ids) are errors before the first step, naming them. Each row of a
+micro-batch is scored by its own tag's teacher only (a sample never reaches another teacher).
+Teachers run in the learner's process, on its device, frozen; their paths are kept in the run's
+checkpoint, so ``k3 distill --resume DIR`` needs nothing else (the teachers must still be there).
+
+**Estimators** (``--estimator``): ``exact`` (default; the KL over the whole vocabulary, or over
+the student's top ``--top-k`` tokens and one tail bucket) or ``sampled`` (the teacher's logprob of
+the sampled token only, a score-function gradient; what a remote teacher that returns only the
+logprobs of given tokens allows). ``--reward-weight W`` > 0 adds W × the ``k3 rl`` clipped
+policy loss on the group-relative verifier rewards (groups of ``--group`` >= 2 then).
+
+Logged per step besides ``k3 rl``'s figures: per tag, the KL (estimate) per token, the student's
+pass rate and its reasoning tokens per episode (``kl_by_tag``, ``pass_by_tag``, ``reasoning_by_tag``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3.data.packing import IGNORE_INDEX
+from k3.errors import ConfigError, K3Error
+from k3.ops.distill_loss import reverse_kl_exact, reverse_kl_sampled
+from k3.ops.policy_loss import clipped_policy_loss
+from k3.rl.grpo import GRPOObjective, RLConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["DistillConfig", "DistillObjective", "read_teachers", "task_domain", "ESTIMATORS"]
+
+ESTIMATORS = ("exact", "sampled")
+
+
+def read_teachers(path: str | Path) -> dict[str, str]:
+    """teachers.toml -> {tag: absolute checkpoint path}, checked (module doc)."""
+    from k3.tasks.families import DOMAINS, EFFORTS
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--teachers {path}: no such file")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    if not raw:
+        raise ConfigError(f"{path}: no teachers (a table per tag, e.g. [\"general/high\"] checkpoint = ...)")
+    out = {}
+    for tag, t in raw.items():
+        domain, _, effort = tag.partition("/")
+        if domain not in DOMAINS or effort not in EFFORTS:
+            raise ConfigError(f"{path}: tag {tag!r} is not DOMAIN/EFFORT with a domain of {DOMAINS} "
+                              f"and an effort of {EFFORTS}")
+        if not isinstance(t, dict):
+            raise ConfigError(f"{path}: [{tag!r}] must be a table")
+        unknown = sorted(set(t) - {"checkpoint", "url", "model"})
+        if unknown:
+            raise ConfigError(f"{path}: [{tag!r}]: unknown key {unknown[0]!r} (allowed: checkpoint)")
+        if "url" in t or "model" in t:
+            raise ConfigError(f"{path}: [{tag!r}]: remote teachers (url, model) are not supported in this version; "
+                              "give a k3 checkpoint")
+        if not isinstance(t.get("checkpoint"), str) or not t["checkpoint"]:
+            raise ConfigError(f"{path}: [{tag!r}]: checkpoint (a k3 run, checkpoint or model dir) is required")
+        ckpt = Path(t["checkpoint"])
+        ckpt = (ckpt if ckpt.is_absolute() else path.parent / ckpt).resolve()
+        if not ckpt.is_dir():
+            raise ConfigError(f"{path}: [{tag!r}]: checkpoint {ckpt} does not exist")
+        out[tag] = str(ckpt)
+    return out
+
+
+def task_domain(task) -> str:
+    """A task's domain: ``family.json``'s for a generated task, else ``domain`` of its task.toml."""
+    from k3.tasks.families import META_FILE
+    from k3.tasks.families.base import read_meta
+
+    if (task.root / META_FILE).is_file():
+        return read_meta(task.root)["domain"]
+    if task.domain is None:
+        raise ConfigError(f"task {task.id} ({task.root}) has no domain: k3 distill picks its teacher by "
+                          "DOMAIN/EFFORT (set domain = \"...\" in its task.toml)")
+    return task.domain
+
+
+@dataclass
+class DistillConfig(RLConfig):
+    """``RLConfig`` (the sampling) and the distillation's own options."""
+
+    group: int = 4
+    efforts: list[str | None] = field(default_factory=lambda: ["low", "high", "max"])
+    teachers: dict[str, str] = field(default_factory=dict)   # tag -> absolute checkpoint path
+    estimator: str = "exact"
+    top_k: int | None = None
+    reward_weight: float = 0.0
+
+    def min_group(self) -> int:
+        return 2 if self.reward_weight else 1    # advantages are relative to a group
+
+    def validate(self) -> "DistillConfig":
+        if self.beta:
+            raise ConfigError("--beta is k3 rl's KL to the starting weights; k3 distill's anchor is the teacher "
+                              "(not both)")
+        w = self.reward_weight
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 and math.isfinite(w)):
+            raise ConfigError(f"--reward-weight must be a number >= 0, got {w!r}")
+        super().validate()
+        if None in self.efforts:
+            raise ConfigError("k3 distill: every group needs an effort (its tag is DOMAIN/EFFORT): "
+                              "--effort low|high|max|all")
+        if not self.teachers:
+            raise ConfigError("k3 distill: no teachers (--teachers FILE)")
+        if self.estimator not in ESTIMATORS:
+            raise ConfigError(f"--estimator must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}")
+        if self.top_k is not None:
+            if self.estimator != "exact":
+                raise ConfigError("--top-k applies to --estimator exact (the sampled one reads one token)")
+            if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+                raise ConfigError(f"--top-k must be an int >= 1, got {self.top_k!r}")
+        return self
+
+
+class DistillObjective(GRPOObjective):
+    """The Trainer objective of ``k3 distill`` (module doc)."""
+
+    KIND, WHAT, CONFIG = "distill", "a distillation", DistillConfig
+    TAGGED = True
+
+    def __init__(self, rl: DistillConfig | None, log=print):
+        super().__init__(rl, log)
+        self.tags: list[str] = []
+        self.teacher_models: list[torch.nn.Module] = []
+        self.task_tags: dict[tuple[str, str], int] = {}
+
+    # ------------------------------------------------------------------ setup
+    def build_data(self, trainer, ckpt, saved) -> None:
+        super().build_data(trainer, ckpt, saved)
+        rl = self.rl
+        self.tags = sorted(rl.teachers)
+        need: dict[str, list[str]] = {}
+        for task in trainer.corpus.tasks:
+            dom = task_domain(task)
+            for e in dict.fromkeys(rl.efforts):
+                tag = f"{dom}/{e}"
+                if tag not in rl.teachers:
+                    need.setdefault(tag, []).append(task.id)
+                else:
+                    self.task_tags[(task.id, e)] = self.tags.index(tag)
+        if need:
+            tag, ids = sorted(need.items())[0]
+            raise ConfigError(f"k3 distill: no teacher for tag {tag!r} (tasks {', '.join(ids[:3])}"
+                              f"{', ...' if len(ids) > 3 else ''}); teachers: {', '.join(self.tags)}")
+        self.teacher_models = [self._load_teacher(trainer, tag) for tag in self.tags]
+
+    def _load_teacher(self, trainer, tag: str):
+        from k3.infer.run_model import load_run_model
+
+        path = self.rl.teachers[tag]
+        try:
+            model, tok = load_run_model(path)
+        except (OSError, K3Error) as e:
+            raise ConfigError(f"teacher {tag!r} ({path}): {e}") from None
+        mine, theirs = _vocab_digest(trainer.tokenizer), _vocab_digest(tok)
+        if mine != theirs or model.config.vocab_size != trainer.model_config.vocab_size:
+            raise ConfigError(f"teacher {tag!r} ({path}) has another tokenizer or vocabulary than the student "
+                              f"({tok.vocab_size} ids, model vocab {model.config.vocab_size}; the student: "
+                              f"{trainer.tokenizer.vocab_size} ids, model vocab {trainer.model_config.vocab_size}); "
+                              "distillation compares token by token and needs the same ids")
+        return model.to(trainer.device).eval().requires_grad_(False)
+
+    # ------------------------------------------------------------------ seams of GRPOObjective
+    def min_group(self) -> int:
+        return self.rl.min_group()
+
+    def uses_rewards(self) -> bool:
+        return self.rl.reward_weight > 0
+
+    def tag_id(self, episode: dict) -> int:
+        return self.task_tags[(episode["task"], episode["effort"])]
+
+    def episode_stats(self, kept: list[dict], reasoning: list[int]) -> dict:
+        by: dict[str, list[tuple[float, int]]] = {}
+        for e, r in zip(kept, reasoning):
+            by.setdefault(self.tags[self.tag_id(e)], []).append((e["reward"], r))
+        return {"pass_by_tag": {t: sum(x >= 1.0 for x, _ in v) / len(v) for t, v in sorted(by.items())},
+                "reasoning_by_tag": {t: sum(r for _, r in v) / len(v) for t, v in sorted(by.items())},
+                "episodes_by_tag": {t: len(v) for t, v in sorted(by.items())}}
+
+    def update_stats(self, trainer) -> dict:
+        t = torch.tensor([float(self.step_stats.get(f"kl:{i}", 0.0)) for i in range(len(self.tags))]
+                         + [float(self.step_stats.get(f"tokens:{i}", 0.0)) for i in range(len(self.tags))],
+                         dtype=torch.float64, device=trainer.device)
+        trainer.reduce_(t)
+        n = len(self.tags)
+        return {"kl_by_tag": {self.tags[i]: float(t[i]) / float(t[n + i]) for i in range(n) if t[n + i] > 0},
+                "kl_teacher": float(t[:n].sum()) / max(float(t[n:].sum()), 1.0)}
+
+    # ------------------------------------------------------------------ loss
+    def loss(self, trainer, x, y, old, adv, tags) -> torch.Tensor:
+        """Σ over the micro-batch's trained tokens of the reverse KL to each row's teacher
+        (+ reward_weight × the clipped policy loss)."""
+        rl, dev = self.rl, trainer.device
+        x, y, old, adv, tags = x.to(dev), y.to(dev), old.to(dev), adv.to(dev), tags.to(dev)
+        with torch.autocast(dev.type, dtype=trainer.autocast_dtype or torch.bfloat16,
+                            enabled=trainer.autocast_dtype is not None):
+            logits = trainer.model(x).logits
+        logits = logits.float()
+        logp_all = torch.log_softmax(logits, -1)
+        mask = y != IGNORE_INDEX
+        tgt = y.clamp_min(0).unsqueeze(-1)
+        logp = logp_all.gather(-1, tgt).squeeze(-1)
+        total = logits.new_zeros(())
+        acc = self.step_stats
+        for i in torch.unique(tags).tolist():
+            rows = (tags == i).nonzero().squeeze(-1)
+            m = mask[rows]
+            if not bool(m.any()):
+                continue
+            with torch.no_grad():     # this tag's teacher, on its rows only
+                t_all = torch.log_softmax(self.teacher_models[i](x[rows]).logits.float(), -1)
+            if rl.estimator == "exact":
+                part, st = reverse_kl_exact(logits[rows], t_all, m.float(), rl.top_k)
+            else:
+                part, st = reverse_kl_sampled(logp[rows], old[rows], t_all.gather(-1, tgt[rows]).squeeze(-1),
+                                              m.float())
+            total = total + part
+            acc[f"kl:{i}"] = acc.get(f"kl:{i}", 0.0) + st["kl"]
+            acc[f"tokens:{i}"] = acc.get(f"tokens:{i}", 0.0) + st["tokens"]
+        n = float(mask.sum())
+        if rl.reward_weight > 0:
+            pl, _ = clipped_policy_loss(logp, old, adv, mask.float(), rl.eps_low, rl.eps_high)
+            total = total + rl.reward_weight * pl * n
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+            d = (old - logp)[mask]
+            acc["tokens"] = acc.get("tokens", 0.0) + n
+            acc["ratio"] = acc.get("ratio", 0.0) + float(torch.exp(-d).sum())
+            acc["entropy"] = acc.get("entropy", 0.0) + float(ent[mask].sum())
+            acc["sampler_kl"] = acc.get("sampler_kl", 0.0) + float((d.exp() - d - 1).sum())
+            acc["sampler_max_abs_diff"] = max(acc.get("sampler_max_abs_diff", 0.0),
+                                              float(d.abs().max()) if d.numel() else 0.0)
+        return total
+
+
+def _vocab_digest(tok) -> str:
+    """The token ids' strings (what 'the same tokenizer' means for comparing logprobs id by id)."""
+    return hashlib.sha256(json.dumps(tok.hf.get_vocab(), sort_keys=True).encode()).hexdigest()
+
