@@ -4,9 +4,11 @@ Each table lives between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` in a 
 rendered from a JSON record under ``docs/data/`` that carries its machine and date:
 
 - ``agent_demo`` (docs/POSTTRAINING.md) from ``docs/data/agent_demo.json``, the report of one
-  ``k3 agent-demo`` run (``runs/agent-demo/report.json`` copied there by ``--save``).
+  ``k3 agent-demo`` run (``runs/agent-demo/report.json`` copied there by ``--save``);
+- ``rl_demo`` (docs/RL.md) from ``docs/data/rl_demo.json``, the report of one
+  ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``).
 
-    python benchmarks/docs_tables.py [--save runs/agent-demo/report.json]
+    python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data" / "agent_demo.json"
 DOC = ROOT / "docs" / "POSTTRAINING.md"
+RL_DATA = ROOT / "docs" / "data" / "rl_demo.json"
+RL_DOC = ROOT / "docs" / "RL.md"
 
 
 def agent_demo_table(report: dict) -> str:
@@ -41,6 +45,42 @@ def agent_demo_table(report: dict) -> str:
         "", head, *rows])
 
 
+def rl_demo_table(report: dict) -> str:
+    """Held-out pass rates before (SFT) and after RL per family × effort, the spread over harness
+    seeds, the reward curve in brief, speeds and times."""
+    cells = {(c["model"], c["family"], c["effort"]): c for c in report["cells"]}
+    fams = list(dict.fromkeys(c["family"] for c in report["cells"]))
+    efforts = list(dict.fromkeys(c["effort"] for c in report["cells"]))
+    rl, ev, sp, t = report["rl"], report["eval"], report["speed"], report["times"]
+    rows = ["| family | effort | SFT (before) | RL (after) | after ÷ before |", "|---|---|---|---|---|"]
+    for f in fams:
+        for e in efforts:
+            b, a = cells[("sft", f, e)], cells[("rl", f, e)]
+            ratio = f"{a['pass_rate'] / b['pass_rate']:.2f}×" if b["pass_rate"] else "–"
+            rows.append(f"| {f} | {e} | {b['passed']}/{b['tasks']} ({100 * b['pass_rate']:.0f} %) | "
+                        f"{a['passed']}/{a['tasks']} ({100 * a['pass_rate']:.0f} %) | {ratio} |")
+    spread = ["| family | SFT: pass rate per harness seed (std) | RL: pass rate per harness seed (std) |",
+              "|---|---|---|"]
+    for f in fams:
+        b, a = report["spread"]["sft"][f], report["spread"]["rl"][f]
+        spread.append(f"| {f} | {' '.join(f'{x:.2f}' for x in b['rates'])} ({b['std']:.3f}) | "
+                      f"{' '.join(f'{x:.2f}' for x in a['rates'])} ({a['std']:.3f}) |")
+    curve = report["curve"]
+    k = max(1, len(curve) // 10)
+    pts = ", ".join(f"{c['step']}: {c['reward_mean']:.2f}" for c in curve[::k] if c["reward_mean"] is not None)
+    times = ", ".join(f"{key.removesuffix('_s')} {v:.0f} s" for key, v in t.items())
+    return "\n".join([
+        f"Measured {report['date']} on {report['machine']} (`docs/data/rl_demo.json`).",
+        f"RL: {rl['steps']} steps in {t['rl_s'] / 60:.1f} min (budget {rl['minutes']:g} min), groups of "
+        f"{rl['group']}, {rl['tasks_per_step']} tasks per step, lr {rl['lr']}, effort {rl['effort']}, "
+        f"temperature {rl['temperature']}, harness randomization on, {rl['workers']} rollout workers; tasks "
+        f"{', '.join(rl['tasks'])}. Evaluation: {ev['heldout']} held-out tasks per cell, greedy, canonical "
+        f"harness; the spread at effort {ev['spread_effort']} over {ev['harness_seeds']} harness seeds.",
+        f"Sampling {sp['sampled_tokens_per_s']:.0f} tokens/s ({sp['sampled_tokens']:,} tokens), training "
+        f"{sp['trained_tokens_per_s']:.0f} tokens/s ({sp['trained_tokens']:,.0f} tokens). Times: {times}.",
+        f"Mean reward by step: {pts}.", "", *rows, "", *spread])
+
+
 def replace_block(doc: Path, name: str, body: str) -> None:
     text = doc.read_text()
     pat = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
@@ -52,12 +92,17 @@ def replace_block(doc: Path, name: str, body: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--save", help="a k3 agent-demo report.json to record as docs/data/agent_demo.json first")
+    p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
     a = p.parse_args()
-    if a.save:
-        DATA.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(a.save, DATA)
+    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA)):
+        if src:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
     replace_block(DOC, "agent_demo", agent_demo_table(json.loads(DATA.read_text())))
     print(f"wrote the agent_demo table of {DOC.relative_to(ROOT)} from {DATA.relative_to(ROOT)}")
+    if RL_DATA.exists():
+        replace_block(RL_DOC, "rl_demo", rl_demo_table(json.loads(RL_DATA.read_text())))
+        print(f"wrote the rl_demo table of {RL_DOC.relative_to(ROOT)} from {RL_DATA.relative_to(ROOT)}")
     return 0
 
 

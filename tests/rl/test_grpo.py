@@ -167,7 +167,7 @@ def test_masks_train_only_what_the_policy_wrote(letters):
             "prompt_ids": prompt, "token_ids": body, "logprobs": [-1.0] * len(body), "forced": []}}})
     obj = GRPOObjective(RLConfig(tasks=["x"]))
     obj.fmt = fmt
-    micros = obj._pack([(s, 1.0) for s in episode_sequences(records)])
+    micros = obj._pack([(s, 1.0, 0) for s in episode_sequences(records)])
     trained = []
     for x, y, _, _ in micros:
         for row in y:
