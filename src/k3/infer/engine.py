@@ -235,7 +235,7 @@ class Engine(PrefillSteps):
                           f"({reserved} bytes for {len(prompt)} prompt + {max_tokens} new tokens)")
         sampler = Sampler(params, V, prompt, self.device)
         return Request(handle, prompt, params, sampler, TextStream(self.tokenizer, params.stop), reserved,
-                       max_tokens)
+                       max_tokens, solo=params.prompt_logprobs is not None)
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cv:

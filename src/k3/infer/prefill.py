@@ -37,7 +37,8 @@ class PrefillSteps:
         """Consult the prefix cache once per request; True when it starts from scratch (a miss)."""
         if not req.started:
             req.started = True
-            hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else None
+            scored = req.params.prompt_logprobs is not None   # every prompt position is run
+            hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None and not scored else None
             if hit is not None and 0 < hit.length < len(req.prompt) and hit.cache is not None:
                 req.cache, req.pos = hit.cache, hit.length
         return req.cache is None
@@ -104,7 +105,13 @@ class PrefillSteps:
             req.cache, req.pos = self.model.new_cache(1), 0
         end = self._chunk_end(req.pos, n, budget)
         ids = torch.tensor([req.prompt[req.pos: end]], dtype=torch.long, device=self.device)
-        logits = self.model(ids, cache=req.cache, logits_to_keep=1).logits[0, -1]
+        top = req.params.prompt_logprobs
+        if top is None:
+            logits = self.model(ids, cache=req.cache, logits_to_keep=1).logits[0, -1]
+        else:   # every position's logits: the logprob of each next prompt token
+            every = self.model(ids, cache=req.cache).logits[0]
+            self._score_prompt(req, every, end, top)
+            logits = every[-1]
         ran, req.pos = end - req.pos, end
         self._counters["prompt_tokens"] += ran
         if self.prefix_cache is not None and (end % self.cache_block == 0 or end == n):
@@ -113,11 +120,25 @@ class PrefillSteps:
             return ran
         with self._cv:
             self._prefill.remove(req)
+        req.handle.prompt_logprobs = req.prompt_lps   # before the first event reaches the caller
         self._emit_rows([req], logits[None])
         rows, req.cache = req.cache, None
         if not req.finished:
             self._to_decode([req], rows)
         return ran
+
+    @staticmethod
+    def _score_prompt(req: Request, logits: torch.Tensor, end: int, top: int) -> None:
+        """Append the logprobs of prompt tokens pos+1 .. end-1 (and, with ``top``, their top
+        alternatives) from this chunk's logits [end - pos, V]; the first prompt token gets None."""
+        if req.prompt_lps is None:
+            req.prompt_lps = [None]
+        lp = torch.log_softmax(logits.float(), -1)
+        nxt = req.prompt[req.pos + 1: end + 1]          # the token each position predicts
+        got = lp[torch.arange(len(nxt)), torch.tensor(nxt, device=lp.device)].tolist()
+        alts = lp[:len(nxt)].topk(min(top, lp.shape[-1])) if top else None
+        for j, v in enumerate(got):
+            req.prompt_lps.append((v, list(zip(alts.indices[j].tolist(), alts.values[j].tolist())) if top else []))
 
     def _to_decode(self, reqs: list[Request], rows) -> None:
         """``reqs`` (prefilled; their cache rows ``rows``, in order) join the first decode group that

@@ -53,6 +53,9 @@ class SamplingParams:
     ``stop`` strings are matched on the decoded text and never emitted; ``stop_token_ids`` end the
     request when sampled (the id is reported, its text is not emitted); the model's EOS does the
     same unless ``ignore_eos``. ``logprobs=n`` reports the top-n alternatives of every token.
+    ``prompt_logprobs=n`` also reports, for every prompt token after the first, its logprob under
+    the model given the tokens before it, with the top-n alternatives (vLLM's parameter; the
+    request is prefilled alone and from scratch, without the prefix cache).
     ``seed=None`` draws a fresh seed per request from torch's global generator (at submit), so
     ``torch.manual_seed`` makes unseeded requests repeatable too.
     ``max_thinking_tokens=n`` (with ``think_end_id``, the ``</think>`` id) caps the thinking of a
@@ -72,6 +75,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     max_thinking_tokens: int | None = None
     think_end_id: int | None = None
@@ -113,6 +117,8 @@ class SamplingParams:
             bad("seed", "None or an int")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             bad("logprobs", "None or an int >= 0")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            bad("prompt_logprobs", "None or an int >= 0")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "a bool")
         if self.max_thinking_tokens is not None and (not _is_int(self.max_thinking_tokens)

@@ -45,6 +45,7 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[float | None] = field(default_factory=list)
+    prompt_logprobs: list | None = None   # with SamplingParams.prompt_logprobs (RequestHandle's)
 
 
 class RequestHandle:
@@ -59,6 +60,9 @@ class RequestHandle:
         self.finish_reason: str | None = None
         self.done = False
         self.events: list[TokenEvent] = []  # every event handed out so far
+        # with SamplingParams.prompt_logprobs: [None] + per prompt token after the first (its logprob,
+        # [(id, logprob)] top alternatives); set by the engine before the request's first event
+        self.prompt_logprobs: list | None = None
         self._ended = threading.Event()     # set with the end marker: result() waits on it alone
 
     def _put(self, ev: TokenEvent) -> None:
@@ -127,7 +131,7 @@ class RequestHandle:
                 lps.append(ev.logprob)
             text.append(ev.text_delta)
             reason = ev.finish_reason or reason
-        return Completion(ids, "".join(text), reason, lps)
+        return Completion(ids, "".join(text), reason, lps, self.prompt_logprobs)
 
 
 @dataclass
@@ -142,7 +146,8 @@ class Request:
     cache: K3Cache | None = None
     pos: int = 0           # prompt tokens already in the cache
     started: bool = False  # the prefix cache was consulted (a miss leaves ``cache`` None, ``pos`` 0)
-    solo: bool = False     # a batched prefill that held it failed: prefill it alone from now on
+    solo: bool = False     # prefilled alone (a batched prefill that held it failed; prompt logprobs)
+    prompt_lps: list | None = None   # prompt logprobs so far (SamplingParams.prompt_logprobs)
     out: list[int] = field(default_factory=list)
     finished: bool = False  # ended (stop, length, cancel, error): its rows are dropped
     t_submit: float = field(default_factory=time.perf_counter)

@@ -266,13 +266,23 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
         req = await svc.body(request, CompletionRequest)
         ids = _prompt_ids(req.prompt, tokenizer)
         stop = [_checked_text(t, "stop") for t in ([req.stop] if isinstance(req.stop, str) else req.stop or [])]
-        params = svc.params(req, svc.max_tokens(req.max_tokens, len(ids)), stop=stop)
+        if req.stream and (req.echo or req.logprobs is not None):
+            raise ApiError(400, "echo and logprobs are not supported with stream",
+                           param="echo" if req.echo else "logprobs")
+        if req.max_tokens == 0 and not req.echo:
+            raise ApiError(400, "max_tokens=0 only scores the prompt: it needs echo=true", param="max_tokens")
+        score_only = req.max_tokens == 0   # one token is generated and dropped: the prompt's scores are the answer
+        params = svc.params(req, svc.max_tokens(1 if score_only else req.max_tokens, len(ids)), stop=stop,
+                            logprobs=req.logprobs,
+                            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
         handle = svc.submit(ids, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(completion_stream(svc, handle, svc.events(handle), rid, len(ids), usage))
-        return await _unless_gone(request, completion_whole(svc, handle, svc.events(handle), rid, len(ids)))
+        echo = ids if req.echo else None
+        return await _unless_gone(request, completion_whole(svc, handle, svc.events(handle), rid, len(ids),
+                                                            echo=echo, logprobs=req.logprobs, score_only=score_only))
 
     return app
 

@@ -137,14 +137,42 @@ async def chat_stream(svc, handle, evs, rid: str, n_prompt: int, include_usage: 
     yield "data: [DONE]\n\n"
 
 
-async def completion_whole(svc, handle, evs, rid: str, n_prompt: int) -> dict:
-    text, st = [], {}
-    async for _ in _run(svc, evs, lambda ev: text.append(ev.text_delta), st):
+async def completion_whole(svc, handle, evs, rid: str, n_prompt: int, echo: list[int] | None = None,
+                           logprobs: int | None = None, score_only: bool = False) -> dict:
+    """The whole completion; ``echo``: the prompt ids, put before it (text and logprobs);
+    ``logprobs``: OpenAI's legacy logprobs object; ``score_only``: the completion is dropped."""
+    text, evs_seen, st = [], [], {}
+
+    def on(ev):
+        text.append(ev.text_delta)
+        evs_seen.append(ev)
+
+    async for _ in _run(svc, evs, on, st):
         pass
     n, reason = st["n"], st["reason"]
+    if score_only:
+        text, evs_seen, n, reason = [], [], 0, "length"
+    tok = svc.tok
+    out = "".join(text)
+    lp = None
+    if logprobs is not None:
+        rows = []   # (token id, its logprob, [(id, logprob)] alternatives)
+        if echo is not None:
+            scored = handle.prompt_logprobs or [None]
+            rows += [(t, None if s is None else s[0], [] if s is None else s[1]) for t, s in zip(echo, scored)]
+        rows += [(ev.token_id, ev.logprob, ev.top_logprobs or []) for ev in evs_seen if ev.token_id is not None]
+        strs = [tok.decode([t]) for t, _, _ in rows]
+        offsets, at = [], 0
+        for s_ in strs:
+            offsets.append(at)
+            at += len(s_)
+        lp = {"tokens": strs, "token_ids": [t for t, _, _ in rows], "token_logprobs": [v for _, v, _ in rows],
+              "top_logprobs": [None if v is None else {tok.decode([i]): x for i, x in alts} for _, v, alts in rows],
+              "text_offset": offsets}
+    if echo is not None:
+        out = tok.decode(echo) + out
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": svc.model_name,
-            "choices": [{"index": 0, "text": "".join(text), "finish_reason": reason or "length",
-                         "logprobs": None}],
+            "choices": [{"index": 0, "text": out, "finish_reason": reason or "length", "logprobs": lp}],
             "usage": _usage(n_prompt, n)}
 
 

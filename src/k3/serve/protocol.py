@@ -70,4 +70,9 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr]]
     stop: Union[StrictStr, list[StrictStr], None] = None
-    echo: Literal[False] = False
+    # OpenAI's legacy completions: ``logprobs`` n reports each token's logprob and its top-n
+    # alternatives; ``echo`` puts the prompt before the completion, in the text and the logprobs
+    # (its first token's logprob null); ``max_tokens`` 0 with ``echo`` scores the prompt only
+    echo: StrictBool = False
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
