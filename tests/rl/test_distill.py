@@ -137,7 +137,7 @@ def test_bad_input_is_one_line_before_the_first_step(models, tmp_path, capsys, m
           "'nope/low' is not DOMAIN/EFFORT")
     remote = tmp_path / "remote.toml"
     remote.write_text('["general/low"]\nurl = "http://127.0.0.1:1/v1"\nmodel = "k3"\n')
-    fails(argv(student, remote, task, tmp_path / "r3"), "remote teachers")
+    fails(argv(student, remote, task, tmp_path / "r3"), "is remote: it gives the logprobs of given tokens only")
     fails(argv(student, ok, task, tmp_path / "r4", "--estimator", "forward"), "--estimator must be one of")
     fails(argv(student, ok, task, tmp_path / "r5", "--estimator", "sampled", "--top-k", "4"), "--top-k applies")
     fails(argv(student, ok, task, tmp_path / "r6", "--beta", "0.1"), "--beta")
@@ -158,3 +158,36 @@ def test_bad_input_is_one_line_before_the_first_step(models, tmp_path, capsys, m
     assert len(err.splitlines()) == 1 and "not of an RL run" in err, err
     assert distill_main(["--resume", str(tmp_path / "fine"), "--steps", "2", "--threads", "1"]) == 0
     assert [r["step"] for r in records(tmp_path / "fine")] == [1, 2]
+
+
+def test_a_remote_teacher_scores_as_the_same_checkpoint_in_process(models, tmp_path, capsys, make_nano_checkpoint,
+                                                                   sandboxes):
+    """``k3 serve`` of the teacher as a remote teacher (sampled estimator): the step's KL per tag
+    and loss equal those of the same checkpoint loaded in process; a server of a model with
+    another tokenizer is refused by the probe, a dead endpoint fails naming the teacher."""
+    from k3.serve.launch import launch
+
+    d, student, teach_a, _, task = models
+    local = tmp_path / "local"
+    assert distill_main(argv(student, teachers_toml(tmp_path / "l.toml", **{"general/low": teach_a}), task, local,
+                             "--estimator", "sampled", steps=1)) == 0
+    with launch(teach_a, "--model-name", "teacher", threads=1) as srv:
+        remote = tmp_path / "r.toml"
+        remote.write_text(f'["general/low"]\nurl = "{srv.url}/v1"\nmodel = "teacher"\n')
+        run = tmp_path / "remote"
+        assert distill_main(argv(student, remote, task, run, "--estimator", "sampled", steps=1)) == 0
+    a, b = records(local)[0], records(run)[0]
+    assert a["sampled_tokens"] == b["sampled_tokens"] > 0
+    assert abs(a["kl_by_tag"]["general/low"] - b["kl_by_tag"]["general/low"]) <= 1e-4, (a, b)
+    assert abs(a["loss"] - b["loss"]) <= 1e-4
+    capsys.readouterr()
+    other = make_nano_checkpoint(tmp_path / "other", "Zebra quartz jumps; vexing fog. " * 3)[0]
+    with launch(other, "--model-name", "other", threads=1) as srv:
+        remote.write_text(f'["general/low"]\nurl = "{srv.url}/v1"\nmodel = "other"\n')
+        assert distill_main(argv(student, remote, task, tmp_path / "r2", "--estimator", "sampled", steps=1)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "another tokenizer" in err, err
+    remote.write_text('["general/low"]\nurl = "http://127.0.0.1:9/v1"\nmodel = "gone"\ntimeout = 2\n')
+    assert distill_main(argv(student, remote, task, tmp_path / "r3", "--estimator", "sampled", steps=1)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "teacher 'general/low'" in err and "failed 3 times" in err, err

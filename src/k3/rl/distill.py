@@ -10,14 +10,22 @@ a teacher scores every token the student wrote; the per-token reverse KL KL(π_s
     ["coding_agent/max"]
     checkpoint = "runs/teacher-code-max"    # a k3 run, checkpoint folder or model directory
 
+    ["general/low"]
+    url = "http://127.0.0.1:8000/v1"        # an OpenAI-compatible server that scores given tokens
+    model = "k3"                            # (k3 serve: /v1/completions with echo and logprobs)
+    api_key_env = "TEACHER_KEY"             # optional: the variable holding its key
+    timeout = 60                            # optional: seconds per request (3 tries, then the step fails)
+
 A tag is ``DOMAIN/EFFORT`` (domains ``general``, ``general_agent``, ``coding_agent``; efforts
 ``low``, ``high``, ``max``). An episode's tag is its task's domain (``family.json`` of a generated
 task, else ``domain`` in ``task.toml``) and the effort of its group, which the system turn renders
 (SPEC §6.3), so the student learns to follow it. Every (task, effort) of the run must have a
 teacher: a missing tag, a task without a domain, a teacher whose tokenizer differs from the
-student's (vocabulary or ids) are errors before the first step, naming them. Each row of a
+student's (vocabulary or ids; a remote teacher is probed: the token strings it returns for the
+student's ids must be the student's) are errors before the first step, naming them. Each row of a
 micro-batch is scored by its own tag's teacher only (a sample never reaches another teacher).
-Teachers run in the learner's process, on its device, frozen; their paths are kept in the run's
+A local teacher runs in the learner's process, on its device, frozen; a remote one gives only the
+logprobs of given tokens, so it needs ``--estimator sampled``. The table is kept in the run's
 checkpoint, so ``k3 distill --resume DIR`` needs nothing else (the teachers must still be there).
 
 **Estimators** (``--estimator``): ``exact`` (default; the KL over the whole vocabulary, or over
@@ -57,8 +65,8 @@ __all__ = ["DistillConfig", "DistillObjective", "read_teachers", "task_domain", 
 ESTIMATORS = ("exact", "sampled")
 
 
-def read_teachers(path: str | Path) -> dict[str, str]:
-    """teachers.toml -> {tag: absolute checkpoint path}, checked (module doc)."""
+def read_teachers(path: str | Path) -> dict[str, dict]:
+    """teachers.toml -> {tag: {"checkpoint": absolute path} | {"url", "model", ...}}, checked."""
     from k3.tasks.families import DOMAINS, EFFORTS
 
     path = Path(path)
@@ -78,19 +86,34 @@ def read_teachers(path: str | Path) -> dict[str, str]:
                               f"and an effort of {EFFORTS}")
         if not isinstance(t, dict):
             raise ConfigError(f"{path}: [{tag!r}] must be a table")
-        unknown = sorted(set(t) - {"checkpoint", "url", "model"})
+        remote = {"url", "model", "api_key_env", "timeout"}
+        unknown = sorted(set(t) - {"checkpoint"} - remote)
         if unknown:
-            raise ConfigError(f"{path}: [{tag!r}]: unknown key {unknown[0]!r} (allowed: checkpoint)")
-        if "url" in t or "model" in t:
-            raise ConfigError(f"{path}: [{tag!r}]: remote teachers (url, model) are not supported in this version; "
-                              "give a k3 checkpoint")
+            raise ConfigError(f"{path}: [{tag!r}]: unknown key {unknown[0]!r} (allowed: checkpoint, or "
+                              f"{', '.join(sorted(remote))})")
+        if "checkpoint" in t and set(t) & remote:
+            raise ConfigError(f"{path}: [{tag!r}]: give checkpoint or url, not both")
+        if "checkpoint" not in t:
+            for k in ("url", "model"):
+                if not isinstance(t.get(k), str) or not t[k]:
+                    raise ConfigError(f"{path}: [{tag!r}]: a remote teacher needs {k} (a string)")
+            if not t["url"].startswith(("http://", "https://")):
+                raise ConfigError(f"{path}: [{tag!r}]: url must be http(s)://..., got {t['url']!r}")
+            to = t.get("timeout", 60)
+            if isinstance(to, bool) or not isinstance(to, (int, float)) or not to > 0:
+                raise ConfigError(f"{path}: [{tag!r}]: timeout must be a number of seconds > 0, got {to!r}")
+            if "api_key_env" in t and not isinstance(t["api_key_env"], str):
+                raise ConfigError(f"{path}: [{tag!r}]: api_key_env must be a variable name")
+            out[tag] = {"url": t["url"].rstrip("/"), "model": t["model"], "timeout": float(to),
+                        **({"api_key_env": t["api_key_env"]} if "api_key_env" in t else {})}
+            continue
         if not isinstance(t.get("checkpoint"), str) or not t["checkpoint"]:
             raise ConfigError(f"{path}: [{tag!r}]: checkpoint (a k3 run, checkpoint or model dir) is required")
         ckpt = Path(t["checkpoint"])
         ckpt = (ckpt if ckpt.is_absolute() else path.parent / ckpt).resolve()
         if not ckpt.is_dir():
             raise ConfigError(f"{path}: [{tag!r}]: checkpoint {ckpt} does not exist")
-        out[tag] = str(ckpt)
+        out[tag] = {"checkpoint": str(ckpt)}
     return out
 
 
@@ -113,7 +136,7 @@ class DistillConfig(RLConfig):
 
     group: int = 4
     efforts: list[str | None] = field(default_factory=lambda: ["low", "high", "max"])
-    teachers: dict[str, str] = field(default_factory=dict)   # tag -> absolute checkpoint path
+    teachers: dict[str, dict] = field(default_factory=dict)   # tag -> read_teachers' entry
     estimator: str = "exact"
     top_k: int | None = None
     reward_weight: float = 0.0
@@ -141,6 +164,10 @@ class DistillConfig(RLConfig):
                 raise ConfigError("--top-k applies to --estimator exact (the sampled one reads one token)")
             if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
                 raise ConfigError(f"--top-k must be an int >= 1, got {self.top_k!r}")
+        remote = sorted(t for t, v in self.teachers.items() if "url" in v)
+        if remote and self.estimator != "sampled":
+            raise ConfigError(f"teacher {remote[0]!r} is remote: it gives the logprobs of given tokens only, "
+                              "not whole rows (--estimator sampled)")
         return self
 
 
@@ -179,7 +206,10 @@ class DistillObjective(GRPOObjective):
     def _load_teacher(self, trainer, tag: str):
         from k3.infer.run_model import load_run_model
 
-        path = self.rl.teachers[tag]
+        spec = self.rl.teachers[tag]
+        if "url" in spec:
+            return RemoteTeacher(tag, spec, trainer.tokenizer)
+        path = spec["checkpoint"]
         try:
             model, tok = load_run_model(path)
         except (OSError, K3Error) as e:
@@ -240,13 +270,17 @@ class DistillObjective(GRPOObjective):
             m = mask[rows]
             if not bool(m.any()):
                 continue
-            with torch.no_grad():     # this tag's teacher, on its rows only
-                t_all = torch.log_softmax(self.teacher_models[i](x[rows]).logits.float(), -1)
+            teacher = self.teacher_models[i]
+            if isinstance(teacher, RemoteTeacher):   # the sampled tokens' logprobs, from the server
+                t_tok = teacher.token_logprobs(x[rows], y[rows]).to(dev)
+            else:
+                with torch.no_grad():     # this tag's teacher, on its rows only
+                    t_all = torch.log_softmax(teacher(x[rows]).logits.float(), -1)
+                t_tok = t_all.gather(-1, tgt[rows]).squeeze(-1)
             if rl.estimator == "exact":
                 part, st = reverse_kl_exact(logits[rows], t_all, m.float(), rl.top_k)
             else:
-                part, st = reverse_kl_sampled(logp[rows], old[rows], t_all.gather(-1, tgt[rows]).squeeze(-1),
-                                              m.float())
+                part, st = reverse_kl_sampled(logp[rows], old[rows], t_tok, m.float())
             total = total + part
             acc[f"kl:{i}"] = acc.get(f"kl:{i}", 0.0) + st["kl"]
             acc[f"tokens:{i}"] = acc.get(f"tokens:{i}", 0.0) + st["tokens"]
@@ -264,6 +298,82 @@ class DistillObjective(GRPOObjective):
             acc["sampler_max_abs_diff"] = max(acc.get("sampler_max_abs_diff", 0.0),
                                               float(d.abs().max()) if d.numel() else 0.0)
         return total
+
+
+class RemoteTeacher:
+    """A teacher behind an OpenAI-compatible ``/v1/completions`` that scores given token ids
+    (``echo`` + ``logprobs``, ``max_tokens`` 0: what ``k3 serve`` answers). Each request is tried
+    3 times (1 s, 2 s apart); then the step fails with an error naming the teacher."""
+
+    TRIES = 3
+
+    def __init__(self, tag: str, spec: dict, tokenizer):
+        import os
+
+        self.tag, self.url, self.model, self.timeout = tag, spec["url"], spec["model"], spec["timeout"]
+        key = os.environ.get(spec["api_key_env"], "") if spec.get("api_key_env") else ""
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.probe(tokenizer)
+
+    def _score(self, ids: list[int]) -> dict:
+        import time
+
+        import httpx
+
+        body = {"model": self.model, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0,
+                "temperature": 0}
+        last = None
+        for attempt in range(self.TRIES):
+            try:
+                r = httpx.post(self.url + "/completions", json=body, headers=self.headers, timeout=self.timeout)
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code == 200:
+                    break
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                if r.status_code < 500 and r.status_code != 429:
+                    raise K3Error(f"teacher {self.tag!r} ({self.url}): {last}")
+            if attempt + 1 < self.TRIES:
+                time.sleep(2 ** attempt)
+        else:
+            raise K3Error(f"teacher {self.tag!r} ({self.url}) failed {self.TRIES} times: {last}")
+        try:
+            lp = r.json()["choices"][0]["logprobs"]
+            toks, vals = lp["tokens"], lp["token_logprobs"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise K3Error(f"teacher {self.tag!r} ({self.url}) returned no logprobs (completions with echo "
+                          "and logprobs)") from None
+        if len(vals) != len(ids) or any(v is None for v in vals[1:]):
+            raise K3Error(f"teacher {self.tag!r} ({self.url}) returned {len(vals)} logprobs for {len(ids)} "
+                          "tokens")
+        return {"tokens": toks, "logprobs": vals}
+
+    def probe(self, tokenizer) -> None:
+        """The teacher's token strings for some of the student's ids must be the student's."""
+        ids = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i])][:: max(1, tokenizer.vocab_size // 64)]
+        got = self._score(ids)["tokens"]
+        want = [tokenizer.decode([i]) for i in ids]
+        if got != want:
+            k = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b) if len(got) == len(want) else 0
+            raise ConfigError(f"teacher {self.tag!r} ({self.url}, model {self.model}) has another tokenizer than "
+                              f"the student: token id {ids[k]} is {got[k]!r} there and {want[k]!r} here; "
+                              "distillation compares token by token and needs the same ids")
+
+    def token_logprobs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """[B, T]: the teacher's logprob of each target y (0 where y is IGNORE_INDEX), one request
+        per row (its ids up to its last target)."""
+        out = torch.zeros(y.shape, dtype=torch.float32)
+        for b in range(y.shape[0]):
+            pos = (y[b] != IGNORE_INDEX).nonzero().squeeze(-1)
+            if not pos.numel():
+                continue
+            last = int(pos[-1])
+            ids = x[b, :last + 1].tolist() + [int(y[b, last])]
+            vals = self._score(ids)["logprobs"]
+            for k in pos.tolist():
+                out[b, k] = vals[k + 1]
+        return out
 
 
 def _vocab_digest(tok) -> str:
