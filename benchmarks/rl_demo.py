@@ -1,0 +1,160 @@
+"""The RL demo (docs/RL.md): ``k3 rl`` on the agent demo's SFT checkpoint, within a wall-clock budget.
+
+1. **Before**: held-out pass rates of the SFT checkpoint per family × effort (the canonical
+   harness, greedy: the agent demo's evaluation), and at ``--spread-effort`` under each of
+   ``--harness-seeds`` harness randomization seeds (the spread across "exam rooms").
+2. **RL**: ``k3 rl`` from that checkpoint on the families' training seeds (held-out seeds are
+   refused by ``k3 rl`` itself), every effort, harness randomization on, for at most
+   ``--minutes`` of wall time: when a step ends past the budget, the run's last step is that one.
+3. **After**: the same evaluations of the RL checkpoint.
+
+Writes ``OUT/report.json`` (cells before and after, the reward curve, sampling and training
+tokens/s, the RL options, machine and date) and one JSON line per cell to
+``benchmarks/results/rl_demo.jsonl``. ``python benchmarks/docs_tables.py --save-rl OUT/report.json``
+records the report under docs/data and renders its table into docs/RL.md.
+
+    python benchmarks/rl_demo.py [--sft runs/agent-demo/sft] [--out runs/rl-demo] [--minutes 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spread(cells: list[dict]) -> dict:
+    """Per family: pass rates across harness seeds, their mean and population std."""
+    out: dict[str, dict] = {}
+    for c in cells:
+        out.setdefault(c["family"], {"rates": []})["rates"].append(c["pass_rate"])
+    for v in out.values():
+        v["mean"] = statistics.fmean(v["rates"])
+        v["std"] = statistics.pstdev(v["rates"])
+        v["range"] = max(v["rates"]) - min(v["rates"])
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sft", default="runs/agent-demo/sft", help="the agent demo's SFT run (make agent-demo)")
+    p.add_argument("--out", default="runs/rl-demo")
+    p.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget of the RL run (<= 20)")
+    p.add_argument("--max-steps", type=int, default=400)
+    p.add_argument("--tasks", action="append", default=None,
+                   help="k3 rl --tasks values (default: arith:0:600, files:0:100, code:0:100)")
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--tasks-per-step", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn (as the evaluation)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--heldout", type=int, default=20, help="held-out tasks per family × effort")
+    p.add_argument("--harness-seeds", type=int, default=5)
+    p.add_argument("--spread-effort", default="max")
+    p.add_argument("--threads", default="1")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "rl_demo.jsonl"))
+    a = p.parse_args()
+
+    from k3.rl.agent_demo import evaluate_heldout, machine
+    from k3.rl.rl_cli import rl_main
+    from k3.tasks.families import EFFORTS
+    from k3.train.metrics import read_metrics
+
+    sft, out = Path(a.sft), Path(a.out)
+    if not (sft / "checkpoint").is_dir():
+        print(f"rl_demo: {sft} holds no checkpoint (run make agent-demo first)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+
+    def evaluate(ckpt: Path, model: str) -> tuple[list[dict], list[dict]]:
+        t0 = time.monotonic()
+        cells = evaluate_heldout(ckpt, out, EFFORTS, a.heldout, model, a.workers, a.max_tokens)
+        seeds = []
+        for h in range(1, a.harness_seeds + 1):
+            seeds += evaluate_heldout(ckpt, out, (a.spread_effort,), a.heldout, model, a.workers, a.max_tokens,
+                                      harness=h)
+        times[f"eval_{model}_s"] = time.monotonic() - t0
+        for c in cells:
+            print(f"  {model:6} {c['family']:6} {c['effort']:5} {c['passed']:>3}/{c['tasks']}", flush=True)
+        for fam, v in spread(seeds).items():
+            print(f"  {model:6} {fam:6} over {a.harness_seeds} harness seeds: {v['rates']} "
+                  f"(std {v['std']:.3f})", flush=True)
+        return cells, seeds
+
+    print(f"== before: {sft}", flush=True)
+    before, before_seeds = evaluate(sft, "sft")
+
+    print(f"== k3 rl for at most {a.minutes:g} minutes", flush=True)
+    run = out / "rl"
+    tasks = a.tasks or ["arith:0:600", "files:0:100", "code:0:100"]
+    argv = ["--from", str(sft), "--out", str(run), "--overwrite", "--group", str(a.group),
+            "--tasks-per-step", str(a.tasks_per_step), "--effort", "all", "--max-tokens", str(a.max_tokens),
+            "--lr", str(a.lr), "--steps", str(a.max_steps), "--workers", str(a.workers),
+            "--threads", a.threads, "--ckpt-interval", "10", "--no-rollouts"]
+    for t in tasks:
+        argv += ["--tasks", t]
+    budget = a.minutes * 60
+    t0 = time.monotonic()
+
+    def hook(trainer):
+        def stop_when_spent(tr, rec):
+            if time.monotonic() - t0 > budget and tr.tc.steps > tr.step:
+                tr.tc.steps = tr.step   # this step is the run's last: it saves and ends normally
+        trainer.on_step_end.append(stop_when_spent)
+
+    rc = rl_main(argv, trainer_hook=hook)
+    times["rl_s"] = time.monotonic() - t0
+    if rc != 0:
+        print(f"rl_demo: k3 rl exited {rc}", file=sys.stderr)
+        return 1
+    recs = read_metrics(run)
+    rl = [r for r in recs if r["kind"] == "rl"]
+    hacks = [r for r in recs if r["kind"] == "hacks"]
+
+    print(f"== after: {run}", flush=True)
+    after, after_seeds = evaluate(run, "rl")
+
+    def tot(key):
+        return sum(r[key] for r in rl)
+
+    report = {
+        "cells": before + after, "harness_cells": before_seeds + after_seeds,
+        "spread": {"sft": spread(before_seeds), "rl": spread(after_seeds)},
+        "curve": [{k: r.get(k) for k in ("step", "reward_mean", "pass_rate", "reward_by_family", "groups_degenerate",
+                                         "lost", "verifier_failed", "entropy", "reasoning_tokens", "tool_calls")}
+                  for r in rl],
+        "speed": {"sampled_tokens": tot("sampled_tokens"), "sample_s": tot("sample_s"),
+                  "sampled_tokens_per_s": tot("sampled_tokens") / max(tot("sample_s"), 1e-9),
+                  "trained_tokens": tot("trained_tokens"), "train_s": tot("train_s"),
+                  "trained_tokens_per_s": tot("trained_tokens") / max(tot("train_s"), 1e-9)},
+        "hacks": hacks[-1] if hacks else None,
+        "rl": {"steps": len(rl), "tasks": tasks, "group": a.group, "tasks_per_step": a.tasks_per_step,
+               "lr": a.lr, "max_tokens": a.max_tokens, "workers": a.workers, "minutes": a.minutes,
+               "effort": "all", "temperature": 1.0, "randomize": True},
+        "eval": {"heldout": a.heldout, "harness_seeds": a.harness_seeds, "spread_effort": a.spread_effort,
+                 "temperature": 0.0},
+        "times": {k: round(v, 1) for k, v in times.items()},
+        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    res = Path(a.results)
+    res.parent.mkdir(parents=True, exist_ok=True)
+    with open(res, "a") as f:
+        for c in before + after:
+            f.write(json.dumps({"bench": "rl_demo", "config": f"{c['model']}/{c['family']}/{c['effort']}",
+                                "metric": "pass_rate", "value": c["pass_rate"], "baseline": None, "ratio": None,
+                                "tasks": c["tasks"], "passed": c["passed"], "machine": report["machine"],
+                                "date": report["date"]}) + "\n")
+    print(f"report: {out / 'report.json'}  (rl {len(rl)} steps in {times['rl_s']:.0f} s; sampling "
+          f"{report['speed']['sampled_tokens_per_s']:.0f} tok/s, training {report['speed']['trained_tokens_per_s']:.0f} tok/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
