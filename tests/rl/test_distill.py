@@ -191,3 +191,18 @@ def test_a_remote_teacher_scores_as_the_same_checkpoint_in_process(models, tmp_p
     assert distill_main(argv(student, remote, task, tmp_path / "r3", "--estimator", "sampled", steps=1)) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "teacher 'general/low'" in err and "failed 3 times" in err, err
+
+
+def test_distillation_under_torchrun_takes_the_one_process_step(models, tmp_path, sandboxes):
+    """--nproc 2 (each rank samples and trains its share, one rank's last micro-batch a padding
+    one): the same episodes, KL per tag and loss as one process."""
+    d, student, teach_a, _, task = models
+    t = teachers_toml(tmp_path / "t.toml", **{"general/low": teach_a})
+    same = ("--balance", "sign", "--ns-dtype", "fp32")
+    assert distill_main(argv(student, t, task, tmp_path / "one", *same, steps=1)) == 0
+    assert distill_main(argv(student, t, task, tmp_path / "two", *same, "--nproc", "2", steps=1)) == 0
+    a, b = records(tmp_path / "one")[0], records(tmp_path / "two")[0]
+    for k in ("sampled_tokens", "trained_tokens", "episodes_by_tag", "pass_by_tag"):
+        assert a[k] == b[k], k
+    assert abs(a["kl_by_tag"]["general/low"] - b["kl_by_tag"]["general/low"]) <= 1e-5
+    assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(a["loss"]))

@@ -180,7 +180,7 @@ class DistillObjective(GRPOObjective):
     def __init__(self, rl: DistillConfig | None, log=print):
         super().__init__(rl, log)
         self.tags: list[str] = []
-        self.teacher_models: list[torch.nn.Module] = []
+        self.teacher_models: list = []   # per tag: a model, a RemoteTeacher, or None (not used by the run)
         self.task_tags: dict[tuple[str, str], int] = {}
 
     # ------------------------------------------------------------------ setup
@@ -201,7 +201,9 @@ class DistillObjective(GRPOObjective):
             tag, ids = sorted(need.items())[0]
             raise ConfigError(f"k3 distill: no teacher for tag {tag!r} (tasks {', '.join(ids[:3])}"
                               f"{', ...' if len(ids) > 3 else ''}); teachers: {', '.join(self.tags)}")
-        self.teacher_models = [self._load_teacher(trainer, tag) for tag in self.tags]
+        used = set(self.task_tags.values())   # only the teachers this run's tasks and efforts need
+        self.teacher_models = [self._load_teacher(trainer, tag) if i in used else None
+                               for i, tag in enumerate(self.tags)]
 
     def _load_teacher(self, trainer, tag: str):
         from k3.infer.run_model import load_run_model
@@ -263,7 +265,7 @@ class DistillObjective(GRPOObjective):
         mask = y != IGNORE_INDEX
         tgt = y.clamp_min(0).unsqueeze(-1)
         logp = logp_all.gather(-1, tgt).squeeze(-1)
-        total = logits.new_zeros(())
+        total = logits.sum() * 0.0   # a graph through the model even when no row trains (FSDP's backward)
         acc = self.step_stats
         for i in torch.unique(tags).tolist():
             rows = (tags == i).nonzero().squeeze(-1)
