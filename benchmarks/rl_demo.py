@@ -4,8 +4,11 @@
    harness, greedy: the agent demo's evaluation), and at ``--spread-effort`` under each of
    ``--harness-seeds`` harness randomization seeds (the spread across "exam rooms").
 2. **RL**: ``k3 rl`` from that checkpoint on the families' training seeds (held-out seeds are
-   refused by ``k3 rl`` itself), every effort, harness randomization on, for at most
-   ``--minutes`` of wall time: when a step ends past the budget, the run's last step is that one.
+   refused by ``k3 rl`` itself), generated into ``OUT/train-tasks`` and passed interleaved (a step
+   takes consecutive tasks: arith 0, files 0, code 0, arith 1, ...), every effort, harness
+   randomization on, for at most ``--minutes`` of wall time: when a step ends past the budget,
+   the run's last step is that one. The "before" evaluation is kept in ``OUT/before.json`` and
+   reused by a rerun with the same checkpoint and evaluation options.
 3. **After**: the same evaluations of the RL checkpoint.
 
 Writes ``OUT/report.json`` (cells before and after, the reward curve, sampling and training
@@ -46,8 +49,8 @@ def main() -> int:
     p.add_argument("--out", default="runs/rl-demo")
     p.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget of the RL run (<= 20)")
     p.add_argument("--max-steps", type=int, default=400)
-    p.add_argument("--tasks", action="append", default=None,
-                   help="k3 rl --tasks values (default: arith:0:600, files:0:100, code:0:100)")
+    p.add_argument("--seeds", default="arith:100,files:30,code:30",
+                   help="training seeds per family, FAMILY:N,... (interleaved into the task list)")
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--tasks-per-step", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -87,12 +90,27 @@ def main() -> int:
                   f"(std {v['std']:.3f})", flush=True)
         return cells, seeds
 
-    print(f"== before: {sft}", flush=True)
-    before, before_seeds = evaluate(sft, "sft")
+    cache = out / "before.json"
+    key = {"sft": str(sft.resolve()), "heldout": a.heldout, "harness_seeds": a.harness_seeds,
+           "spread_effort": a.spread_effort, "max_tokens": a.max_tokens}
+    saved = json.loads(cache.read_text()) if cache.is_file() else None
+    if saved is not None and saved["key"] == key:
+        print(f"== before: {sft} (from {cache})", flush=True)
+        before, before_seeds, times["eval_sft_s"] = saved["cells"], saved["harness_cells"], saved["eval_s"]
+    else:
+        print(f"== before: {sft}", flush=True)
+        before, before_seeds = evaluate(sft, "sft")
+        cache.write_text(json.dumps({"key": key, "cells": before, "harness_cells": before_seeds,
+                                     "eval_s": times["eval_sft_s"]}) + "\n")
 
     print(f"== k3 rl for at most {a.minutes:g} minutes", flush=True)
     run = out / "rl"
-    tasks = a.tasks or ["arith:0:600", "files:0:100", "code:0:100"]
+    from k3.tasks.families import get_family
+    counts = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
+    made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(n)]
+            for f, n in counts.items()}
+    order = [made[f][i] for i in range(max(counts.values())) for f in counts if i < counts[f]]
+    tasks = [str(t) for t in order]
     argv = ["--from", str(sft), "--out", str(run), "--overwrite", "--group", str(a.group),
             "--tasks-per-step", str(a.tasks_per_step), "--effort", "all", "--max-tokens", str(a.max_tokens),
             "--lr", str(a.lr), "--steps", str(a.max_steps), "--workers", str(a.workers),
@@ -134,7 +152,8 @@ def main() -> int:
                   "trained_tokens": tot("trained_tokens"), "train_s": tot("train_s"),
                   "trained_tokens_per_s": tot("trained_tokens") / max(tot("train_s"), 1e-9)},
         "hacks": hacks[-1] if hacks else None,
-        "rl": {"steps": len(rl), "tasks": tasks, "group": a.group, "tasks_per_step": a.tasks_per_step,
+        "rl": {"steps": len(rl), "tasks": [f"{f}:0:{n}" for f, n in counts.items()], "interleaved": True,
+               "group": a.group, "tasks_per_step": a.tasks_per_step,
                "lr": a.lr, "max_tokens": a.max_tokens, "workers": a.workers, "minutes": a.minutes,
                "effort": "all", "temperature": 1.0, "randomize": True},
         "eval": {"heldout": a.heldout, "harness_seeds": a.harness_seeds, "spread_effort": a.spread_effort,
