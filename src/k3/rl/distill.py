@@ -256,15 +256,8 @@ class DistillObjective(GRPOObjective):
         """Σ over the micro-batch's trained tokens of the reverse KL to each row's teacher
         (+ reward_weight × the clipped policy loss)."""
         rl, dev = self.rl, trainer.device
-        x, y, old, adv, tags = x.to(dev), y.to(dev), old.to(dev), adv.to(dev), tags.to(dev)
-        with torch.autocast(dev.type, dtype=trainer.autocast_dtype or torch.bfloat16,
-                            enabled=trainer.autocast_dtype is not None):
-            logits = trainer.model(x).logits
-        logits = logits.float()
-        logp_all = torch.log_softmax(logits, -1)
-        mask = y != IGNORE_INDEX
-        tgt = y.clamp_min(0).unsqueeze(-1)
-        logp = logp_all.gather(-1, tgt).squeeze(-1)
+        x, y, old, adv, tags = (t.to(dev) for t in (x, y, old, adv, tags))
+        logits, logp_all, mask, tgt, logp = self.policy_logprobs(trainer, x, y)
         total = logits.sum() * 0.0   # a graph through the model even when no row trains (FSDP's backward)
         acc = self.step_stats
         for i in torch.unique(tags).tolist():
@@ -286,19 +279,10 @@ class DistillObjective(GRPOObjective):
             total = total + part
             acc[f"kl:{i}"] = acc.get(f"kl:{i}", 0.0) + st["kl"]
             acc[f"tokens:{i}"] = acc.get(f"tokens:{i}", 0.0) + st["tokens"]
-        n = float(mask.sum())
+        n = self.record_sampler_stats(logp_all, logp, old, mask)
         if rl.reward_weight > 0:
             pl, _ = clipped_policy_loss(logp, old, adv, mask.float(), rl.eps_low, rl.eps_high)
             total = total + rl.reward_weight * pl * n
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-            d = (old - logp)[mask]
-            acc["tokens"] = acc.get("tokens", 0.0) + n
-            acc["ratio"] = acc.get("ratio", 0.0) + float(torch.exp(-d).sum())
-            acc["entropy"] = acc.get("entropy", 0.0) + float(ent[mask].sum())
-            acc["sampler_kl"] = acc.get("sampler_kl", 0.0) + float((d.exp() - d - 1).sum())
-            acc["sampler_max_abs_diff"] = max(acc.get("sampler_max_abs_diff", 0.0),
-                                              float(d.abs().max()) if d.numel() else 0.0)
         return total
 
 

@@ -331,34 +331,46 @@ class GRPOObjective:
 
     def loss(self, trainer, x, y, old, adv) -> torch.Tensor:
         """Σ over the micro-batch's trained tokens of the clipped surrogate (+ beta · k3 KL)."""
-        dev = trainer.device
-        x, y, old, adv = x.to(dev), y.to(dev), old.to(dev), adv.to(dev)
-        with torch.autocast(dev.type, dtype=trainer.autocast_dtype or torch.bfloat16,
-                            enabled=trainer.autocast_dtype is not None):
-            logits = trainer.model(x).logits
-        logp_all = torch.log_softmax(logits.float(), -1)
-        mask = y != IGNORE_INDEX
-        tgt = y.clamp_min(0).unsqueeze(-1)
-        logp = logp_all.gather(-1, tgt).squeeze(-1)
+        x, y, old, adv = (t.to(trainer.device) for t in (x, y, old, adv))
+        _, logp_all, mask, tgt, logp = self.policy_logprobs(trainer, x, y)
         ref = None
         if self.rl.beta > 0:
             with torch.no_grad():
                 ref = torch.log_softmax(self.reference(x).logits.float(), -1).gather(-1, tgt).squeeze(-1)
         loss, st = clipped_policy_loss(logp, old, adv, mask.float(), self.rl.eps_low, self.rl.eps_high,
                                        self.rl.beta, ref)
-        n = float(mask.sum())
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-            d = (old - logp)[mask]
-            acc = self.step_stats
-            acc["tokens"] = acc.get("tokens", 0.0) + n
-            for k in ("ratio", "clip_fraction", "kl"):
-                acc[k] = acc.get(k, 0.0) + st[k] * n
-            acc["entropy"] = acc.get("entropy", 0.0) + float(ent[mask].sum())
-            acc["sampler_kl"] = acc.get("sampler_kl", 0.0) + float((d.exp() - d - 1).sum())
-            acc["sampler_max_abs_diff"] = max(acc.get("sampler_max_abs_diff", 0.0),
-                                              float(d.abs().max()) if d.numel() else 0.0)
+        n = self.record_sampler_stats(logp_all, logp, old, mask)
+        for k in ("clip_fraction", "kl"):
+            self.step_stats[k] = self.step_stats.get(k, 0.0) + st[k] * n
         return loss * n
+
+    def policy_logprobs(self, trainer, x, y):
+        """The policy's forward on a micro-batch (on the device): fp32 logits, their log-softmax,
+        the trained-token mask, the targets [.., 1] and the targets' logprobs."""
+        dev = trainer.device
+        with torch.autocast(dev.type, dtype=trainer.autocast_dtype or torch.bfloat16,
+                            enabled=trainer.autocast_dtype is not None):
+            logits = trainer.model(x).logits.float()
+        logp_all = torch.log_softmax(logits, -1)
+        mask = y != IGNORE_INDEX
+        tgt = y.clamp_min(0).unsqueeze(-1)
+        return logits, logp_all, mask, tgt, logp_all.gather(-1, tgt).squeeze(-1)
+
+    @torch.no_grad()
+    def record_sampler_stats(self, logp_all, logp, old, mask) -> float:
+        """Add the micro-batch's trained tokens, importance ratio, entropy and sampler gap to the
+        step's sums; returns its trained-token count."""
+        n = float(mask.sum())
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        d = (old - logp)[mask]
+        acc = self.step_stats
+        acc["tokens"] = acc.get("tokens", 0.0) + n
+        acc["ratio"] = acc.get("ratio", 0.0) + float(torch.exp(-d).sum())
+        acc["entropy"] = acc.get("entropy", 0.0) + float(ent[mask].sum())
+        acc["sampler_kl"] = acc.get("sampler_kl", 0.0) + float((d.exp() - d - 1).sum())
+        acc["sampler_max_abs_diff"] = max(acc.get("sampler_max_abs_diff", 0.0),
+                                          float(d.abs().max()) if d.numel() else 0.0)
+        return n
 
     # ------------------------------------------------------------------------ rollouts
     def _owner(self) -> str:

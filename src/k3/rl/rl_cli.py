@@ -86,21 +86,21 @@ def _rl_config(args):
     if args.effort:
         efforts = args.effort
     efforts = [x for e in efforts for x in (["low", "high", "max"] if e == "all" else [e])]
-    extra = {}
-    if distill:
+    cls, extra = RLConfig, {}
+    if distill:   # the distillation's options are RL's and its own
         from k3.rl.distill import DistillConfig, read_teachers
         if not args.teachers:
             raise ConfigError("--teachers FILE (the tag -> teacher table) is required")
-        RLConfig = DistillConfig   # noqa: N806 - the distillation's options are RL's and its own
+        cls = DistillConfig
         extra = {"teachers": read_teachers(args.teachers), "estimator": args.estimator, "top_k": args.top_k,
                  "reward_weight": args.reward_weight}
-    return RLConfig(tasks=list(args.tasks), group=args.group, tasks_per_step=args.tasks_per_step,
-                    efforts=efforts, temperature=args.temperature, max_tokens=args.max_tokens,
-                    context_tokens=args.context_tokens, eps_low=args.eps_low, eps_high=args.eps_high,
-                    beta=args.beta, scale_std=args.scale_std, micro_tokens=args.micro_tokens,
-                    randomize=args.randomize, backend=args.backend, workers=args.workers, ray=args.ray,
-                    seed=args.seed or 0,
-                    keep_rollouts=args.keep_rollouts, **extra).validate()
+    return cls(tasks=list(args.tasks), group=args.group, tasks_per_step=args.tasks_per_step,
+               efforts=efforts, temperature=args.temperature, max_tokens=args.max_tokens,
+               context_tokens=args.context_tokens, eps_low=args.eps_low, eps_high=args.eps_high,
+               beta=args.beta, scale_std=args.scale_std, micro_tokens=args.micro_tokens,
+               randomize=args.randomize, backend=args.backend, workers=args.workers, ray=args.ray,
+               seed=args.seed or 0,
+               keep_rollouts=args.keep_rollouts, **extra).validate()
 
 
 _RL_FLAGS = ("tasks", "effort", "beta", "scale_std", "micro_tokens", "randomize", "backend", "keep_rollouts",
