@@ -1,5 +1,5 @@
 """The ``k3`` command: ``k3 params | train | sample | generate | chat | plot | convert | inspect |
-quantize | demo | plan | env | task | sft | rl``."""
+quantize | demo | plan | env | task | sft | rl | distill | eval``."""
 
 from __future__ import annotations
 
@@ -80,6 +80,8 @@ _DELEGATED = [
     ("rl", "k3.rl.rl_cli:rl_main", "RL from hidden verifiers on tasks (k3 rl --from RUN --tasks files:0:16)"),
     ("distill", "k3.rl.rl_cli:distill_main",
      "on-policy distillation from teachers per domain/effort (k3 distill --student RUN --teachers T.toml --tasks ...)"),
+    ("eval", "k3.rl.eval_cli:eval_main",
+     "evaluate with the conditions recorded: k3 eval bpb|agent|harness|accept|retrieve|compare|report"),
     ("sample", "k3.infer.run_model:sample_main", "sample from a trained run (k3 sample runs/tiny --prompt ...)"),
     ("generate", "k3.infer.cli:generate_main", "continue a prompt, streaming (k3 generate CKPT --prompt ...)"),
     ("chat", "k3.infer.cli:chat_main", "chat with a model in the terminal (k3 chat CKPT --show-thinking)"),
