@@ -113,7 +113,7 @@ def test_chat_page_in_chromium_streams_thinking_and_answer(server, tmp_path):
 
 
 def test_missing_chromium_fails_with_the_install_hint(monkeypatch, tmp_path):
-    assert Path(_chromium()).name == "chromium"  # control: found on the normal PATH
+    assert Path(chromium()).name == "chromium"  # control: found on the normal PATH
     monkeypatch.setenv("PATH", str(tmp_path))  # a PATH with no chromium on it
     with pytest.raises(pytest.fail.Exception, match=r"run `make test`"):
-        _chromium()
+        chromium()
