@@ -307,3 +307,36 @@ def test_compare_pairs_rows_of_one_task_under_several_efforts(tmp_path):
         compare([a, b])
     res = compare([a, c])
     assert [[r["mean"] for r in e["runs"]] for e in res["table"]] == [[1.0, 0.0], [1.0, 0.0]]
+
+
+def test_accept_and_retrieve_suites_write_rows_with_their_conditions(nano, tmp_path):
+    """accept: T=64 and 256 run, T=4096 (over the nano's 2,048 positions) is a row with ok 0 and its
+    error, and the cache grows by exactly the MLA latent tokens added: (256 - 64) × (kv_lora_rank +
+    qk_rope_head_dim) × 4 bytes per MLA layer (the KDA state does not grow). retrieve: one row per
+    kind × length × depth × seed, its output kept, graded as the item's exact answer."""
+    from k3.rl.longctx import score_answer
+
+    d, ckpt, model, *_ = nano
+    assert k3_main(["eval", "accept", "--model", str(ckpt), "--lengths", "64,4096,256", "--decode-tokens", "2",
+                    "--out", str(tmp_path / "acc")]) == 0
+    rows = read_rows(tmp_path / "acc")
+    by = {(r["labels"]["T"], r["metric"]): r for r in rows}
+    assert [by[(t, "ok")]["value"] for t in (64, 4096, 256)] == [1.0, 0.0, 1.0]
+    assert "max_position_embeddings" in by[(4096, "ok")]["detail"]["error"]
+    assert by[(4096, "cache_bytes")]["value"] is None and by[(64, "prefill_s_per_token")]["value"] > 0
+    cfg = model.config
+    mla_layers = len(cfg.linear_attn_config.full_attn_layers)
+    grow = (256 - 64) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * mla_layers
+    assert by[(256, "cache_bytes")]["value"] - by[(64, "cache_bytes")]["value"] == grow
+    assert {r["conditions"]["setup"]["decode_tokens"] for r in rows} == {2}
+
+    assert k3_main(["eval", "retrieve", "--model", str(ckpt), "--lengths", "512", "--depths", "0,1",
+                    "--n-keys", "3", "--seeds", "2", "--out", str(tmp_path / "ret")]) == 0
+    rows = read_rows(tmp_path / "ret")
+    assert len(rows) == 2 * 1 * 2 * 2
+    for r in rows:
+        assert r["value"] == float(score_answer(r["detail"]["output"], r["detail"]["answer"]))
+        assert r["conditions"]["setup"]["length"] == 512 and r["conditions"]["temperature"] == 0.0
+        assert r["tokens"] <= 512
+    assert k3_main(["eval", "report", str(tmp_path / "acc"), str(tmp_path / "ret")]) == 0
+    assert (tmp_path / "acc" / "report-accept.png").is_file() and (tmp_path / "acc" / "report-retrieve.png").is_file()

@@ -99,6 +99,7 @@ def _figures(runs: list[EvalRun]) -> dict[str, bytes]:
                 ax.set_xlabel("context length T (tokens)")
                 ax.set_ylabel(ylabel)
                 ax.legend(fontsize=7)
+        axes[0].set_yscale("log")
         axes[0].set_title("accept: latency")
         axes[1].set_title("accept: cache")
         axes[2].set_title("accept: memory")

@@ -16,7 +16,9 @@ model's config, weights and tokenizer files) or ``{"kind": "endpoint", "base_url
 ``tools`` and ``prompt`` hold names, the template index and sha256 digests of what was sent (the
 trajectory, kept beside the rows, has the full text). ``setup`` holds what else the suite's score
 depends on (data fingerprint and sequence length for bpb; context length, depth and kind for
-retrieval; threads for latency). ``labels`` are the row's grouping keys for tables.
+retrieval; threads for latency). ``labels`` are the row's grouping keys for tables. An optional
+``detail`` holds what the value was read from (the model's output for retrieval, the error of an
+episode that failed before it could be scored).
 
 ``read_rows`` refuses a row without its conditions, naming the file, line and missing key.
 """
@@ -138,10 +140,13 @@ class RowWriter:
         self._f = open(out / ROWS, "a", encoding="utf-8")
 
     def write(self, item: str, metric: str, value, conditions: dict, labels: dict | None = None, sample: int = 0,
-              wall_s: float = 0.0, tokens: int = 0) -> dict:
+              wall_s: float = 0.0, tokens: int = 0, detail: dict | None = None) -> dict:
+        """One row; ``detail`` (optional) holds what the value was read from (a model's output)."""
         row = check_row({"suite": self.suite, "item": item, "sample": sample, "metric": metric, "value": value,
                          "labels": dict(labels or {}), "conditions": conditions, **self.common,
                          "wall_s": round(float(wall_s), 4), "tokens": int(tokens)}, f"{self.suite} row")
+        if detail:
+            row["detail"] = detail
         self._f.write(json.dumps(row, ensure_ascii=False) + "\n")
         self._f.flush()
         self.rows.append(row)

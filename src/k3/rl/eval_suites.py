@@ -174,14 +174,13 @@ def run_agent(provider: dict, model_cond: dict, tasks: list[str], out: Path, *, 
             if recs is None:  # the episode failed before its header: conditions from the job
                 cond = _na(model=model_cond, effort=e, temperature=temperature,
                            seeds={"sampling": int(k), "harness": hseed},
-                           setup={"max_tokens": max_tokens, "backend": backend, "error": res.get("detail")})
+                           setup={"max_tokens": max_tokens, "backend": backend})
             else:
                 cond = agent_conditions(recs[0], model_cond)
             value = None if res["status"] == "error" else float(res["score"])
-            if value is None:
-                cond["setup"] = {**(cond["setup"] or {}), "error": res.get("detail")}
             w.write(t.id, "score", value, cond, labels, sample=int(k), wall_s=res.get("timings", {}).get("total", 0.0),
-                    tokens=res.get("tokens", 0) or 0)
+                    tokens=res.get("tokens", 0) or 0,
+                    detail={"status": res["status"], "error": res.get("detail")} if value is None else None)
         if hacks:
             _hack_rows(loaded, w, model_cond, backend)
     finally:
@@ -214,8 +213,7 @@ def _hack_rows(tasks, w: RowWriter, model_cond: dict, backend: str) -> None:
 
 
 # -------------------------------------------------------------------------------- long context
-def run_accept(ckpt: str, model_cond: dict, out: Path, lengths: list[int], decode_tokens: int = 16,
-               threads: int | None = None) -> list[dict]:
+def run_accept(ckpt: str, model_cond: dict, out: Path, lengths: list[int], decode_tokens: int = 16) -> list[dict]:
     import torch
 
     from k3.infer.run_model import load_run_model
@@ -225,17 +223,16 @@ def run_accept(ckpt: str, model_cond: dict, out: Path, lengths: list[int], decod
     w = RowWriter(out, "accept")
     try:
         for r in accept(model, lengths, decode_tokens=decode_tokens):
-            cond = _na(model=model_cond, setup={"decode_tokens": decode_tokens, "threads": torch.get_num_threads(),
-                                                "dtype": "float32"})
-            T = r["length"]
+            T, ok = r["length"], r["ok"]
+            setup = {"decode_tokens": decode_tokens, "threads": torch.get_num_threads(), "dtype": "float32",
+                     "prefill": "random ids, chunks of 512"}
+            cond = _na(model=model_cond, seeds={"ids": 0}, setup=setup)
+            detail = {k: r[k] for k in ("error", "peak_note") if r.get(k)}
+            wall = r.get("prefill_seconds", 0.0) + (r.get("decode_seconds") or 0.0)
             for metric in ("ok", "prefill_s_per_token", "decode_s_per_token", "cache_bytes", "peak_rss_bytes"):
                 v = r.get(metric)
-                v = float(v) if isinstance(v, (bool, int, float)) else None
-                if metric != "ok" and not r.get("ok"):
-                    v = None
-                w.write(f"T={T}", metric, v, {**cond, "setup": {**cond["setup"], "error": r.get("error")}}
-                        if not r.get("ok") else cond, {"T": T},
-                        wall_s=r.get("seconds", 0.0), tokens=T + (decode_tokens if r.get("ok") else 0))
+                w.write(f"T={T}", metric, None if v is None else float(v), cond, {"T": T}, wall_s=wall,
+                        tokens=T + decode_tokens if ok else 0, detail=detail)
     finally:
         w.close()
     return w.rows
@@ -247,7 +244,10 @@ def run_retrieve(ckpt: str, model_cond: dict, out: Path, lengths: list[int], dep
     from k3.rl.longctx import make_retrieval, retrieve
 
     model, tok = load_run_model(ckpt)
-    items = [make_retrieval(kind, tok, T, d, s, n_keys=n_keys)
+    if max(lengths) + max_new_tokens > model.config.max_position_embeddings:
+        raise ConfigError(f"--lengths up to {max(lengths)} + {max_new_tokens} answer tokens is over the model's "
+                          f"max_position_embeddings {model.config.max_position_embeddings}")
+    items = [make_retrieval(kind, tok, T, d, s, n_keys=n_keys if kind == "multikey" else 1)
              for kind in kinds for T in lengths for d in depths for s in range(seeds)]
     w = RowWriter(out, "retrieve")
     try:
@@ -258,7 +258,7 @@ def run_retrieve(ckpt: str, model_cond: dict, out: Path, lengths: list[int], dep
                               "max_new_tokens": max_new_tokens, "decoding": "greedy"})
             w.write(f"{it.kind}/T={it.length}/depth={it.depth}/seed={it.seed}", "correct", float(r["correct"]),
                     cond, {"kind": it.kind, "T": it.length, "depth": it.depth}, wall_s=r["seconds"],
-                    tokens=it.tokens)
+                    tokens=it.tokens, detail={"output": r["output"], "answer": it.answer, "query": it.query})
     finally:
         w.close()
     return w.rows

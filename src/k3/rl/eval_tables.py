@@ -27,7 +27,12 @@ PASS_METRICS = {"score": 1.0, "correct": 1.0}
 
 
 def _labels_key(labels: dict) -> tuple:
-    return tuple(sorted((k, json.dumps(v)) for k, v in labels.items()))
+    """A sortable key of a row's labels: numbers in numeric order (T=64 before T=512), null first."""
+    def order(v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return (1, float(v), "")
+        return (0, 0.0, "") if v is None else (2, 0.0, json.dumps(v))
+    return tuple(sorted((k, order(v)) for k, v in labels.items()))
 
 
 def summarize(rows: list[dict]) -> list[dict]:
