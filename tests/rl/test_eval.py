@@ -140,6 +140,11 @@ def test_summary_and_harness_spread_by_hand():
             _row(item="t1", value=0.0, harness=1), _row(item="t2", value=1.0, harness=1)]
     (h,) = harness_spread(rows)
     assert h["by_harness"] == {0: 1.0, 1: 0.5} and h["mean"] == 0.75 and h["spread"] == pytest.approx(0.25)
+    # an episode that failed before scoring (value null) is counted missing, never a 0
+    (s,) = summarize([_row(item="t1", value=1.0), _row(item="t2", value=None)])
+    assert s["mean"] == 1.0 and s["items"] == 1 and s["missing"] == 1
+    (s,) = summarize([_row(item="t1", value=None)])
+    assert s["items"] == 0 and s["missing"] == 1 and math.isnan(s["mean"])
 
 
 # ------------------------------------------------------------------------------------------ bpb

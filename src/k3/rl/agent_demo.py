@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from k3.rl.eval_rows import machine
 
 __all__ = ["agent_demo_main", "AgentDemo", "episode_stats", "evaluate_heldout", "machine"]
 
@@ -170,18 +171,6 @@ def episode_stats(trajectory: str | os.PathLike) -> dict:
     reasoning = sum(len(t.get("reasoning") or "") for t in turns)
     return {"turns": len(turns), "well_formed": ok, "tool_calls": sum(len(t["tool_calls"]) for t in turns),
             "reasoning_chars": reasoning}
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
 
 
 def format_table(report: dict) -> str:

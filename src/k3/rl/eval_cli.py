@@ -127,6 +127,7 @@ def _model(args) -> tuple[dict | None, dict]:
 
 def _run_suite(args) -> int:
     from k3.rl import eval_suites as S
+    from k3.rl.grpo import resolve_tasks
     from k3.rl.eval_tables import format_summary, harness_spread, summarize
 
     provider, model = _model(args)
@@ -145,7 +146,7 @@ def _run_suite(args) -> int:
         seeds = ([None] if args.harness_seeds == "canonical"
                  else _ints(args.harness_seeds, "--harness-seeds"))
         specs = args.tasks or [str(REPO / "tasks")]
-        tasks = S.resolve_eval_tasks(specs, out)
+        tasks = resolve_tasks(specs, out, heldout=True)
         defaults = {"effort": efforts, "temperature": args.temperature, "harness_seeds": seeds,
                     "samples": args.samples, "tasks": specs}
         _print_conditions(model, defaults)

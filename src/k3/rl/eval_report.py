@@ -148,7 +148,7 @@ def _conditions_html(run: EvalRun) -> str:
 
 def _summary_html(run: EvalRun) -> str:
     head = ("<tr><th class=l>suite</th><th class=l>metric</th><th class=l>group</th><th>mean</th>"
-            "<th>95% CI</th><th>items</th><th>samples</th><th>pass@1</th><th>pass@k</th></tr>")
+            "<th>95% CI</th><th>items</th><th>samples</th><th>missing</th><th>pass@1</th><th>pass@k</th></tr>")
     body = []
     for s in summarize(run.rows):
         group = " ".join(f"{k}={v}" for k, v in s["labels"].items())
@@ -156,7 +156,7 @@ def _summary_html(run: EvalRun) -> str:
         p1 = f"{s['pass@1']:.3f}" if "pass@1" in s else ""
         body.append(f"<tr><td class=l>{s['suite']}</td><td class=l>{s['metric']}</td><td class=l>"
                     f"{html.escape(group)}</td><td>{s['mean']:.4g}</td><td>[{s['lo']:.4g}, {s['hi']:.4g}]</td>"
-                    f"<td>{s['items']}</td><td>{s['samples']}</td><td>{p1}</td><td>{pk}</td></tr>")
+                    f"<td>{s['items']}</td><td>{s['samples']}</td><td>{s['missing']}</td><td>{p1}</td><td>{pk}</td></tr>")
     spread = harness_spread([r for r in run.rows if r["suite"] == "harness"])
     out = "<table class=summary>" + head + "".join(body) + "</table>"
     if spread:

@@ -25,7 +25,7 @@ from pathlib import Path
 from k3.errors import ConfigError
 from k3.rl.eval_rows import RowWriter, digest
 
-__all__ = ["run_bpb", "run_agent", "run_accept", "run_retrieve", "agent_conditions", "resolve_eval_tasks"]
+__all__ = ["run_bpb", "run_agent", "run_accept", "run_retrieve", "agent_conditions"]
 
 
 def _na(**given) -> dict:
@@ -90,36 +90,6 @@ def _run_seq_len(ckpt: str) -> int | None:
 
 
 # --------------------------------------------------------------------------------------- agent
-def resolve_eval_tasks(specs: list[str], out: Path) -> list[str]:
-    """Task folders from ``--tasks`` values: a task, a folder of tasks, or ``FAMILY:A:B`` — for
-    evaluation the seeds must be held out (``HELDOUT_START`` on), the reverse of training."""
-    from k3.tasks.families import HELDOUT_START, get_family
-    from k3.tasks.format import find_tasks
-
-    found: list[str] = []
-    for spec in specs:
-        if Path(spec).exists():
-            found += [str(p.resolve()) for p in find_tasks(spec)]
-            continue
-        parts = spec.split(":")
-        if len(parts) != 3:
-            raise ConfigError(f"--tasks {spec!r}: not a path, nor FAMILY:A:B")
-        fam = get_family(parts[0])
-        try:
-            a, b = int(parts[1]), int(parts[2])
-        except ValueError:
-            raise ConfigError(f"--tasks {spec!r}: A and B of FAMILY:A:B must be ints") from None
-        if b <= a or a < 0:
-            raise ConfigError(f"--tasks {spec!r}: the seed range A..B-1 is empty or negative")
-        if a < HELDOUT_START:
-            raise ConfigError(f"--tasks {spec!r}: evaluation takes held-out seeds, from {HELDOUT_START:,} on "
-                              f"(seeds below are training seeds)")
-        found += [str(fam.generate(s, out / "tasks", overwrite=True).resolve()) for s in range(a, b)]
-    if not found:
-        raise ConfigError(f"--tasks {' '.join(specs)}: no tasks found")
-    return found
-
-
 def agent_conditions(header: dict, model_cond: dict) -> dict:
     """A trajectory header's conditions as a row's: what was sent, with the tools and prompts as
     names and digests."""

@@ -1,7 +1,8 @@
 """Tables of evaluation rows: per-group summaries, the harness spread, and run comparison.
 
 ``summarize(rows)`` groups rows by (suite, metric, labels) and gives the mean over items of each
-item's mean, its bootstrap interval (``k3.rl.eval_stats``), and for pass/fail metrics (``score``
+item's mean (rows whose value is null, an episode that failed before scoring, are counted as
+``missing`` and left out), its bootstrap interval (``k3.rl.eval_stats``), and for pass/fail metrics (``score``
 counts as passed at 1.0, ``correct`` at 1) pass@1 and pass@k with k the samples per item.
 
 ``compare(runs, ignore)`` matches rows of several runs by (suite, item, sample, metric, and the
@@ -38,17 +39,24 @@ def _labels_key(labels: dict) -> tuple:
 def summarize(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     labels_of: dict[tuple, dict] = {}
+    missing: dict[tuple, int] = defaultdict(int)
     for r in rows:
-        if r["value"] is None:
-            continue
         key = (r["suite"], r["metric"], _labels_key(r["labels"]))
         labels_of[key] = r["labels"]
+        if r["value"] is None:
+            missing[key] += 1
+            continue
         groups[key][r["item"]].append(float(r["value"]))
     out = []
-    for key in sorted(groups, key=lambda k: (k[0], k[1], k[2])):
+    for key in sorted(labels_of):
         suite, metric, _ = key
-        by_item = groups[key]
-        s = {"suite": suite, "metric": metric, "labels": labels_of[key], **mean_and_ci(list(by_item.values()))}
+        by_item = groups.get(key)
+        if not by_item:  # every row of the group failed: no mean, only the count
+            out.append({"suite": suite, "metric": metric, "labels": labels_of[key], "mean": float("nan"),
+                        "lo": float("nan"), "hi": float("nan"), "items": 0, "samples": 0, "missing": missing[key]})
+            continue
+        s = {"suite": suite, "metric": metric, "labels": labels_of[key], **mean_and_ci(list(by_item.values())),
+             "missing": missing[key]}
         if metric in PASS_METRICS:
             k = min(len(v) for v in by_item.values())
             passed = [(len(v), sum(x >= PASS_METRICS[metric] for x in v)) for v in by_item.values()]
@@ -147,7 +155,7 @@ def compare(runs: list, ignore: set[str] | frozenset = frozenset()) -> dict:
         first = next(s[g] for s in sums if g in s)
         table.append({"suite": g[0], "metric": g[1], "labels": first["labels"],
                       "runs": [None if g not in s else {x: s[g][x] for x in ("mean", "lo", "hi", "items", "samples",
-                                                                              "pass@1") if x in s[g]}
+                                                                              "missing", "pass@1") if x in s[g]}
                                for s in sums]})
     return {"runs": [run.name for run in runs], "models": [run.rows[0]["conditions"]["model"] for run in runs],
             "differences": {f: diffs[f] for f in diffs}, "ignored": sorted(diffs), "table": table}
@@ -158,12 +166,12 @@ def _labels_text(labels: dict) -> str:
 
 
 def format_summary(summary: list[dict]) -> str:
-    lines = [f"{'suite':8} {'metric':22} {'group':36} {'mean':>10} {'95% CI':>21} {'items':>5} {'pass@1':>7} {'pass@k':>10}"]
+    lines = [f"{'suite':8} {'metric':22} {'group':36} {'mean':>10} {'95% CI':>21} {'items':>5} {'missing':>7} {'pass@1':>7} {'pass@k':>10}"]
     for s in summary:
         pk = f"{s['pass@' + str(s['k'])]:.3f}@{s['k']}" if "k" in s else ""
         p1 = f"{s['pass@1']:.3f}" if "pass@1" in s else ""
         lines.append(f"{s['suite']:8} {s['metric']:22} {_labels_text(s['labels'])[:36]:36} {s['mean']:10.4g} "
-                     f"[{s['lo']:9.4g}, {s['hi']:9.4g}] {s['items']:5d} {p1:>7} {pk:>10}")
+                     f"[{s['lo']:9.4g}, {s['hi']:9.4g}] {s['items']:5d} {s['missing']:7d} {p1:>7} {pk:>10}")
     return "\n".join(lines)
 
 

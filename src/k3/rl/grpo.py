@@ -120,10 +120,11 @@ class RLConfig:
         return cls(**d).validate()
 
 
-def resolve_tasks(specs: list[str], out: Path | None, generate: bool = True) -> list[str]:
+def resolve_tasks(specs: list[str], out: Path | None, generate: bool = True, heldout: bool = False) -> list[str]:
     """Task directories (absolute, in the order given) from ``--tasks`` values; ``out`` None only
     checks the values (nothing is generated); ``generate`` False: a family's tasks are the ones
-    already generated into ``out/tasks`` (by another process of the same run)."""
+    already generated into ``out/tasks`` (by another process of the same run). A family's seeds
+    must be training seeds (below ``HELDOUT_START``), or held-out ones with ``heldout`` (evaluation)."""
     from k3.tasks.families import HELDOUT_START, get_family
     from k3.tasks.format import find_tasks
 
@@ -142,7 +143,10 @@ def resolve_tasks(specs: list[str], out: Path | None, generate: bool = True) -> 
             raise ConfigError(f"--tasks {spec!r}: A and B of FAMILY:A:B must be ints") from None
         if not 0 <= a < b:
             raise ConfigError(f"--tasks {spec!r}: the seed range A..B-1 is empty or negative")
-        if b > HELDOUT_START:
+        if heldout and a < HELDOUT_START:
+            raise ConfigError(f"--tasks {spec!r}: evaluation takes held-out seeds, from {HELDOUT_START:,} on "
+                              "(seeds below are training seeds)")
+        if not heldout and b > HELDOUT_START:
             raise ConfigError(f"--tasks {spec!r}: seeds from {HELDOUT_START:,} on are held out for evaluation; "
                               "RL trains on training seeds only")
         for seed in range(a, b):
