@@ -345,3 +345,70 @@ def test_accept_and_retrieve_suites_write_rows_with_their_conditions(nano, tmp_p
         assert r["tokens"] <= 512
     assert k3_main(["eval", "report", str(tmp_path / "acc"), str(tmp_path / "ret")]) == 0
     assert (tmp_path / "acc" / "report-accept.png").is_file() and (tmp_path / "acc" / "report-retrieve.png").is_file()
+
+
+# ------------------------------------------------------------------------------------- sustain
+def test_progress_curve_by_hand():
+    """Writes in order: step 1 wrong, step 2 right, an unrelated file, step 1 corrected, a failed
+    write of step 3: progress 0, 1/3, 1/3, 2/3, 2/3 after each call; the context is the turn's."""
+    from k3.rl.eval_suites import progress_curve
+
+    def tool(path, content, error=False):
+        return {"type": "tool", "name": "write", "arguments": {"path": path, "content": content},
+                "result": {"error": error}}
+    recs = [{"type": "turn", "metadata": {"sent_tokens": 10}}, tool("results/step_001.txt", "5\n"),
+            tool("results/step_002.txt", "9"), {"type": "turn", "metadata": {"sent_tokens": 30}},
+            tool("notes.txt", "7"), tool("/workspace/results/step_001.txt", " 4 "),
+            tool("results/step_003.txt", "12", error=True)]
+    assert progress_curve(recs, [4, 9, 12]) == [[1, 10, 0.0], [2, 10, 1 / 3], [3, 30, 1 / 3], [4, 30, 2 / 3],
+                                                [5, 30, 2 / 3]]
+
+
+def test_chain_workload_hacks_score_zero_and_its_solution_one(tmp_path, sandboxes):
+    from k3.rl.grpo import replay_hacks
+    from k3.tasks.families.chain import Chain, chain_values
+    from k3.tasks.format import load_task
+
+    fam = Chain(5)
+    task = load_task(fam.generate(3, tmp_path), transcripts=True)
+    spec = json.loads((task.root / "family.json").read_text())["spec"]
+    assert chain_values(spec) == list(itertools.accumulate([spec["start"], *spec["adds"]]))[1:]
+    assert "shell" not in task.allowed_tools and "edit" not in task.allowed_tools  # every change is a write
+    hacks = replay_hacks([task], sandboxes)
+    assert sorted(Path(h[1]).stem for h in hacks) == ["start-everywhere", "zeros"]
+    assert all(score == 0.0 for _, _, score, _ in hacks)
+    assert [s for _, _, s, _ in replay_hacks([task], sandboxes, solutions=True)] == [1.0]
+
+
+@pytest.mark.slow
+def test_sustain_suite_reference_and_model(nano, tmp_path, env_root):
+    """The reference solution (a read and a write per step): progress at each tenth of the 2·N
+    calls is the steps written by then (N=8: after 8 of 16 calls, 4 steps = 0.5) and reaches 1,
+    with compaction on and off; compaction only ever shortens what is sent. A model run records
+    its fingerprint and a curve of its own."""
+    out = tmp_path / "ref"
+    assert k3_main(["eval", "sustain", "--reference", "--steps", "8", "--context-tokens", "300",
+                    "--out", str(out)]) == 0
+    rows = read_rows(out)
+    for mode in ("on", "off"):
+        score = [r for r in rows if r["metric"] == "score" and r["labels"]["compaction"] == mode]
+        assert [r["value"] for r in score] == [1.0]
+        prog = {r["labels"]["share"]: r["value"] for r in rows
+                if r["metric"] == "progress" and r["labels"]["compaction"] == mode}
+        assert prog == {t / 10: (-(-16 * t // 10) // 2) / 8 for t in range(1, 11)}
+        assert score[0]["conditions"]["setup"]["context_tokens"] == (300 if mode == "on" else 10 ** 9)
+        assert len(score[0]["detail"]["curve"]) == 17  # 16 calls + submit
+    sent = {m: [r["value"] for r in rows if r["metric"] == "sent_tokens" and r["labels"]["compaction"] == m]
+            for m in ("on", "off")}
+    assert all(a <= b for a, b in zip(sent["on"], sent["off"])) and sent["on"][-1] < sent["off"][-1]
+    assert sent["on"][0] == sent["off"][0]  # below the limit nothing is compacted
+
+    d, ckpt, *_ = nano
+    assert k3_main(["eval", "sustain", "--model", str(ckpt), "--steps", "2", "--max-tokens", "8",
+                    "--context-tokens", "300", "--out", str(tmp_path / "m")]) == 0
+    mrows = read_rows(tmp_path / "m")
+    score = [r for r in mrows if r["metric"] == "score"]
+    assert len(score) == 2 and all(r["conditions"]["model"]["kind"] == "checkpoint" for r in score)
+    assert all(r["detail"]["curve"] == [] or r["detail"]["curve"][-1][0] >= 1 for r in score)
+    assert k3_main(["eval", "report", str(out), str(tmp_path / "m")]) == 0
+    assert (out / "report-sustain.png").is_file()

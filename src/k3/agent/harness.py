@@ -18,7 +18,8 @@ Compaction (``compact``; the strategy is a harness-randomization axis): the cont
 first (``drop_old_tool_outputs``), or first cut to a head and tail of 200 characters each and then
 dropped (``truncate_tool_outputs``), or dropped for every turn but the last ``keep_recent`` at once
 (``sliding_window``); the last ``keep_recent`` turns are never touched and reasoning is never
-dropped by any strategy. Only what is sent is compacted; the trajectory keeps every output whole.
+dropped by any strategy. Only what is sent is compacted; the trajectory keeps every output whole,
+and each turn record's ``metadata.sent_tokens`` is the estimate of what was sent for it.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class Harness:
                 break
             self.tokens += reply.usage.get("prompt_tokens", 0) + reply.usage.get("completion_tokens", 0)
             meta = {"usage": reply.usage, "finish_reason": reply.finish_reason,
-                    "elapsed": round(self.clock() - t1, 6)}
+                    "elapsed": round(self.clock() - t1, 6), "sent_tokens": estimate_tokens(req.messages)}
             if reply.sample is not None:  # the sampled ids and their logprobs (RL's importance ratios)
                 meta["sample"] = reply.sample
             turn = AgentTurn(reply.visible, reply.reasoning, [], [], self.provider.id, meta)

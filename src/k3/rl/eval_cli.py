@@ -5,7 +5,7 @@
     k3 eval compare RUN RUN ... [--ignore FIELD,...]
     k3 eval report RUN ... [--out PAGE.html]
 
-Suites (``k3.rl.eval_suites``): ``bpb``, ``agent``, ``harness``, ``accept``, ``retrieve``. The
+Suites (``k3.rl.eval_suites``): ``bpb``, ``agent``, ``harness``, ``accept``, ``retrieve``, ``sustain``. The
 defaults are the seeds' reporting conditions, maximum effort and temperature 1.0, and every table
 prints the conditions it was measured under. ``OUT`` gets ``rows.jsonl`` (one row per value,
 conditions included), ``run.json`` and, for agent suites, the trajectories.
@@ -24,7 +24,7 @@ from k3.errors import ConfigError
 
 __all__ = ["eval_main"]
 
-SUITES = ("bpb", "agent", "harness", "accept", "retrieve")
+SUITES = ("bpb", "agent", "harness", "accept", "retrieve", "sustain")
 EFFORTS = ("low", "high", "max")
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_HARNESS_SEEDS = "0,1,2,3,4"
@@ -48,10 +48,24 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", help="checkpoint: a run, checkpoint folder or model directory")
         sp.add_argument("--out", help="output folder (default runs/eval/SUITE-DATE-TIME)")
         sp.add_argument("--overwrite", action="store_true", help="replace the rows of an earlier run in --out")
-        if name in ("agent", "harness"):
+        if name in ("agent", "harness", "sustain"):
             sp.add_argument("--base-url", help="an OpenAI-compatible endpoint instead of --model")
             sp.add_argument("--served-model", help="the model name at --base-url")
             sp.add_argument("--api-key-env", help="environment variable holding the endpoint's API key")
+        if name == "sustain":
+            sp.add_argument("--reference", action="store_true",
+                            help="run the workload's reference solution instead of a model (the control)")
+            sp.add_argument("--steps", type=int, default=100, help="chained steps (about 2 tool calls each)")
+            sp.add_argument("--seeds", default="0", help="workload seeds, comma list (one episode pair each)")
+            sp.add_argument("--context-tokens", type=int, default=4096,
+                            help="the harness's context limit with compaction on (off: never compacted)")
+            sp.add_argument("--effort", default="max", help="low | high | max (default max)")
+            sp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+            sp.add_argument("--max-tokens", type=int, default=256, help="tokens per assistant turn")
+            sp.add_argument("--workers", type=int, default=1)
+            sp.add_argument("--ray", action="store_true", help="run the episodes as Ray tasks")
+            sp.add_argument("--backend", default="namespace", help="sandbox backend (default namespace)")
+        if name in ("agent", "harness"):
             sp.add_argument("--tasks", action="append",
                             help="task dir, folder of tasks, or FAMILY:A:B (held-out seeds); repeatable "
                                  "(default: the starter tasks)")
@@ -108,6 +122,10 @@ def _model(args) -> tuple[dict | None, dict]:
     """(provider spec for agent suites, the model condition)."""
     from k3.rl.eval_rows import endpoint_condition, model_condition
 
+    if getattr(args, "reference", False):
+        if args.model or args.base_url:
+            raise ConfigError("--reference runs the workload's own solution: give no --model / --base-url")
+        return None, {"kind": "scripted", "name": "reference solution"}
     if not hasattr(args, "base_url"):
         if not args.model:
             raise ConfigError("--model CKPT is required")
@@ -154,6 +172,18 @@ def _run_suite(args) -> int:
                            samples=args.samples, harness_seeds=seeds, workers=args.workers,
                            max_tokens=args.max_tokens, backend=args.backend, hacks=not args.no_hacks,
                            suite=args.suite, use_ray=args.ray)
+    elif args.suite == "sustain":
+        if args.effort not in EFFORTS:
+            raise ConfigError(f"--effort must be low, high or max, got {args.effort!r}")
+        if args.temperature < 0 or args.workers < 1 or args.max_tokens < 1:
+            raise ConfigError("--temperature must be >= 0, --workers and --max-tokens >= 1")
+        seeds = _ints(args.seeds, "--seeds")
+        defaults = {"steps": args.steps, "seeds": seeds, "context_tokens": args.context_tokens,
+                    "effort": args.effort, "temperature": args.temperature}
+        _print_conditions(model, defaults)
+        rows = S.run_sustain(provider, model, out, steps=args.steps, seeds=seeds, context_tokens=args.context_tokens,
+                             effort=args.effort, temperature=args.temperature, max_tokens=args.max_tokens,
+                             backend=args.backend, workers=args.workers, use_ray=args.ray)
     elif args.suite == "bpb":
         for flag in ("batch_size",):
             if getattr(args, flag) < 1:

@@ -5,7 +5,8 @@ Per run: its conditions (model, effort, temperature, harness seeds, k3 version, 
 summary table (mean, 95% bootstrap interval, pass@1 / pass@k) and the harness spread. Figures, each
 drawn only when a run has its data: score by condition (family × effort), by effort, by harness
 seed; long context: latency, cache bytes and peak memory vs context length (accept), retrieval
-accuracy vs length per depth (retrieve).
+accuracy vs length per depth (retrieve), progress vs context sent and context vs tool calls with
+compaction on and off (sustain).
 """
 
 from __future__ import annotations
@@ -123,6 +124,27 @@ def _figures(runs: list[EvalRun]) -> dict[str, bytes]:
         ax.set_title("retrieve: accuracy vs length")
         ax.legend(fontsize=7)
         figs["retrieve"] = fig
+    sus = [[r for r in run.rows if r["suite"] == "sustain" and r["metric"] == "score"] for run in runs]
+    if any(sus):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+        for name, rows in zip(names, sus):
+            for r in rows:
+                curve = (r.get("detail") or {}).get("curve") or []
+                if not curve:
+                    continue
+                calls, sent, prog = zip(*curve)
+                label = f"{name} {r['item']} compaction {r['labels'].get('compaction')}"
+                axes[0].plot(sent, prog, label=label)
+                axes[1].plot(calls, sent, label=label)
+        axes[0].set_xlabel("context sent (estimated tokens)")
+        axes[0].set_ylabel("steps right so far (share)")
+        axes[0].set_title("sustain: progress vs context")
+        axes[1].set_xlabel("tool calls")
+        axes[1].set_ylabel("context sent (estimated tokens)")
+        axes[1].set_title("sustain: context vs calls")
+        for ax in axes:
+            ax.legend(fontsize=7)
+        figs["sustain"] = fig
     out = {}
     for name, fig in figs.items():
         buf = io.BytesIO()

@@ -12,7 +12,8 @@ time) and ``rows.jsonl``, one JSON object per measured value::
 ``conditions`` must hold every key of ``CONDITIONS``; a key that does not apply to a suite (the
 harness of a bits-per-byte score) is present as ``null``, so "not applicable" is stated, never
 implied by absence. ``model`` is ``{"kind": "checkpoint", "name", "fingerprint"}`` (sha256 over the
-model's config, weights and tokenizer files) or ``{"kind": "endpoint", "base_url", "model"}``.
+model's config, weights and tokenizer files), ``{"kind": "endpoint", "base_url", "model"}``, or
+``{"kind": "scripted", "name"}`` (a workload's reference solution: the positive control).
 ``tools`` and ``prompt`` hold names, the template index and sha256 digests of what was sent (the
 trajectory, kept beside the rows, has the full text). ``setup`` holds what else the suite's score
 depends on (data fingerprint and sequence length for bpb; context length, depth and kind for
@@ -96,8 +97,9 @@ def check_row(row, where: str = "row") -> dict:
     if missing:
         raise K3Error(f"{where}: conditions lack {', '.join(missing)} (state a condition that does not "
                       "apply as null)")
-    if not isinstance(cond["model"], dict) or cond["model"].get("kind") not in ("checkpoint", "endpoint"):
-        raise K3Error(f"{where}: conditions.model must name a checkpoint (fingerprint) or an endpoint")
+    if not isinstance(cond["model"], dict) or cond["model"].get("kind") not in ("checkpoint", "endpoint", "scripted"):
+        raise K3Error(f"{where}: conditions.model must name a checkpoint (fingerprint), an endpoint or a "
+                      "scripted reference")
     v = row["value"]
     if v is not None and not isinstance(v, (int, float)):
         raise K3Error(f"{where}: value must be a number or null, got {v!r}")

@@ -14,6 +14,13 @@
 - ``harness``: the agent suite under several harness randomization seeds (default 0..4); the
   table adds each group's spread over the seeds.
 - ``accept`` and ``retrieve``: long context (``k3.rl.longctx``) at the given lengths.
+- ``sustain``: one long episode of the ``chain`` workload (``k3.tasks.families.chain``: N dependent
+  steps, about 2·N tool calls) per seed, with the harness's compaction on (``context_tokens``)
+  and off (never compacted); progress (the share of steps whose result file is right so far)
+  after every tool call, read from the trajectory, against the context sent at that turn. Rows:
+  the verifier's ``score``, and ``progress`` / ``sent_tokens`` at each tenth of the 2·N calls
+  (``labels.share``); the whole curve is in the score row's ``detail``. ``provider`` None runs
+  the workload's reference solution (the positive control: progress reaches 1).
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ from pathlib import Path
 from k3.errors import ConfigError
 from k3.rl.eval_rows import RowWriter, digest
 
-__all__ = ["run_bpb", "run_agent", "run_accept", "run_retrieve", "agent_conditions"]
+__all__ = ["run_bpb", "run_agent", "run_accept", "run_retrieve", "run_sustain", "agent_conditions",
+           "progress_curve"]
+
+COMPACTION_OFF = 10 ** 9  # context_tokens of a harness that never compacts
 
 
 def _na(**given) -> dict:
@@ -229,6 +239,86 @@ def run_retrieve(ckpt: str, model_cond: dict, out: Path, lengths: list[int], dep
             w.write(f"{it.kind}/T={it.length}/depth={it.depth}/seed={it.seed}", "correct", float(r["correct"]),
                     cond, {"kind": it.kind, "T": it.length, "depth": it.depth}, wall_s=r["seconds"],
                     tokens=it.tokens, detail={"output": r["output"], "answer": it.answer, "query": it.query})
+    finally:
+        w.close()
+    return w.rows
+
+
+# ------------------------------------------------------------------------------------- sustain
+def progress_curve(records: list[dict], values: list[int]) -> list[list]:
+    """``[calls, sent_tokens, progress]`` after every tool call of a chain episode: ``progress`` is
+    the share of steps whose result file holds the right number after that call (a later write
+    to the same file replaces the earlier one); ``sent_tokens`` the context sent for its turn."""
+    from k3.tasks.families.chain import result_file
+
+    index = {result_file(k): k for k in range(1, len(values) + 1)}
+    right: dict[int, bool] = {}
+    sent, calls, out = 0, 0, []
+    for r in records:
+        if r["type"] == "turn":
+            sent = int(r.get("metadata", {}).get("sent_tokens", 0))
+        elif r["type"] == "tool":
+            calls += 1
+            k = index.get(str(r["arguments"].get("path", "")).removeprefix("/workspace/").removeprefix("./"))
+            if r["name"] == "write" and k is not None and not r["result"]["error"]:
+                right[k] = str(r["arguments"].get("content", "")).strip() == str(values[k - 1])
+            out.append([calls, sent, sum(right.values()) / len(values)])
+    return out
+
+
+def run_sustain(provider: dict | None, model_cond: dict, out: Path, *, steps: int, seeds: list[int],
+                context_tokens: int, effort: str, temperature: float, max_tokens: int = 256,
+                backend: str = "namespace", workers: int = 1, use_ray: bool = False, log=print) -> list[dict]:
+    from k3.rl.rollout import run_jobs
+    from k3.rl.trajectory import read_trajectory
+    from k3.tasks.families.base import read_meta
+    from k3.tasks.families.chain import Chain, chain_values
+    from k3.tasks.verify import Sandboxes
+
+    if context_tokens < 1:
+        raise ConfigError(f"--context-tokens must be >= 1, got {context_tokens}")
+    fam = Chain(steps)
+    tasks = [fam.generate(s, out / "tasks", overwrite=True) for s in seeds]
+    jobs = []
+    for t in tasks:
+        for mode, ctx in (("on", context_tokens), ("off", COMPACTION_OFF)):
+            spec = provider or {"kind": "scripted", "transcript": str(t / "solution" / "solve.json")}
+            jobs.append({"task": str(t), "provider": spec, "seed": 0, "harness": None, "backend": backend,
+                         "label": mode, "out": str(out / "trajectories" / f"{t.name}.compaction-{mode}.jsonl"),
+                         "threads": 1 if workers > 1 else None,
+                         "sampling": {"effort": effort, "temperature": temperature, "max_tokens": max_tokens,
+                                      "context_tokens": ctx}})
+    Sandboxes(backend).close()
+    log(f"sustain: {len(jobs)} episodes of {steps} chained steps (~{2 * steps} tool calls each), "
+        f"compaction on ({context_tokens} tokens) and off")
+    results = run_jobs(jobs, workers=workers, use_ray=use_ray)
+    w = RowWriter(out, "sustain")
+    try:
+        for job, res in zip(jobs, results):
+            values = chain_values(read_meta(job["task"])["spec"])
+            path = Path(job["out"])
+            recs = read_trajectory(path) if path.is_file() and path.stat().st_size else None
+            if recs is None:
+                cond = _na(model=model_cond, effort=effort, temperature=temperature, seeds={"sampling": 0},
+                           setup={"compaction": job["label"], "context_tokens": job["sampling"]["context_tokens"]})
+                curve = []
+            else:
+                cond = agent_conditions(recs[0], model_cond)
+                cond["setup"] = {**cond["setup"], "compaction": job["label"], "steps": steps}
+                curve = progress_curve(recs, values)
+            item = Path(job["task"]).name
+            labels = {"compaction": job["label"]}
+            value = None if res["status"] == "error" else float(res["score"])
+            w.write(item, "score", value, cond, labels, wall_s=res.get("timings", {}).get("total", 0.0),
+                    tokens=res.get("tokens", 0) or 0,
+                    detail={"status": res["status"], "error": res.get("detail"), "curve": curve})
+            for tenth in range(1, 11):
+                calls = -(-2 * steps * tenth // 10)
+                at = [c for c in curve if c[0] <= calls]
+                point = at[-1] if at else None
+                for metric, i in (("progress", 2), ("sent_tokens", 1)):
+                    w.write(item, metric, None if point is None else float(point[i]), cond,
+                            {**labels, "share": tenth / 10}, detail={"calls": calls, "made": point and point[0]})
     finally:
         w.close()
     return w.rows
