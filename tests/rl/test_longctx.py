@@ -221,3 +221,22 @@ def test_queried_fact_stays_at_the_ends_among_crowded_facts(tok):
             edge = parts[0] if depth == 0.0 else parts[-1]
             shared += len(FACT_RE.findall(edge)) > 1
     assert shared >= 2
+
+
+def test_training_documents_answer_every_fact_and_share_the_item_format():
+    """Each answered line of a training document, cut before its value, is a prompt the exact
+    solver answers with that value (so the document teaches what the evaluation asks); its keys
+    never come from the evaluation items' stream."""
+    from k3.rl.longctx import make_retrieval, solve, training_document
+
+    doc = training_document(5, 200, 6)
+    body, qa = doc.rsplit("\n\n", 1)
+    lines = qa.strip().splitlines()
+    assert len(lines) == 6
+    for line in lines:
+        prompt, value = line.rsplit(" ", 1)
+        assert solve(body + "\n\n" + prompt) == value.rstrip(".")
+    assert len(body.split()) >= 200
+    assert training_document(5, 200, 6) == doc and training_document(6, 200, 6) != doc
+    item = make_retrieval("multikey", type("T", (), {"encode": staticmethod(str.split)})(), 300, 0.5, 5, n_keys=6)
+    assert not set(item.keys) & {line.split(" of ", 1)[1].split("?")[0] for line in lines}

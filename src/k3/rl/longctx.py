@@ -38,8 +38,8 @@ from k3.errors import K3Error
 from k3.infer.generate import generate
 from k3.model.cache import KDAState, MLAState
 
-__all__ = ["RetrievalItem", "make_retrieval", "length_tolerance", "solve", "score_answer", "retrieve",
-           "accept", "KINDS"]
+__all__ = ["RetrievalItem", "make_retrieval", "training_document", "length_tolerance", "solve", "score_answer",
+           "retrieve", "accept", "KINDS"]
 
 KINDS = ("needle", "multikey")
 HEADER = "Below is a long text with some facts hidden in it. Read it, then answer the question at the end."
@@ -215,6 +215,26 @@ def make_retrieval(kind: str, tokenizer: Tokenizer, length: int, depth: float, s
     return RetrievalItem(kind=kind, length=length, tokens=len(ids), depth=float(depth), seed=seed,
                          n_keys=n_keys, prompt=prompt, prompt_ids=ids, query=keys[first],
                          answer=values[first], keys=keys, values=values)
+
+
+def training_document(seed: int, words: int, n_keys: int) -> str:
+    """A document to train retrieval on, in the evaluation items' sentence format: the header, a
+    haystack of ``words`` filler words with ``n_keys`` facts at random depths, then one answered
+    question per fact in random order ("Question: … Answer: the secret code of <key> is <value>."
+    on its own line), so a model learns to finish an item's last line. Keys and values come from
+    their own random stream (``k3-longctx-train-…``), never the evaluation items' (``make_retrieval``
+    seeds its keys with ``k3-longctx-keys-…``)."""
+    _check_int("seed", seed, 0)
+    _check_int("words", words, 0)
+    _check_int("n_keys", n_keys, 1)
+    rng = random.Random(f"k3-longctx-train-{seed}")
+    keys = _names(rng, n_keys)
+    values = [str(v) for v in rng.sample(range(10000, 100000), n_keys)]
+    facts = [(_FACT.format(key=k, value=v), rng.random()) for k, v in zip(keys, values, strict=True)]
+    filler = _cut(_filler_sentences(rng, words), words)
+    order = rng.sample(range(n_keys), n_keys)
+    qa = "\n".join(_QUESTION.format(key=keys[i]) + f" {values[i]}." for i in order)
+    return HEADER + "\n\n" + _place(filler, facts, 0) + "\n\n" + qa + "\n"
 
 
 _Q_RE = re.compile(r"Question: what is the secret code of (\S+?)\?")

@@ -1,0 +1,172 @@
+"""What the hybrid is worth (issue 35, SPEC §11): one retrieval model trained three ways.
+
+The same 4-layer model (the ``tiny`` widths, ``max_position_embeddings`` raised: K3 is NoPE) with
+three attention layouts: the K3 mix (KDA, KDA, KDA, MLA: three linear layers per full one),
+all-KDA and all-MLA. Each trains with the one Trainer on the same documents for the same steps
+(same tokens, same seed), documents in the evaluation's sentence format
+(``k3.rl.longctx.training_document``: filler with facts, then every fact asked and answered).
+Then, per layout, through ``k3 eval``'s own suites:
+
+- ``retrieve``: multi-key items at each length (trained at ``--seq-len``, evaluated up to and past
+  it), depths 0 / 0.5 / 1, exact match of the greedy answer;
+- ``accept``: prefill and decode at each length: decode seconds per token and the cache bytes
+  (the KDA state is constant, the MLA latent cache grows with T: the notepad-vs-archive split).
+
+Writes ``OUT/report.json`` (parameters, training tokens and loss, accuracy and cache per length,
+machine, date), one JSON line per (layout, length, metric) to
+``benchmarks/results/hybrid_retrieval.jsonl`` (baseline: the K3 mix at the same length) and one
+plot, ``OUT/hybrid_retrieval.png``: accuracy vs length and cache bytes vs length.
+
+    python benchmarks/hybrid_retrieval.py [--steps 400] [--out runs/hybrid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "hybrid_retrieval.jsonl"
+LAYOUTS = {"k3": ([1, 2, 3], [4]), "kda": ([1, 2, 3, 4], []), "mla": ([], [1, 2, 3, 4])}
+
+
+def model_overrides(layout: str, max_positions: int) -> dict:
+    kda, full = LAYOUTS[layout]
+    return {"num_hidden_layers": 4, "attn_res_block_size": 2, "max_position_embeddings": max_positions,
+            "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": 4, "head_dim": 64,
+                                   "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                                   "use_full_rank_gate": True}}
+
+
+def write_documents(path: Path, n: int, words: int, keys: int) -> None:
+    from k3.rl.longctx import training_document
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": training_document(i, words, keys)}) + "\n")
+
+
+def train(layout: str, a, data: Path, out: Path) -> dict:
+    from k3.train.config import TrainConfig
+    from k3.train.loop import Trainer
+
+    tc = TrainConfig.build(None, {
+        "preset": "tiny", "model_overrides": model_overrides(layout, max(a.lengths) + 64), "data": str(data),
+        "out": str(out), "steps": a.steps, "batch_size": a.batch_size, "curriculum": [[0, a.seq_len]],
+        "lr": a.lr, "warmup_frac": 0.05, "decay_frac": 0.3, "eval_interval": 0, "eval_batches": 8,
+        "final_eval_batches": 8, "ckpt_interval": 0, "log_interval": 25, "threads": a.threads, "plot": False,
+        "seed": 0})
+    t0 = time.monotonic()
+    trainer = Trainer(tc, overwrite=True)
+    res = trainer.train()
+    recs = [r for r in trainer.metrics.records if r["kind"] == "train"]
+    return {"params": sum(p.numel() for p in trainer.model.parameters()),
+            "tokens": recs[-1]["tokens"] if recs else 0,
+            "final_loss": recs[-1]["loss"] if recs else None,
+            "val_loss": res.val["val_loss"] if res.val else None, "train_s": round(time.monotonic() - t0, 1)}
+
+
+def evaluate(layout: str, a, run: Path, out: Path) -> dict:
+    from k3.rl.eval_rows import model_condition
+    from k3.rl.eval_suites import run_accept, run_retrieve
+
+    cond = model_condition(run)
+    rrows = run_retrieve(str(run), cond, out / f"{layout}-retrieve", a.lengths, a.depths, ["multikey"],
+                         a.eval_seeds, a.keys)
+    arows = run_accept(str(run), cond, out / f"{layout}-accept", a.lengths, decode_tokens=8)
+    acc = {T: sum(r["value"] for r in rrows if r["labels"]["T"] == T) / max(1, sum(r["labels"]["T"] == T
+                                                                                  for r in rrows))
+           for T in a.lengths}
+    by = {(r["labels"]["T"], r["metric"]): r["value"] for r in arows}
+    return {"accuracy": acc, "cache_bytes": {T: by[(T, "cache_bytes")] for T in a.lengths},
+            "decode_s_per_token": {T: by[(T, "decode_s_per_token")] for T in a.lengths}}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for layout, r in report["layouts"].items():
+        ts = sorted(int(t) for t in r["accuracy"])
+        ax0.plot(ts, [r["accuracy"][str(t)] for t in ts], marker="o", label=layout)
+        ax1.plot(ts, [r["cache_bytes"][str(t)] for t in ts], marker="o", label=layout)
+    ax0.axvline(report["seq_len"], color="grey", ls=":", lw=1)
+    for ax in (ax0, ax1):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length T (tokens)")
+        ax.legend(fontsize=8)
+    ax0.set_ylim(-0.05, 1.05)
+    ax0.set_ylabel(f"multi-key exact match ({report['keys']} facts)")
+    ax0.set_title("retrieve (dotted: training length)")
+    ax1.set_yscale("log")
+    ax1.set_ylabel("decode cache bytes")
+    ax1.set_title("decode state vs context")
+    fig.suptitle(f"K3 mix vs all-KDA vs all-MLA, {report['steps']} steps each; {report['machine']}, {report['date']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "runs" / "hybrid"))
+    p.add_argument("--layouts", default="k3,kda,mla")
+    p.add_argument("--docs", type=int, default=3000)
+    p.add_argument("--words", type=int, default=150, help="filler words per training document")
+    p.add_argument("--keys", type=int, default=6, help="facts per document and per evaluation item")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lengths", default="256,512,1024,2048,4096")
+    p.add_argument("--depths", default="0,0.5,1")
+    p.add_argument("--eval-seeds", type=int, default=8)
+    p.add_argument("--threads", default="auto")
+    a = p.parse_args(argv)
+    a.lengths = [int(x) for x in a.lengths.split(",")]
+    a.depths = [float(x) for x in a.depths.split(",")]
+    a.threads = a.threads if a.threads == "auto" else int(a.threads)
+    layouts = a.layouts.split(",")
+    if any(x not in LAYOUTS for x in layouts):
+        p.error(f"--layouts takes {', '.join(LAYOUTS)}")
+    out = Path(a.out)
+    data = out / "data" / "docs.jsonl"
+    write_documents(data, a.docs, a.words, a.keys)
+
+    from k3.rl.eval_rows import machine
+    report = {"steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "lr": a.lr, "docs": a.docs,
+              "words": a.words, "keys": a.keys, "eval_seeds": a.eval_seeds, "depths": a.depths,
+              "machine": machine(), "date": time.strftime("%Y-%m-%d"), "layouts": {}}
+    for layout in layouts:
+        print(f"== {layout}: training {a.steps} steps", flush=True)
+        tr = train(layout, a, data, out / layout)
+        ev = evaluate(layout, a, out / layout, out / "eval")
+        report["layouts"][layout] = {**tr, **{k: {str(t): v for t, v in d.items()} for k, d in ev.items()}}
+        print(f"   {layout}: {tr['params']:,} parameters, final loss {tr['final_loss']}, accuracy "
+              + ", ".join(f"T={t}: {ev['accuracy'][t]:.2f}" for t in a.lengths), flush=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / "hybrid_retrieval.png")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    base = report["layouts"].get("k3")
+    with open(RESULTS, "a") as f:
+        for layout, r in report["layouts"].items():
+            for metric in ("accuracy", "cache_bytes", "decode_s_per_token"):
+                for t, v in r[metric].items():
+                    b = base[metric][t] if base else None
+                    f.write(json.dumps({"bench": "hybrid_retrieval", "config": f"{layout}/T={t}", "metric": metric,
+                                        "value": v, "baseline": b, "ratio": v / b if b else None,
+                                        "params": r["params"], "steps": a.steps, "machine": report["machine"],
+                                        "date": report["date"]}) + "\n")
+    print(f"report: {out / 'report.json'}; plot: {out / 'hybrid_retrieval.png'}; lines: {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
