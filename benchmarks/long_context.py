@@ -1,12 +1,13 @@
 """Long context on the ``tiny`` preset: chunked prefill of a T-token prompt, then 16 decode steps.
 
 For each T (default 1024, 4096, 16384, 65536) a fresh subprocess builds the model (random init,
-fp32, ``max_position_embeddings`` raised to fit T: K3 is NoPE, so nothing else depends on it),
-prefills the prompt through a ``K3Cache`` in chunks of ``--chunk`` tokens (chunk KDA, query-chunked
-naive MLA over the cached latents), then decodes 16 greedy tokens (recurrent KDA, absorbed MLA).
-It reports prefill tokens/s, decode ms/token, the cache bytes and the peak RSS of that process
-(``VmHWM`` from /proc/self/status, so each T's peak is its own; ``model_rss_mb`` is VmHWM right
-after building the model, before any token).
+fp32, ``max_position_embeddings`` raised to fit T: K3 is NoPE, so nothing else depends on it) and
+measures it with ``k3 eval accept``'s function (``k3.rl.longctx.accept``): prefill through a
+``K3Cache`` in chunks of ``--chunk`` tokens (chunk KDA, query-chunked MLA over the cached
+latents), then 16 greedy decode steps (recurrent KDA, absorbed MLA). It reports prefill tokens/s,
+decode ms/token (the mean step), the cache bytes after prefill (checked against the cache
+formula) and the peak RSS over that T's prefill and decode (``VmHWM`` after a reset;
+``model_rss_mb`` is VmHWM right after building the model, before any token).
 
 Prints a table and appends JSON lines (SPEC §8) to benchmarks/results/long_context.jsonl; the
 baseline of each metric is its value at the smallest T (ratio = growth with context).
@@ -18,7 +19,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "long_context.jsonl"
@@ -34,11 +34,14 @@ def vm_hwm_mb() -> float:
 
 
 def run_one(preset: str, T: int, chunk: int, decode: int, threads: int) -> dict:
+    """One T in this process, measured by ``k3 eval accept``'s own function (``k3.rl.longctx.accept``);
+    the cache it reports is checked against the model's cache formula."""
     import torch
 
     from k3.config import get_preset
     from k3.model.cache import cache_bytes_per_sequence
     from k3.model.decoder import K3ForCausalLM
+    from k3.rl.longctx import accept
 
     torch.set_num_threads(threads)
     torch.set_flush_denormal(True)
@@ -47,25 +50,15 @@ def run_one(preset: str, T: int, chunk: int, decode: int, threads: int) -> dict:
     cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings, T + decode))
     model = K3ForCausalLM(cfg).eval()
     model_rss = vm_hwm_mb()
-    ids = torch.randint(3, cfg.vocab_size, (1, T))
-    cache = model.new_cache(1)
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        for s in range(0, T, chunk):
-            logits = model(ids[:, s:s + chunk], cache=cache, logits_to_keep=1).logits[:, -1]
-        prefill_s = time.perf_counter() - t0
-        steps = []
-        for _ in range(decode):
-            nxt = logits.argmax(-1, keepdim=True)
-            t1 = time.perf_counter()
-            logits = model(nxt, cache=cache, logits_to_keep=1).logits[:, -1]
-            steps.append(time.perf_counter() - t1)
-    steps.sort()
-    want = cache_bytes_per_sequence(cfg, T + decode, torch.float32)["total"]
-    if cache.nbytes() != want:
-        raise RuntimeError(f"cache holds {cache.nbytes()} bytes, the formula says {want}")
-    return {"T": T, "prefill_tokens_per_s": T / prefill_s, "decode_ms_per_token": 1e3 * steps[len(steps) // 2],
-            "peak_rss_mb": vm_hwm_mb(), "model_rss_mb": model_rss, "cache_mb": cache.nbytes() / 2 ** 20}
+    (r,) = accept(model, [T], decode_tokens=decode, prefill_chunk=chunk)
+    if not r["ok"]:
+        raise RuntimeError(f"T={T}: {r['error']}")
+    want = cache_bytes_per_sequence(cfg, T, torch.float32)["total"]
+    if r["cache_bytes"] != want:
+        raise RuntimeError(f"cache holds {r['cache_bytes']} bytes after prefill, the formula says {want}")
+    return {"T": T, "prefill_tokens_per_s": 1 / r["prefill_s_per_token"], "decode_ms_per_token": 1e3 * r["decode_s_per_token"],
+            "peak_rss_mb": (r["peak_rss_bytes"] or 0) / 2 ** 20, "model_rss_mb": model_rss,
+            "cache_mb": r["cache_bytes"] / 2 ** 20}
 
 
 def main() -> None:
