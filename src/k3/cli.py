@@ -19,11 +19,17 @@ def _config_from_args(args):
 
 
 def cmd_params(args) -> int:
-    from k3.model.summary import build_meta_model, format_breakdown, parameter_breakdown
+    from k3.errors import ConfigError
+    from k3.model.summary import build_meta_model, build_meta_vision, format_breakdown, parameter_breakdown
 
     cfg = _config_from_args(args)
     model = build_meta_model(cfg)
-    b = parameter_breakdown(model)
+    try:
+        vision = build_meta_vision(cfg)
+    except ConfigError as e:  # another tower's vision_config (Kimi-VL, K2.5): count the text model
+        print(f"vision_config not counted: {e}", file=sys.stderr)
+        vision = None
+    b = parameter_breakdown(model, vision)
     name = args.config or args.preset
     if args.json:
         print(json.dumps(b.as_dict()))

@@ -4,21 +4,28 @@
 3:1 split with MLA at the last layer, a dense first layer, Latent MoE with one shared expert,
 SiTU, Block AttnRes. Each preset is a function returning a validated :class:`K3Config`, written
 with keyword arguments so every number is named.
+
+Vision (SPEC §3.9): ``k3`` carries the release's ``vision_config`` (27 × 1024 MoonViT3d tower,
+projector to 7168). The small presets stay text-only (their checkpoints and config.json files are
+flat text configs); :func:`vision_preset` gives a small tower sized to each of them.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 from k3.config import K3Config, LinearAttnConfig, did_you_mean, k3_layer_split
 from k3.errors import ConfigError
+from k3.vision_config import RELEASE_VISION_CONFIG, VisionConfig
 
-__all__ = ["PRESETS", "get_preset", "list_presets"]
+__all__ = ["PRESETS", "get_preset", "list_presets", "vision_preset"]
 
 
 def k3() -> K3Config:
-    """The released K3 text model: every field at K3Config's defaults, eos = <|im_end|>."""
-    return K3Config(eos_token_id=163586)
+    """The released K3: the text model at K3Config's defaults, eos = <|im_end|>, and the release's
+    vision_config (MoonViT3d tower + patchmergerv2 projector)."""
+    return K3Config(eos_token_id=163586, vision_config=copy.deepcopy(RELEASE_VISION_CONFIG))
 
 
 def kimi_linear_48b() -> K3Config:
@@ -81,6 +88,31 @@ def small() -> K3Config:
                   q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
                   intermediate_size=1536, num_experts=32, num_experts_per_token=4, moe_intermediate_size=256,
                   routed_expert_hidden_size=256, attn_res_block_size=4, max_position_embeddings=16384)
+
+
+def _small_vision(*, text_hidden_size: int, width: int, layers: int, heads: int, mlp: int,
+                  pos_table: int) -> VisionConfig:
+    """A small MoonViT3d tower (release layout, head_dim = width / heads) for a small text model."""
+    return VisionConfig(vt_hidden_size=width, vt_num_hidden_layers=layers, vt_num_attention_heads=heads,
+                        qkv_hidden_size=width, vt_intermediate_size=mlp, mm_hidden_size=width,
+                        init_pos_emb_height=pos_table, init_pos_emb_width=pos_table,
+                        text_hidden_size=text_hidden_size)
+
+
+_VISION: dict[str, Callable[[], VisionConfig]] = {
+    "nano": lambda: _small_vision(text_hidden_size=64, width=64, layers=2, heads=2, mlp=128, pos_table=16),
+    "tiny": lambda: _small_vision(text_hidden_size=256, width=128, layers=3, heads=4, mlp=256, pos_table=32),
+    "small": lambda: _small_vision(text_hidden_size=512, width=128, layers=4, heads=4, mlp=512, pos_table=32),
+    "k3": lambda: VisionConfig.from_dict(RELEASE_VISION_CONFIG),
+}
+
+
+def vision_preset(name: str) -> VisionConfig | None:
+    """The vision tower that goes with preset ``name`` (None for the text-only kimi-linear-48b)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; "
+                          f"choose one of {list_presets()}")
+    return _VISION[name]() if name in _VISION else None
 
 
 PRESETS: dict[str, Callable[[], K3Config]] = {

@@ -2,17 +2,20 @@
 
 Works on a model built on the meta device (nothing is materialised). Counts parameters and
 persistent buffers (the router's ``e_score_correction_bias`` ships in checkpoints, so it counts).
+The vision tower and projector of a config's ``vision_config`` (:func:`build_meta_vision`) are
+counted beside the text model, never inside its total (SPEC §2 counts text, §3.9 vision).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-__all__ = ["ParamBreakdown", "parameter_breakdown", "build_meta_model", "format_breakdown"]
+__all__ = ["ParamBreakdown", "parameter_breakdown", "build_meta_model", "build_meta_vision",
+           "format_breakdown"]
 
 MXFP4_BITS = 4.25  # 4-bit E2M1 element + one 8-bit E8M0 scale per 32 elements
 
@@ -53,15 +56,17 @@ class ParamBreakdown:
     routed_experts: int
     bf16_bytes: int
     mxfp4_bytes: float
+    vision: "OrderedDict[str, int]" = field(default_factory=OrderedDict)  # vision_tower, mm_projector
 
     def as_dict(self) -> dict:
         return {"components": dict(self.components), "total": self.total, "activated": self.activated,
                 "routed_experts": self.routed_experts, "bf16_bytes": self.bf16_bytes,
-                "mxfp4_bytes": self.mxfp4_bytes}
+                "mxfp4_bytes": self.mxfp4_bytes, "vision": dict(self.vision)}
 
 
-def parameter_breakdown(model: nn.Module) -> ParamBreakdown:
-    """Counts by component. Activated = all but the input embedding, routed experts counted k of E."""
+def parameter_breakdown(model: nn.Module, vision: nn.Module | None = None) -> ParamBreakdown:
+    """Counts by component. Activated = all but the input embedding, routed experts counted k of E.
+    ``vision`` (a :class:`k3.model.vision.VisionModel`) is counted per top-level child, apart."""
     cfg = model.config
     kda = set(cfg.kda_layer_ids)
     comps: OrderedDict[str, int] = OrderedDict((c, 0) for c in _COMPONENTS)
@@ -79,7 +84,9 @@ def parameter_breakdown(model: nn.Module) -> ParamBreakdown:
     activated = total - comps["embedding"] - routed + round(routed * frac)
     bf16 = total * 2
     mxfp4 = (total - routed) * 2 + routed * MXFP4_BITS / 8
-    return ParamBreakdown(comps, total, activated, routed, bf16, mxfp4)
+    vis = OrderedDict((name, sum(p.numel() for p in child.parameters()))
+                      for name, child in (vision.named_children() if vision is not None else ()))
+    return ParamBreakdown(comps, total, activated, routed, bf16, mxfp4, vis)
 
 
 def _persistent_buffers(model: nn.Module, full_name: str) -> set[str]:
@@ -93,6 +100,18 @@ def build_meta_model(config) -> nn.Module:
 
     with torch.device("meta"):
         return K3ForCausalLM(config)
+
+
+def build_meta_vision(config) -> nn.Module | None:
+    """The VisionModel of ``config.vision_config`` on the meta device, or None without one."""
+    from k3.model.vision import VisionModel
+    from k3.vision_config import vision_config_of
+
+    vc = vision_config_of(config)
+    if vc is None:
+        return None
+    with torch.device("meta"):
+        return VisionModel(vc)
 
 
 def _fmt(n: float) -> str:
@@ -114,4 +133,10 @@ def format_breakdown(b: ParamBreakdown, title: str = "") -> str:
     lines.append(f"{'bytes at bf16':<22}{b.bf16_bytes:>20,}  ({b.bf16_bytes / 1e9:.1f} GB)")
     lines.append(f"{'bytes, MXFP4 experts':<22}{int(b.mxfp4_bytes):>20,}  ({b.mxfp4_bytes / 1e9:.1f} GB; routed "
                  f"experts at {MXFP4_BITS} bits, the rest bf16)")
+    if b.vision:
+        vis = sum(b.vision.values())
+        lines.append("vision (bf16, not quantized; not in the totals above):")
+        lines += [f"  {c:<20}{n:>20,}" for c, n in b.vision.items()]
+        lines.append(f"  {'vision total':<20}{vis:>20,}  ({_fmt(vis)})")
+        lines.append(f"{'text + vision':<22}{b.total + vis:>20,}  ({_fmt(b.total + vis)})")
     return "\n".join(lines)
