@@ -6,9 +6,13 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``agent_demo`` (docs/POSTTRAINING.md) from ``docs/data/agent_demo.json``, the report of one
   ``k3 agent-demo`` run (``runs/agent-demo/report.json`` copied there by ``--save``);
 - ``rl_demo`` (docs/RL.md) from ``docs/data/rl_demo.json``, the report of one
-  ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``).
+  ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``);
+- ``hybrid_retrieval`` (docs/EVAL.md) from ``docs/data/hybrid_retrieval.json``, the report of one
+  ``benchmarks/hybrid_retrieval.py`` run (``runs/hybrid/report.json`` and its plot copied there
+  by ``--save-hybrid``).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
+                                     [--save-hybrid runs/hybrid/report.json]
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ DATA = ROOT / "docs" / "data" / "agent_demo.json"
 DOC = ROOT / "docs" / "POSTTRAINING.md"
 RL_DATA = ROOT / "docs" / "data" / "rl_demo.json"
 RL_DOC = ROOT / "docs" / "RL.md"
+HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
+EVAL_DOC = ROOT / "docs" / "EVAL.md"
 
 
 def agent_demo_table(report: dict) -> str:
@@ -81,6 +87,25 @@ def rl_demo_table(report: dict) -> str:
         f"Mean reward by step: {pts}.", "", *rows, "", *spread])
 
 
+def hybrid_table(report: dict) -> str:
+    """Multi-key accuracy and decode cache per layout and context length, with the training run."""
+    lays = report["layouts"]
+    ts = sorted({int(t) for r in lays.values() for t in r["accuracy"]})
+    head = "| layout | parameters | final train loss | " + " | ".join(f"T={t}" for t in ts) + " |"
+    rows = [head, "|---" * (3 + len(ts)) + "|"]
+    for name, r in lays.items():
+        cells = [f"{r['accuracy'][str(t)]:.2f} · {r['cache_bytes'][str(t)] / 2 ** 20:.2f} MiB" for t in ts]
+        rows.append(f"| {name} | {r['params']:,} | {r['final_loss']:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join([
+        f"Measured {report['date']} on {report['machine']} (`docs/data/hybrid_retrieval.json`, plot "
+        "`docs/data/hybrid_retrieval.png`). Each layout: "
+        f"{report['steps']} steps of {report['batch_size']} × {report['seq_len']} tokens "
+        f"(lr {report['lr']}) on {report['docs']} documents of {report['words']} filler words and "
+        f"{report['keys']} facts; evaluation: {report['eval_seeds']} multi-key items ({report['keys']} facts) "
+        f"per length × depth ({', '.join(str(d) for d in report['depths'])}), greedy. "
+        "Each cell: exact-match accuracy · decode cache after prefill.", "", *rows])
+
+
 def replace_block(doc: Path, name: str, body: str) -> None:
     text = doc.read_text()
     pat = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
@@ -93,16 +118,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--save", help="a k3 agent-demo report.json to record as docs/data/agent_demo.json first")
     p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
+    p.add_argument("--save-hybrid", help="a benchmarks/hybrid_retrieval.py report.json (its plot beside it) to "
+                                         "record as docs/data/hybrid_retrieval.json / .png first")
     a = p.parse_args()
-    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA)):
+    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA)):
         if src:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
+    if a.save_hybrid:
+        shutil.copyfile(Path(a.save_hybrid).parent / "hybrid_retrieval.png", HYBRID_DATA.with_suffix(".png"))
     replace_block(DOC, "agent_demo", agent_demo_table(json.loads(DATA.read_text())))
     print(f"wrote the agent_demo table of {DOC.relative_to(ROOT)} from {DATA.relative_to(ROOT)}")
     if RL_DATA.exists():
         replace_block(RL_DOC, "rl_demo", rl_demo_table(json.loads(RL_DATA.read_text())))
         print(f"wrote the rl_demo table of {RL_DOC.relative_to(ROOT)} from {RL_DATA.relative_to(ROOT)}")
+    if HYBRID_DATA.exists():
+        replace_block(EVAL_DOC, "hybrid_retrieval", hybrid_table(json.loads(HYBRID_DATA.read_text())))
+        print(f"wrote the hybrid_retrieval table of {EVAL_DOC.relative_to(ROOT)} from {HYBRID_DATA.relative_to(ROOT)}")
     return 0
 
 
