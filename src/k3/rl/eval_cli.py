@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _out_dir(args) -> Path:
-    out = Path(args.out) if args.out else REPO / "runs" / "eval" / f"{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(args.out) if args.out else Path("runs") / "eval" / f"{args.suite}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: not a directory")
     if (out / "rows.jsonl").exists():
@@ -163,6 +163,8 @@ def _run_suite(args) -> int:
             raise ConfigError("--samples, --workers and --max-tokens must be >= 1")
         seeds = ([None] if args.harness_seeds == "canonical"
                  else _ints(args.harness_seeds, "--harness-seeds"))
+        if not args.tasks and not (REPO / "tasks").is_dir():
+            raise ConfigError(f"--tasks is required (the starter tasks, {REPO / 'tasks'}, are not here)")
         specs = args.tasks or [str(REPO / "tasks")]
         tasks = resolve_tasks(specs, out, heldout=True)
         defaults = {"effort": efforts, "temperature": args.temperature, "harness_seeds": seeds,
