@@ -38,10 +38,11 @@ from typing import Any
 from k3.config import K3Config, check_int
 from k3.errors import ConfigError
 
-__all__ = ["config_from_dict", "config_from_json", "config_to_dict", "kimi_linear_defaults",
+__all__ = ["config_from_dict", "config_from_json", "config_to_dict", "wrap_text_config", "kimi_linear_defaults",
            "linear_attn_from_layer_types", "KIMI_LINEAR_DEFAULTS", "HF_ALIASES"]
 
 WRAPPER_KEYS = ("text_config", "vision_config")
+DEFAULT_WRAPPER = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"]}
 # transformers' KimiLinearConfig.attribute_map (alias -> schema field)
 HF_ALIASES = {"num_experts_per_tok": "num_experts_per_token", "n_shared_experts": "num_shared_experts",
               "num_local_experts": "num_experts", "norm_topk_prob": "moe_renormalize",
@@ -252,8 +253,13 @@ def config_to_dict(cfg: K3Config) -> dict[str, Any]:
     text = cfg.to_text_dict()
     if cfg.wrapper is None and cfg.vision_config is None:
         return text
-    out = copy.deepcopy(cfg.wrapper or {"model_type": "kimi_k3",
-                                        "architectures": ["KimiK3ForConditionalGeneration"]})
+    return wrap_text_config(cfg, text)
+
+
+def wrap_text_config(cfg: K3Config, text: dict[str, Any]) -> dict[str, Any]:
+    """The kimi_k3 wrapper around the text config dict ``text``: ``cfg``'s wrapper keys (the
+    release's model_type / architectures when it has none), ``text_config`` and its ``vision_config``."""
+    out = copy.deepcopy(cfg.wrapper or DEFAULT_WRAPPER)
     out["text_config"] = text
     if cfg.vision_config is not None:
         out["vision_config"] = copy.deepcopy(cfg.vision_config)

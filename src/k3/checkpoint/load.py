@@ -13,6 +13,10 @@ Three passes, so bad input never leaves a model half-loaded:
 3. :func:`stream_into` copies shard by shard with ``safe_open`` (peak memory = destination + one
    tensor), reshaping ``A_log`` and either dequantizing packed MXFP4 experts into float experts or,
    for a model that keeps them packed (``plan_load(..., packed=True)``), copying their bytes as-is.
+
+A multimodal load (``K3VLForConditionalGeneration``) adds :func:`plan_vision` in pass 2: the
+tensors a text load ignores are checked against the vision_config's tower and projector and
+streamed by the same :func:`stream_into`.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from safetensors import safe_open
 
 from k3.checkpoint.io import CheckpointError, TensorInfo, read_header, sha256_file
 from k3.checkpoint.names import (QUANT_CONFIG_KEY, TEXT_PREFIX, Target, check_file_shape, expected_tensors,
-                                 file_names, is_packed_buffer, keeps_fp32, resolve, storage_dtype, to_internal)
+                                 expected_vision_tensors, file_names, is_packed_buffer, keeps_fp32, not_text, resolve,
+                                 storage_dtype, to_internal)
 from k3.checkpoint.save import CONFIG_NAME, INDEX_FORMAT, INDEX_NAME, SHA256_KEY
 from k3.config import K3Config
 from k3.ops.mx import dequantize_mx, unpack_fp4
+from k3.vision_config import VisionConfig
 
-__all__ = ["CheckpointFiles", "LoadPlan", "read_config", "scan", "plan_load", "stream_into",
+__all__ = ["CheckpointFiles", "LoadPlan", "read_config", "scan", "plan_load", "plan_vision", "stream_into",
            "load_state_dict", "checkpoint_dtype", "verify_files"]
 
 log = logging.getLogger("k3.checkpoint")
@@ -259,6 +265,41 @@ def plan_load(files: CheckpointFiles, config: K3Config, strict: bool = True, pac
     if plan.ignored:
         log.info("%s: ignoring %d vision/projector tensor(s) (k3 loads the text model)",
                  files.directory, len(plan.ignored))
+    return plan
+
+
+def plan_vision(files: CheckpointFiles, vc: VisionConfig, strict: bool = True) -> LoadPlan:
+    """Validate a checkpoint's vision tensors (the ones a text load ignores, ``names.not_text``)
+    against ``names.expected_vision_tensors(vc)``: a missing, mis-shaped or non-float tensor, or
+    (``strict``) an unexpected one, is a :class:`CheckpointError` naming it. The plan streams with
+    :func:`stream_into` into the model's ``vision_tower.…`` / ``mm_projector.…`` tensors."""
+    expected = expected_vision_tensors(vc)
+    plan, problems = LoadPlan(), []
+    for name, info in files.tensors.items():
+        if not not_text(name, files.multimodal):
+            continue
+        if name not in expected:
+            plan.unexpected.append(name)
+            continue
+        target = Target(name, "plain", None, expected[name])
+        where = f"{info.file}: vision tensor {name!r}"
+        if tuple(info.shape) != expected[name]:
+            problems.append(f"{where}: shape {list(info.shape)}, expected {list(expected[name])} "
+                            "(from the vision_config)")
+        elif not info.dtype.is_floating_point:
+            problems.append(f"{where}: expected a floating-point tensor, got {info.dtype}")
+        else:
+            plan.by_file[info.file].append((target, info))
+    problems += [f"{files.directory}: missing vision tensor {n}" for n in expected if n not in files.tensors]
+    if plan.unexpected and strict:
+        problems += [f"{files.tensors[n].file}: unexpected vision tensor {n!r}" for n in plan.unexpected]
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise CheckpointError(f"checkpoint {files.directory} does not match the vision model "
+                              f"({len(problems)} problem(s)):\n  " + "\n  ".join(shown))
+    if plan.unexpected:
+        log.warning("%s: ignoring %d unexpected vision tensor(s): %s", files.directory, len(plan.unexpected),
+                    ", ".join(plan.unexpected[:10]) + (" ..." if len(plan.unexpected) > 10 else ""))
     return plan
 
 

@@ -11,6 +11,10 @@ internal names by :func:`resolve`:
   ``experts.w{1,2,3}_packed`` [E, out, in/2] and ``experts.w{1,2,3}_scale`` [E, out, in/32];
 * Kimi-Linear (Moonshot or transformers' ``save_pretrained``): the dense layer-0 MLP may sit under
   ``block_sparse_moe.`` and ``A_log`` is stored [1, 1, nh, 1]; the K3 release pads ``A_log`` to 128.
+* K3's vision tower and projector (multimodal release): ``vision_tower.…`` / ``mm_projector.…``,
+  unprefixed, the same names on disk and in ``K3VLForConditionalGeneration``
+  (:func:`expected_vision_tensors`); a text-only load ignores them (and other families' vision
+  tensors, ``_VISION_PREFIXES``).
 
 :func:`expected_tensors` is the validation source of truth for both loading and saving;
 :func:`mxfp4_quantization_config` is the compressed-tensors ``quantization_config`` that names,
@@ -27,16 +31,19 @@ import torch
 from k3.config import K3Config
 from k3.errors import CheckpointError
 from k3.model.mx_experts import ACT_FMT  # the one MX activation format k3 runs (MXFP8 E4M3)
+from k3.vision_config import VisionConfig
 
 __all__ = ["expected_tensors", "keeps_fp32", "storage_dtype", "file_names", "resolve", "Target", "check_file_shape",
            "to_internal", "is_stacked_expert", "is_packed_buffer", "holds_packed_experts", "stores_packed_experts",
            "mxfp4_quantization_config", "is_mxfp4_quantization", "declared_act_fmt", "MXFP4_FORMAT",
            "MXFP8_INPUT_ACTIVATIONS", "ACT_FMT", "QUANT_CONFIG_KEY",
-           "TEXT_PREFIX", "MX_BLOCK"]
+           "TEXT_PREFIX", "MX_BLOCK", "VISION_PREFIXES", "is_vision_tensor", "expected_vision_tensors", "not_text",
+           "MXFP4_VISION_IGNORE"]
 
 TEXT_PREFIX = "language_model."
 MX_BLOCK = 32  # OCP MX block size along the input dimension
 _VISION_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "mm_projector.", "visual.")
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # K3's own vision tensors (stored unprefixed)
 # Tensors the release stores in fp32 whatever the model dtype (SPEC §4).
 _FP32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
@@ -153,6 +160,36 @@ def expected_tensors(config: K3Config, dtype: torch.dtype = torch.float32,
     return {n: (s, storage_dtype(n, dtype)) for n, s in shapes.items()}
 
 
+def is_vision_tensor(name: str) -> bool:
+    """A K3 vision tower / projector tensor (``vision_tower.…``, ``mm_projector.…``)."""
+    return name.startswith(VISION_PREFIXES)
+
+
+def expected_vision_tensors(vc: VisionConfig) -> dict[str, Shape]:
+    """``{name: shape}`` of every tensor of the MoonViT3d tower + ``patchmergerv2`` projector, under
+    the release's names, which are also the names in :class:`K3VLForConditionalGeneration`'s state
+    dict (SPEC §3.9; biases only where the vision config asks for them, none in K3). Vision tensors
+    are stored as floats (bf16 in the release), never MXFP4."""
+    D, Q, I, p = vc.vt_hidden_size, vc.qkv_hidden_size, vc.vt_intermediate_size, vc.patch_size
+    M, H = vc.projector_dim, vc.text_hidden_size
+    t: dict[str, Shape] = {"vision_tower.patch_embed.proj.weight": (D, 3, p, p),
+                           "vision_tower.patch_embed.pos_emb.weight": (vc.init_pos_emb_height,
+                                                                       vc.init_pos_emb_width, D)}
+    if vc.patch_embed_proj_bias:
+        t["vision_tower.patch_embed.proj.bias"] = (D,)
+    for n in range(vc.vt_num_hidden_layers):
+        b = f"vision_tower.encoder.blocks.{n}."
+        t.update({b + "norm0.weight": (D,), b + "wqkv.weight": (3 * Q, D), b + "wo.weight": (D, Q),
+                  b + "norm1.weight": (D,), b + "mlp.fc0.weight": (I, D), b + "mlp.fc1.weight": (D, I)})
+        if vc.attn_bias:
+            t.update({b + "wqkv.bias": (3 * Q,), b + "wo.bias": (D,)})
+        if vc.linear_bias:
+            t.update({b + "mlp.fc0.bias": (I,), b + "mlp.fc1.bias": (D,)})
+    t.update({"vision_tower.encoder.final_layernorm.weight": (D,), "mm_projector.proj.0.weight": (M, M),
+              "mm_projector.proj.2.weight": (H, M), "mm_projector.post_norm.weight": (H,)})
+    return t
+
+
 def is_stacked_expert(name: str) -> bool:
     return ".block_sparse_moe.experts.w" in name
 
@@ -205,6 +242,15 @@ def _accepts_a_log(shape: Shape, nh: int) -> bool:
     return (len(shape) == 1 and shape[0] >= nh) or shape == (1, 1, nh, 1)
 
 
+def not_text(file_name: str, multimodal: bool) -> bool:
+    """Whether an on-disk tensor is not part of the text model (a text load ignores it; a
+    multimodal load reads the K3 vision tensors among these): in a ``multimodal`` checkpoint
+    everything without the ``language_model.`` prefix, elsewhere the known vision prefixes."""
+    if file_name.startswith(TEXT_PREFIX):
+        return False
+    return multimodal or file_name.startswith(_VISION_PREFIXES)
+
+
 def resolve(file_name: str, config: K3Config, expected: dict[str, tuple[Shape, torch.dtype]],
             multimodal: bool) -> Target | None:
     """Map an on-disk tensor name to its :class:`Target`, or None when k3 has no such tensor.
@@ -212,11 +258,9 @@ def resolve(file_name: str, config: K3Config, expected: dict[str, tuple[Shape, t
     ``multimodal``: the checkpoint prefixes text tensors with ``language_model.``; anything
     without the prefix is then a vision/projector tensor and ignored.
     """
-    name = file_name
-    if name.startswith(TEXT_PREFIX):
-        name = name[len(TEXT_PREFIX):]
-    elif multimodal or name.startswith(_VISION_PREFIXES):
+    if not_text(file_name, multimodal):
         return Target(file_name, "ignored")
+    name = file_name.removeprefix(TEXT_PREFIX)
     m = _EXPERT_RE.match(name)
     if m:
         internal = f"{m.group(1)}.{m.group(3)}"
@@ -280,6 +324,8 @@ MXFP4_IGNORE = [
     r"re:.*\.routed_expert_(down|up)_proj$",  # latent projections
     r"re:.*_res_proj$",  # AttnRes pseudo-queries (self_attention_res, mlp_res, output_attn_res)
 ]
+# a multimodal checkpoint also keeps its vision tower and projector in bf16 (the release's entries)
+MXFP4_VISION_IGNORE = ["re:.*vision_tower.*", "re:.*mm_projector.*"]
 
 
 # compressed-tensors' group-32 float8 scheme: MXFP8 (E4M3 elements, one E8M0 scale per 32 along the
@@ -291,7 +337,7 @@ MXFP8_INPUT_ACTIVATIONS = {"num_bits": 8, "type": "float", "symmetric": True, "g
 _MXFP8_KEYS = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": MX_BLOCK}
 
 
-def mxfp4_quantization_config(act_fmt: str | None = None) -> dict:
+def mxfp4_quantization_config(act_fmt: str | None = None, multimodal: bool = False) -> dict:
     """The compressed-tensors ``quantization_config`` of a checkpoint whose routed experts are
     packed MXFP4: FP4 E2M1 weights ("float", 4 bits), one E8M0 (uint8) scale per group of 32
     along the input dimension, symmetric, static. ``input_activations``: null for ``act_fmt``
@@ -299,7 +345,8 @@ def mxfp4_quantization_config(act_fmt: str | None = None) -> dict:
     MXFP8 group-32 float8 scheme for ``act_fmt`` "fp8_e4m3" (a model trained with MXFP8
     activation QAT, SPEC §3.7). Loaders apply exactly what is declared (``declared_act_fmt``).
     ``scale_dtype`` / ``zp_dtype`` are written as compressed-tensors' MXFP4 preset writes them
-    (there is no zero point: the scheme is symmetric).
+    (there is no zero point: the scheme is symmetric). ``multimodal``: the ignore list also names
+    the vision tower and projector (:data:`MXFP4_VISION_IGNORE`).
     """
     if act_fmt not in (None, ACT_FMT):
         raise ValueError(f"act_fmt must be None or {ACT_FMT!r}, got {act_fmt!r}")
@@ -313,7 +360,7 @@ def mxfp4_quantization_config(act_fmt: str | None = None) -> dict:
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                       "output_activations": None, "format": MXFP4_FORMAT}},
-        "ignore": list(MXFP4_IGNORE),
+        "ignore": list(MXFP4_IGNORE) + (list(MXFP4_VISION_IGNORE) if multimodal else []),
         "kv_cache_scheme": None,
     }
 

@@ -24,6 +24,10 @@ A state dict whose routed experts are packed MXFP4 (``experts.wN_packed`` / ``_s
 ``PackedMXFP4Experts``) is written as the release stores it, ``experts.{e}.wN.weight_packed`` /
 ``.weight_scale`` uint8, and ``config.json`` then carries the compressed-tensors
 ``quantization_config`` (``names.mxfp4_quantization_config``); any other save drops that key.
+
+With ``vision`` tensors (a ``K3VLForConditionalGeneration``) the release's multimodal layout is
+written: text tensors under ``language_model.``, ``vision_tower.…`` / ``mm_projector.…`` as floats,
+config.json the kimi_k3 wrapper (``text_config`` + ``vision_config`` + wrapper keys).
 """
 
 from __future__ import annotations
@@ -39,16 +43,21 @@ import torch
 
 from k3.checkpoint.io import CheckpointError, parse_size, write_json_atomic, write_safetensors
 from k3.checkpoint.kimi_linear import a_log_file_shape, is_kimi_linear_mode, kimi_linear_config_fields
+from k3.checkpoint.hf_config import wrap_text_config
 from k3.checkpoint.names import (
     QUANT_CONFIG_KEY,
+    TEXT_PREFIX,
     expected_tensors,
+    expected_vision_tensors,
     file_names,
     holds_packed_experts,
     mxfp4_quantization_config,
     storage_dtype,
 )
 from k3.config import K3Config
+from k3.errors import ConfigError
 from k3.fsutil import fsync_path
+from k3.vision_config import vision_config_of
 
 __all__ = ["save_state_dict", "INDEX_NAME", "CONFIG_NAME", "TMP_PREFIX", "CRASH_ENV", "INDEX_FORMAT",
            "SHA256_KEY", "K3_SHARD_RE", "check_free_space"]
@@ -143,33 +152,75 @@ def check_free_space(directory: str, needed: int) -> None:
                               f"{needed / 1e6:,.1f} MB, {free / 1e6:,.1f} MB free")
 
 
-def _config_json(state_dict: Mapping[str, torch.Tensor], config: K3Config, act_fmt: str | None) -> dict:
+def _check_vision(vision: Mapping[str, torch.Tensor], config: K3Config) -> None:
+    """The vision tensors of a multimodal save against the config's vision_config (names, shapes)."""
+    try:
+        vc = vision_config_of(config)
+    except ConfigError as e:
+        raise CheckpointError(f"cannot save the vision tensors: {e}") from None
+    if vc is None:
+        raise CheckpointError("vision tensors given but the config has no vision_config")
+    expected = expected_vision_tensors(vc)
+    missing, unexpected = sorted(set(expected) - set(vision)), sorted(set(vision) - set(expected))
+    bad = [f"{n}: shape {list(vision[n].shape)}, expected {list(expected[n])}"
+           for n in sorted(set(vision) & set(expected)) if tuple(vision[n].shape) != expected[n]]
+    bad += [f"{n}: {vision[n].dtype} is not a floating-point dtype" for n in sorted(vision)
+            if not vision[n].is_floating_point()]
+    if missing or unexpected or bad:
+        raise CheckpointError("vision tensors do not match the vision_config: "
+                              + "; ".join(filter(None, [f"missing {missing}" if missing else "",
+                                                        f"unexpected {unexpected}" if unexpected else "",
+                                                        *bad])))
+
+
+def _config_json(state_dict: Mapping[str, torch.Tensor], config: K3Config, act_fmt: str | None,
+                 multimodal: bool = False) -> dict:
     config_json = config.to_text_dict()
     config_json.pop(QUANT_CONFIG_KEY, None)
+    quant = None
     if holds_packed_experts(state_dict):
-        config_json[QUANT_CONFIG_KEY] = mxfp4_quantization_config(act_fmt)
+        quant = mxfp4_quantization_config(act_fmt, multimodal=multimodal)
     elif act_fmt is not None:
         raise CheckpointError(f"activation format {act_fmt!r} is declared only for packed MXFP4 experts")
     if is_kimi_linear_mode(config):
         for k, v in kimi_linear_config_fields(config).items():
             config_json.setdefault(k, v)
-    return config_json
+    if not multimodal:
+        if quant is not None:
+            config_json[QUANT_CONFIG_KEY] = quant
+        return config_json
+    out = wrap_text_config(config, config_json)  # kimi_k3 wrapper; the release declares quantization on top
+    out.pop(QUANT_CONFIG_KEY, None)
+    if quant is not None:
+        out[QUANT_CONFIG_KEY] = quant
+    return out
 
 
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], config: K3Config, directory: str | os.PathLike,
                     max_shard_size: int | str = "2GB", dtype: torch.dtype | None = None,
-                    act_fmt: str | None = None) -> list[str]:
+                    act_fmt: str | None = None, vision: Mapping[str, torch.Tensor] | None = None) -> list[str]:
     """Save a K3 state dict (internal names) in k3's layout; return the shard file names.
 
     ``dtype`` casts every tensor except the fp32-kept ones (conv weights, ``A_log``, ``dt_bias``,
     ``o_norm``, ``e_score_correction_bias``); None keeps each tensor's dtype. ``act_fmt``
     (packed experts only): the declared ``input_activations``, None or "fp8_e4m3" (MXFP8).
+
+    ``vision`` (the tower and projector tensors by their names, ``names.expected_vision_tensors``
+    of the config's ``vision_config``) writes the release's multimodal layout: text tensors
+    prefixed ``language_model.``, the vision tensors unprefixed as floats (``dtype``, else their
+    own dtype; never MXFP4), and config.json in the kimi_k3 wrapper form (``config``'s wrapper
+    keys, ``text_config``, ``vision_config``; a ``quantization_config`` goes on top and ignores
+    the vision modules).
     """
     directory = os.fspath(directory)
     _check_state_dict(state_dict, config)
+    if vision is not None:
+        _check_vision(vision, config)
     max_bytes = parse_size(max_shard_size)
-    config_json = _config_json(state_dict, config, act_fmt)
+    config_json = _config_json(state_dict, config, act_fmt, multimodal=vision is not None)
     items = _file_tensors(state_dict, config, dtype)
+    if vision is not None:
+        items = [(TEXT_PREFIX + n, t, d) for n, t, d in items] + [(n, t, dtype or t.dtype) for n, t in vision.items()]
     shards = _plan_shards(items, max_bytes)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: not a directory (a file is in the way)")

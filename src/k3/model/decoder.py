@@ -137,8 +137,25 @@ class K3Model(nn.Module):
         self._reset_embedding()
         AttnResPair.reset(self, "output_attn_res")
 
-    def forward(self, input_ids: torch.Tensor, cache: K3Cache | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def check_ids(self, input_ids: torch.Tensor) -> None:
+        """input_ids must be [B,T] integers inside the vocabulary."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+        if input_ids.numel() and input_ids.device.type != "meta":
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"input_ids outside the vocabulary [0, {self.config.vocab_size}): "
+                                 f"min {lo}, max {hi}")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B,T] (checked) -> token embeddings [B,T,H], exactly what ``forward`` starts from."""
+        self.check_ids(input_ids)
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
+                doc_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B,T] int64 -> final normed hidden states [B,T,H].
 
         With a cache, row b's T tokens continue its sequence at positions ``cache.seq_lens[b]`` ..
@@ -146,18 +163,23 @@ class K3Model(nn.Module):
         ``doc_ids`` [B,T] marks packed documents (a run of equal ids in a row is one document):
         every token mixer starts each document from zero state and attends within it only
         (:mod:`k3.ops.segments`), so a packed row equals its documents run alone.
+        ``inputs_embeds`` [B,T,H] replaces ``input_ids`` (exactly one of the two): precomputed
+        embeddings (e.g. image rows at ``<|media_pad|>`` positions) enter the same stack, so
+        ``inputs_embeds=embed(ids)`` gives bit-for-bit what ``input_ids=ids`` gives.
         """
         cfg = self.config
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-        if input_ids.numel() and input_ids.device.type != "meta":
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= cfg.vocab_size:
-                raise ValueError(f"input_ids outside the vocabulary [0, {cfg.vocab_size}): "
-                                 f"min {lo}, max {hi}")
-        B, T = input_ids.shape
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            self.check_ids(input_ids)
+            B, T = input_ids.shape
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
+                raise ValueError(f"inputs_embeds must be [batch, seq, {cfg.hidden_size}], got shape "
+                                 f"{tuple(inputs_embeds.shape)}")
+            if not inputs_embeds.is_floating_point():
+                raise TypeError(f"inputs_embeds must be a floating-point tensor, got {inputs_embeds.dtype}")
+            B, T = inputs_embeds.shape[:2]
         if cache is not None:
             if not isinstance(cache, K3Cache):
                 raise TypeError(f"cache must be a K3Cache, got {type(cache).__name__}")
@@ -173,9 +195,9 @@ class K3Model(nn.Module):
                                  "packing is for training; run each sequence in its own cache row")
             if tuple(doc_ids.shape) != (B, T):
                 raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} != input_ids shape {(B, T)}")
-            segs = Segments.of(doc_ids.to(input_ids.device))
+            segs = Segments.of(doc_ids.to((input_ids if inputs_embeds is None else inputs_embeds).device))
         states = cache.layers if cache is not None else [None] * len(self.layers)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if cfg.attn_res_block_size is None:
             for layer, st in zip(self.layers, states):
                 x = layer(x, st, segs)
@@ -275,21 +297,23 @@ class K3ForCausalLM(nn.Module):
         """An empty inference cache for ``batch_size`` sequences."""
         return K3Cache(self.config, batch_size)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 cache: K3Cache | None = None, logits_to_keep: int = 0,
-                doc_ids: torch.Tensor | None = None) -> CausalLMOutput:
+                doc_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
         """``logits_to_keep`` > 0 computes logits for the last that many positions only (decode).
         ``doc_ids``: packed documents (``K3Model.forward``); the loss then never predicts the first
-        token of a document from the end of the one before it."""
-        h = self.model(input_ids, cache, doc_ids)
+        token of a document from the end of the one before it. ``inputs_embeds`` [B,T,H] in place
+        of ``input_ids`` (``K3Model.forward``)."""
+        h = self.model(input_ids, cache, doc_ids, inputs_embeds=inputs_embeds)
+        tokens_shape = h.shape[:2]  # [B, T] of input_ids (or inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
+            if labels.shape != tokens_shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape "
-                                 f"{tuple(input_ids.shape)}")
+                                 f"{tuple(tokens_shape)}")
             if logits_to_keep:
                 raise ValueError("labels cannot be combined with logits_to_keep")
             # position t predicts labels[t + 1]; the last position has no target (ignored), so the
