@@ -11,8 +11,8 @@ Submodules carry the release's checkpoint names: ``language_model`` is a :class:
 ``mm_projector.proj.0`` / ``.proj.2`` / ``.post_norm``).
 
 Each image contributes (h/kh)(w/kw) rows; the prompt must hold exactly that many
-``<|media_pad|>`` tokens per image, images in the order of ``pixel_values`` (the preprocessing and
-prompt expansion of :mod:`k3.data.images`). The pad id is the wrapper config's
+``<|media_pad|>`` tokens per image, images in the order of ``pixel_values`` (preprocessing:
+:mod:`k3.data.images`; ``ImageProcConfig.num_tokens`` gives each image's count). The pad id is the wrapper config's
 ``media_placeholder_token_id`` (163605 in the release, the default) unless the constructor is
 given one (small tokenizers).
 
