@@ -63,6 +63,8 @@ def train(layout: str, a, data: Path, out: Path) -> dict:
     t0 = time.monotonic()
     trainer = Trainer(tc, overwrite=True)
     res = trainer.train()
+    if res.status != "done":
+        raise SystemExit(f"{layout}: training stopped ({res.status}); the run is in {out}")
     recs = [r for r in trainer.metrics.records if r["kind"] == "train"]
     return {"params": sum(p.numel() for p in trainer.model.parameters()),
             "tokens": recs[-1]["tokens"] if recs else 0,

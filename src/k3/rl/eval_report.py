@@ -17,7 +17,10 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
+
 from k3.rl.eval_rows import EvalRun
+from k3.rl.eval_stats import mean_and_ci
 from k3.rl.eval_tables import harness_spread, summarize
 
 __all__ = ["write_report"]
@@ -33,10 +36,6 @@ def _agent_rows(run: EvalRun) -> list[dict]:
 
 
 def _bar(ax, names, groups_per_run, title, ylabel):
-    import numpy as np
-
-    from k3.rl.eval_stats import mean_and_ci
-
     keys = sorted({k for g in groups_per_run for k in g}, key=str)
     width = 0.8 / max(len(groups_per_run), 1)
     x = np.arange(len(keys))

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3.errors import ConfigError, K3Error
+from k3.train.config import init_model_dir
 
 __all__ = ["CONDITIONS", "ROW_KEYS", "EvalRun", "check_row", "read_rows", "model_condition", "endpoint_condition",
            "machine", "digest", "RowWriter"]
@@ -66,8 +67,6 @@ def machine() -> str:
 def model_condition(path: str | os.PathLike) -> dict:
     """A checkpoint as a condition: its name and the sha256 of its model files (config, weights,
     index, tokenizer), read from the resolved checkpoint folder of a run, checkpoint or model dir."""
-    from k3.train.config import init_model_dir
-
     init = init_model_dir(str(path))
     h = hashlib.sha256()
     files = sorted(p for p in init.model.iterdir() if p.is_file()) + [init.tokenizer]

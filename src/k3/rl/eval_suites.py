@@ -29,8 +29,24 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
+from k3.data.corpus import load_corpus
+from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
 from k3.errors import ConfigError
-from k3.rl.eval_rows import RowWriter, digest
+from k3.infer.run_model import load_run_model
+from k3.ops.loss import cross_entropy
+from k3.rl.eval_rows import CONDITIONS, RowWriter, digest
+from k3.rl.grpo import family_of, replay_hacks
+from k3.rl.longctx import accept, make_retrieval, retrieve
+from k3.rl.rollout import run_jobs
+from k3.rl.trajectory import read_trajectory
+from k3.tasks.families.base import read_meta
+from k3.tasks.families.chain import Chain, chain_values, result_file
+from k3.tasks.format import load_task
+from k3.tasks.verify import Sandboxes
+from k3.train.loop import token_byte_lengths
+from k3.train.state import find_checkpoint, load_trainer_state
 
 __all__ = ["run_bpb", "run_agent", "run_accept", "run_retrieve", "run_sustain", "agent_conditions",
            "progress_curve"]
@@ -40,21 +56,12 @@ COMPACTION_OFF = 10 ** 9  # context_tokens of a harness that never compacts
 
 def _na(**given) -> dict:
     """Conditions with every key that does not apply stated as null."""
-    from k3.rl.eval_rows import CONDITIONS
     return {k: given.get(k) for k in CONDITIONS}
 
 
 # ----------------------------------------------------------------------------------------- bpb
 def run_bpb(ckpt: str, model_cond: dict, out: Path, data: str | None = None, val_percent: int = 2,
             seq_len: int | None = None, batch_size: int = 4, max_batches: int = 0) -> list[dict]:
-    import torch
-
-    from k3.data.corpus import load_corpus
-    from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
-    from k3.infer.run_model import load_run_model
-    from k3.ops.loss import cross_entropy
-    from k3.train.loop import token_byte_lengths
-
     t0 = time.monotonic()
     model, tok = load_run_model(ckpt)
     seq_len = seq_len or _run_seq_len(ckpt) or 1024
@@ -89,8 +96,6 @@ def run_bpb(ckpt: str, model_cond: dict, out: Path, data: str | None = None, val
 
 def _run_seq_len(ckpt: str) -> int | None:
     """The longest sequence length of the run's curriculum, when ``ckpt`` is a training run."""
-    from k3.train.state import find_checkpoint, load_trainer_state
-
     p = Path(ckpt)
     c = p if (p / "trainer_state.pt").is_file() else find_checkpoint(p)
     if c is None or not (c / "trainer_state.pt").is_file():
@@ -119,12 +124,6 @@ def run_agent(provider: dict, model_cond: dict, tasks: list[str], out: Path, *, 
               temperature: float, samples: int, harness_seeds: list[int | None], workers: int = 1,
               max_tokens: int = 1024, backend: str = "namespace", hacks: bool = True, suite: str = "agent",
               use_ray: bool = False, log=print) -> list[dict]:
-    from k3.rl.rollout import run_jobs
-    from k3.rl.trajectory import read_trajectory
-    from k3.tasks.format import load_task
-    from k3.rl.grpo import family_of
-    from k3.tasks.verify import Sandboxes
-
     if samples < 1:
         raise ConfigError(f"--samples must be >= 1, got {samples}")
     loaded = [load_task(t, transcripts=True) for t in tasks]
@@ -171,9 +170,6 @@ def run_agent(provider: dict, model_cond: dict, tasks: list[str], out: Path, *, 
 def _hack_rows(tasks, w: RowWriter, model_cond: dict, backend: str) -> None:
     """Hack transcripts (must score 0) and reference solutions (the control) through the
     rollout's own verification path."""
-    from k3.rl.grpo import family_of, replay_hacks
-    from k3.tasks.verify import Sandboxes
-
     with_hacks = [t for t in tasks if t.hacks]
     if not with_hacks:
         return
@@ -194,11 +190,6 @@ def _hack_rows(tasks, w: RowWriter, model_cond: dict, backend: str) -> None:
 
 # -------------------------------------------------------------------------------- long context
 def run_accept(ckpt: str, model_cond: dict, out: Path, lengths: list[int], decode_tokens: int = 16) -> list[dict]:
-    import torch
-
-    from k3.infer.run_model import load_run_model
-    from k3.rl.longctx import accept
-
     model, _ = load_run_model(ckpt)
     w = RowWriter(out, "accept")
     try:
@@ -220,9 +211,6 @@ def run_accept(ckpt: str, model_cond: dict, out: Path, lengths: list[int], decod
 
 def run_retrieve(ckpt: str, model_cond: dict, out: Path, lengths: list[int], depths: list[float],
                  kinds: list[str], seeds: int = 3, n_keys: int = 8, max_new_tokens: int = 8) -> list[dict]:
-    from k3.infer.run_model import load_run_model
-    from k3.rl.longctx import make_retrieval, retrieve
-
     model, tok = load_run_model(ckpt)
     if max(lengths) + max_new_tokens > model.config.max_position_embeddings:
         raise ConfigError(f"--lengths up to {max(lengths)} + {max_new_tokens} answer tokens is over the model's "
@@ -249,8 +237,6 @@ def progress_curve(records: list[dict], values: list[int]) -> list[list]:
     """``[calls, sent_tokens, progress]`` after every tool call of a chain episode: ``progress`` is
     the share of steps whose result file holds the right number after that call (a later write
     to the same file replaces the earlier one); ``sent_tokens`` the context sent for its turn."""
-    from k3.tasks.families.chain import result_file
-
     index = {result_file(k): k for k in range(1, len(values) + 1)}
     right: dict[int, bool] = {}
     sent, calls, out = 0, 0, []
@@ -269,12 +255,6 @@ def progress_curve(records: list[dict], values: list[int]) -> list[list]:
 def run_sustain(provider: dict | None, model_cond: dict, out: Path, *, steps: int, seeds: list[int],
                 context_tokens: int, effort: str, temperature: float, max_tokens: int = 256,
                 backend: str = "namespace", workers: int = 1, use_ray: bool = False, log=print) -> list[dict]:
-    from k3.rl.rollout import run_jobs
-    from k3.rl.trajectory import read_trajectory
-    from k3.tasks.families.base import read_meta
-    from k3.tasks.families.chain import Chain, chain_values
-    from k3.tasks.verify import Sandboxes
-
     if context_tokens < 1:
         raise ConfigError(f"--context-tokens must be >= 1, got {context_tokens}")
     fam = Chain(steps)
