@@ -7,12 +7,14 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
   ``k3 agent-demo`` run (``runs/agent-demo/report.json`` copied there by ``--save``);
 - ``rl_demo`` (docs/RL.md) from ``docs/data/rl_demo.json``, the report of one
   ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``);
+- ``eval_harness`` (docs/EVAL.md) from ``docs/data/eval_harness.jsonl``, the rows of one
+  ``k3 eval harness`` run (``RUN/rows.jsonl`` copied there by ``--save-eval RUN``);
 - ``hybrid_retrieval`` (docs/EVAL.md) from ``docs/data/hybrid_retrieval.json``, the report of one
   ``benchmarks/hybrid_retrieval.py`` run (``runs/hybrid/report.json`` and its plot copied there
   by ``--save-hybrid``).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
-                                     [--save-hybrid runs/hybrid/report.json]
+                                     [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ RL_DATA = ROOT / "docs" / "data" / "rl_demo.json"
 RL_DOC = ROOT / "docs" / "RL.md"
 HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
 EVAL_DOC = ROOT / "docs" / "EVAL.md"
+EVAL_ROWS = ROOT / "docs" / "data" / "eval_harness.jsonl"
 
 
 def agent_demo_table(report: dict) -> str:
@@ -106,6 +109,37 @@ def hybrid_table(report: dict) -> str:
         "Each cell: exact-match accuracy · decode cache after prefill.", "", *rows])
 
 
+def eval_harness_table(rows: list[dict]) -> str:
+    """Per family × effort: the mean score under each harness seed, the mean over seeds with its
+    bootstrap interval over tasks, and the spread (std over seeds); the hack and solution columns."""
+    import sys
+    sys.path.insert(0, str(ROOT / "src"))
+    from k3.rl.eval_tables import harness_spread, summarize
+
+    scores = [r for r in rows if r["metric"] == "score"]
+    first = scores[0]
+    c = first["conditions"]
+    seeds = sorted({r["labels"]["harness"] for r in scores})
+    out = [f"Measured {first['date']} on {first['machine']} (`docs/data/eval_harness.jsonl`: every row with its "
+           f"conditions). Model {c['model']['name']} ({c['model']['fingerprint']}), temperature "
+           f"{c['temperature']}, {c['setup']['max_tokens']} tokens per turn, harness seeds {', '.join(map(str, seeds))}.",
+           "", "| family | effort | " + " | ".join(f"seed {s}" for s in seeds)
+           + " | mean [95% CI over tasks] | spread (std over seeds) |", "|---" * (4 + len(seeds)) + "|"]
+    cell = {}
+    for s in summarize([{**r, "labels": {k: v for k, v in r["labels"].items() if k != "harness"}} for r in scores]):
+        cell[(s["labels"]["family"], s["labels"]["effort"])] = s
+    for sp in harness_spread(scores):
+        f, e = sp["labels"]["family"], sp["labels"]["effort"]
+        m = cell[(f, e)]
+        out.append(f"| {f} | {e} | " + " | ".join(f"{sp['by_harness'].get(s, float('nan')):.2f}" for s in seeds)
+                   + f" | {m['mean']:.2f} [{m['lo']:.2f}, {m['hi']:.2f}] | {sp['spread']:.3f} |")
+    for metric in ("hack_score", "solution_score"):
+        vals = [r["value"] for r in rows if r["metric"] == metric]
+        if vals:
+            out.append(f"\n{metric}: {sum(vals) / len(vals):.2f} over {len(vals)} transcripts")
+    return "\n".join(out)
+
+
 def replace_block(doc: Path, name: str, body: str) -> None:
     text = doc.read_text()
     pat = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
@@ -120,7 +154,12 @@ def main() -> int:
     p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
     p.add_argument("--save-hybrid", help="a benchmarks/hybrid_retrieval.py report.json (its plot beside it) to "
                                          "record as docs/data/hybrid_retrieval.json / .png first")
+    p.add_argument("--save-eval", help="a k3 eval harness run folder whose rows.jsonl to record as "
+                                       "docs/data/eval_harness.jsonl first")
     a = p.parse_args()
+    if a.save_eval:
+        EVAL_ROWS.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(a.save_eval) / "rows.jsonl", EVAL_ROWS)
     for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA)):
         if src:
             dst.parent.mkdir(parents=True, exist_ok=True)
@@ -132,6 +171,10 @@ def main() -> int:
     if RL_DATA.exists():
         replace_block(RL_DOC, "rl_demo", rl_demo_table(json.loads(RL_DATA.read_text())))
         print(f"wrote the rl_demo table of {RL_DOC.relative_to(ROOT)} from {RL_DATA.relative_to(ROOT)}")
+    if EVAL_ROWS.exists():
+        rows = [json.loads(x) for x in EVAL_ROWS.read_text().splitlines() if x.strip()]
+        replace_block(EVAL_DOC, "eval_harness", eval_harness_table(rows))
+        print(f"wrote the eval_harness table of {EVAL_DOC.relative_to(ROOT)} from {EVAL_ROWS.relative_to(ROOT)}")
     if HYBRID_DATA.exists():
         replace_block(EVAL_DOC, "hybrid_retrieval", hybrid_table(json.loads(HYBRID_DATA.read_text())))
         print(f"wrote the hybrid_retrieval table of {EVAL_DOC.relative_to(ROOT)} from {HYBRID_DATA.relative_to(ROOT)}")
