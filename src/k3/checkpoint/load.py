@@ -255,13 +255,7 @@ def plan_load(files: CheckpointFiles, config: K3Config, strict: bool = True, pac
                 problems.append(f"{files.directory}: missing tensor {fname}{have}")
     if plan.unexpected and strict:
         problems += [f"{files.tensors[n].file}: unexpected tensor {n!r}" for n in plan.unexpected]
-    if problems:
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise CheckpointError(f"checkpoint {files.directory} does not match the model "
-                              f"({len(problems)} problem(s)):\n  " + "\n  ".join(shown))
-    if plan.unexpected:
-        log.warning("%s: ignoring %d unexpected tensor(s): %s", files.directory, len(plan.unexpected),
-                    ", ".join(plan.unexpected[:10]) + (" ..." if len(plan.unexpected) > 10 else ""))
+    _settle(files, plan, problems, "the model", "tensor")
     if plan.ignored:
         log.info("%s: ignoring %d vision/projector tensor(s) (k3 loads the text model)",
                  files.directory, len(plan.ignored))
@@ -293,14 +287,20 @@ def plan_vision(files: CheckpointFiles, vc: VisionConfig, strict: bool = True) -
     problems += [f"{files.directory}: missing vision tensor {n}" for n in expected if n not in files.tensors]
     if plan.unexpected and strict:
         problems += [f"{files.tensors[n].file}: unexpected vision tensor {n!r}" for n in plan.unexpected]
+    _settle(files, plan, problems, "the vision model", "vision tensor")
+    return plan
+
+
+def _settle(files: CheckpointFiles, plan: LoadPlan, problems: list[str], what: str, kind: str) -> None:
+    """One CheckpointError listing every problem (the first 20), else a warning naming the
+    unexpected tensors a non-strict load leaves out."""
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise CheckpointError(f"checkpoint {files.directory} does not match the vision model "
+        raise CheckpointError(f"checkpoint {files.directory} does not match {what} "
                               f"({len(problems)} problem(s)):\n  " + "\n  ".join(shown))
     if plan.unexpected:
-        log.warning("%s: ignoring %d unexpected vision tensor(s): %s", files.directory, len(plan.unexpected),
+        log.warning("%s: ignoring %d unexpected %s(s): %s", files.directory, len(plan.unexpected), kind,
                     ", ".join(plan.unexpected[:10]) + (" ..." if len(plan.unexpected) > 10 else ""))
-    return plan
 
 
 def _dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
