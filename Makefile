@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo agent-demo test install chromium sandbox-deps vm-deps cc bench clean
+.PHONY: demo agent-demo test install chromium sandbox-deps vm-deps cc bench gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,13 +47,19 @@ sandbox-deps:
 vm-deps: $(STAMP)
 	command -v qemu-system-x86_64 >/dev/null && command -v zstd >/dev/null || { $(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q qemu-system-x86 zstd; }
-	$(BIN)/python -m k3.env.vm_image install
+	$(BIN)/python -m k3.cli.vm_image install
 
 test: $(STAMP) cc chromium sandbox-deps vm-deps
 	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: $(STAMP) cc
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+
+# The CUDA checks and GPU benchmarks for a session lent a GPU (docs/GPU.md): one SKIP line each without CUDA.
+# No install step (the device machine has its own CUDA torch and no network): there, pass BIN=<folder of its
+# python>; GPU_CHECK_ARGS="--out $OUT" sends the JSON lines where the device tool returns them.
+gpu-check:
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

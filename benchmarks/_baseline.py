@@ -22,7 +22,7 @@ from _dense import DenseGPT, adamw_for, matching_width
 from k3.data.batches import StridedBatches
 from k3.data.packing import IGNORE_INDEX, eval_batches
 from k3.model.summary import parameter_breakdown
-from k3.train.commands import DEMO_CONFIG
+from k3.cli.train import DEMO_CONFIG
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
 

@@ -1,8 +1,11 @@
-"""Shared by the benchmarks: median wall time of repeated calls; appending result rows (SPEC §8 JSON lines)."""
+"""Shared by the benchmarks: median wall time of repeated calls; appending result rows (SPEC §8 JSON
+lines), each stamped with the machine, the date and the commit it was measured on."""
 
 import json
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 
 def median_time(fn, repeats: int, warmup: int = 1) -> float:
@@ -17,9 +20,30 @@ def median_time(fn, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def _commit() -> str | None:
+    """The checkout's commit (with ``+dirty`` when files differ from it), None outside git."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (sha + ("+dirty" if dirty else "")) or None
+
+
+def stamp(row: dict) -> dict:
+    """``row`` with ``machine`` (CPU model and cores), ``date`` and ``commit`` added where missing."""
+    from k3.rl.eval_rows import machine
+
+    return {**row, "machine": row.get("machine") or machine(), "date": row.get("date") or time.strftime("%Y-%m-%d"),
+            "commit": row.get("commit") or _commit()}
+
+
 def append_results(path, rows) -> None:
-    """Append each row as one JSON line to ``path`` (its folder is made when missing)."""
+    """Append each row, stamped (``stamp``), as one JSON line to ``path`` (its folder is made when missing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         for r in rows:
-            fh.write(json.dumps(r) + "\n")
+            fh.write(json.dumps(stamp(r)) + "\n")

@@ -61,7 +61,7 @@ def worker(mode: str, data: str, out: str, log: str) -> None:
     from k3.train.loop import Trainer
 
     threads = "auto" if mode in ("auto", "autospin") else len(os.sched_getaffinity(0))
-    from k3.train.commands import DEMO_CONFIG
+    from k3.cli.train import DEMO_CONFIG
     tc = TrainConfig.build(overrides={
         **DEMO_CONFIG, "data": data, "out": out, "steps": 100000, "threads": threads, "eval_interval": 0,
         "ckpt_interval": 0, "final_eval_batches": 1, "log_interval": 1000, "plot": False})
@@ -180,7 +180,7 @@ def main() -> None:
         for mode in a.modes.split(","):
             res[mode] = run_mode(mode, data, Path(tmp), a)
     load1 = os.getloadavg()
-    from k3.train.commands import DEMO_CONFIG
+    from k3.cli.train import DEMO_CONFIG
     layers = DEMO_CONFIG["model_overrides"]["num_hidden_layers"]
     shape = f"k3 demo's model ({layers} layers, B{DEMO_CONFIG['batch_size']})"
     cond = (f"{shape}, {len(os.sched_getaffinity(0))} usable CPUs, one busy-loop competitor; "

@@ -11,10 +11,15 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
   ``k3 eval harness`` run (``RUN/rows.jsonl`` copied there by ``--save-eval RUN``);
 - ``hybrid_retrieval`` (docs/EVAL.md) from ``docs/data/hybrid_retrieval.json``, the report of one
   ``benchmarks/hybrid_retrieval.py`` run (``runs/hybrid/report.json`` and its plot copied there
-  by ``--save-hybrid``).
+  by ``--save-hybrid``);
+- ``speed_infer`` (docs/INFERENCE.md, README.md) and ``speed_train`` (README.md) from
+  ``docs/data/speed.jsonl``: the last run of ``benchmarks/infer.py`` and of ``benchmarks/train.py
+  --what mfu`` in the JSON-line files given to ``--save-speed`` (each row stamped with its machine,
+  date and commit by ``benchmarks/_timing.py``).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
+                                     [--save-speed benchmarks/results/infer.jsonl benchmarks/results/train.jsonl]
 """
 
 from __future__ import annotations
@@ -33,6 +38,21 @@ RL_DOC = ROOT / "docs" / "RL.md"
 HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
 EVAL_DOC = ROOT / "docs" / "EVAL.md"
 EVAL_ROWS = ROOT / "docs" / "data" / "eval_harness.jsonl"
+SPEED = ROOT / "docs" / "data" / "speed.jsonl"
+INFER_DOC = ROOT / "docs" / "INFERENCE.md"
+README = ROOT / "README.md"
+INFER_ROWS = {   # benchmarks/infer.py metric -> the row's label
+    "decode_step_b1_prepared": "decode step b1, prepared weights vs the modules (steps/s)",
+    "ops_per_step_b1": "ops per step b1 (profiler events)",
+    "decode_step_b16_prepared": "decode step b16, prepared weights vs the modules (steps/s)",
+    "ops_per_step_b16": "ops per step b16 (profiler events)",
+    "decode_tps_b1_vs_recompute": "decode b1 vs a full forward each step (tok/s)",
+    "decode_tps_b16_vs_b1": "decode b16 aggregate vs b1 (tok/s)",
+    "decode_tps_b1_vs_model_step": "decode b1 vs the engine over the modules (tok/s)",
+    "roofline_b1": "roofline b1: active weight bytes per token at the measured read bandwidth",
+    "decode_tps_b1_kimi_linear": "vs transformers `KimiLinearForCausalLM.generate` (Kimi-Linear mode)",
+    "ttft_90pct_prefix_vs_cold": "TTFT, 90% shared prefix vs cold (ms)",
+}
 
 
 def agent_demo_table(report: dict) -> str:
@@ -140,6 +160,60 @@ def eval_harness_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def last_run(path: Path, bench: str) -> list[dict]:
+    """The rows of the last ``bench`` run in a JSON-line file: the final rows sharing its last row's
+    config, machine, date and commit."""
+    rows = [r for r in (json.loads(x) for x in path.read_text().splitlines() if x.strip()) if r.get("bench") == bench]
+    if not rows:
+        raise SystemExit(f"{path}: no {bench!r} rows")
+    key = lambda r: tuple(r.get(k) for k in ("config", "machine", "date", "commit"))  # noqa: E731
+    run = []
+    for r in reversed(rows):
+        if key(r) != key(rows[-1]):
+            break
+        run.append(r)
+    if rows[-1].get("machine") is None:
+        raise SystemExit(f"{path}: the last {bench!r} run has no machine/date stamp (rerun the benchmark)")
+    return run[::-1]
+
+
+def _num(v) -> str:
+    if v is None:
+        return "—"
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.3g}" if abs(v) < 10 else f"{v:,.1f}"
+
+
+def _stamp(r: dict) -> str:
+    return f"{r['machine']}, {r['date']}, commit {r.get('commit') or '?'}"
+
+
+def speed_infer_table(rows: list[dict]) -> str:
+    infer = [r for r in rows if r["bench"] == "infer"]
+    if not infer:
+        return "(no benchmarks/infer.py run recorded)"
+    out = [f"`benchmarks/infer.py`, {infer[0]['config']}, `--gen {infer[0].get('gen')}`; {_stamp(infer[0])}:", "",
+           "| row | value | baseline | ratio | target |", "|---|---:|---:|---:|---|"]
+    by = {r["metric"]: r for r in infer}
+    for metric, label in INFER_ROWS.items():
+        r = by.get(metric)
+        if r is not None:
+            out.append(f"| {label} | {_num(r['value'])} | {_num(r['baseline'])} | {_num(r['ratio'])} | "
+                       f"{r.get('verdict') or ''} |")
+    return "\n".join(out)
+
+
+def speed_train_table(rows: list[dict]) -> str:
+    train = [r for r in rows if r["bench"] == "train"]
+    if not train:
+        return "(no benchmarks/train.py run recorded)"
+    out = ["| `train.py --what mfu` | tokens/s | model TFLOP/s | peak matmul TFLOP/s | MFU | measured on |",
+           "|---|---:|---:|---:|---:|---|"]
+    for r in train:
+        out.append(f"| {r['config']} | {_num(r['tokens_per_s'])} | {r['value'] / 1e12:.4f} | "
+                   f"{r['baseline'] / 1e12:.4f} | {100 * r['ratio']:.1f}% | {_stamp(r)} |")
+    return "\n".join(out)
+
+
 def replace_block(doc: Path, name: str, body: str) -> None:
     text = doc.read_text()
     pat = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
@@ -156,7 +230,17 @@ def main() -> int:
                                          "record as docs/data/hybrid_retrieval.json / .png first")
     p.add_argument("--save-eval", help="a k3 eval harness run folder whose rows.jsonl to record as "
                                        "docs/data/eval_harness.jsonl first")
+    p.add_argument("--save-speed", nargs="+", metavar="JSONL",
+                   help="benchmarks/results/infer.jsonl and/or train.jsonl: their last runs recorded as "
+                        "docs/data/speed.jsonl first")
     a = p.parse_args()
+    if a.save_speed:
+        rows = []
+        for f in map(Path, a.save_speed):
+            bench = "train" if f.stem == "train" else "infer"
+            rows += last_run(f, bench)
+        SPEED.parent.mkdir(parents=True, exist_ok=True)
+        SPEED.write_text("".join(json.dumps(r) + "\n" for r in rows))
     if a.save_eval:
         EVAL_ROWS.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(a.save_eval) / "rows.jsonl", EVAL_ROWS)
@@ -175,6 +259,12 @@ def main() -> int:
         rows = [json.loads(x) for x in EVAL_ROWS.read_text().splitlines() if x.strip()]
         replace_block(EVAL_DOC, "eval_harness", eval_harness_table(rows))
         print(f"wrote the eval_harness table of {EVAL_DOC.relative_to(ROOT)} from {EVAL_ROWS.relative_to(ROOT)}")
+    if SPEED.exists():
+        rows = [json.loads(x) for x in SPEED.read_text().splitlines() if x.strip()]
+        replace_block(INFER_DOC, "speed_infer", speed_infer_table(rows))
+        replace_block(README, "speed_infer", speed_infer_table(rows))
+        replace_block(README, "speed_train", speed_train_table(rows))
+        print(f"wrote the speed tables of {INFER_DOC.relative_to(ROOT)} and README.md from {SPEED.relative_to(ROOT)}")
     if HYBRID_DATA.exists():
         replace_block(EVAL_DOC, "hybrid_retrieval", hybrid_table(json.loads(HYBRID_DATA.read_text())))
         print(f"wrote the hybrid_retrieval table of {EVAL_DOC.relative_to(ROOT)} from {HYBRID_DATA.relative_to(ROOT)}")

@@ -10,12 +10,12 @@ Measured in one process on random weights (greedy, EOS ignored, so every request
 * ``roofline_b1``: batch-1 decode against this machine's limit, active weight bytes per token
   (every parameter but the embedding, routed experts k of E) ÷ measured memory read bandwidth
   (the median time of summing a 256 MiB fp32 tensor).
-* ``decode_tps_b1_vs_model_step``: the engine's decode path (``DecodeStep``) against the same
-  engine decoding through ``model(...)`` (``fast_decode=False``).
-* ``decode_step_b{1,16}_prepared`` / ``ops_per_step_b{1,16}``: the step alone on a prefilled
-  cache, ``DecodeStep`` over prepared weights (``k3.infer.decode_fast``) against the same class on
-  the modules' decode functions (``prepared=False``), interleaved (median steps/s), and the
-  operations one step dispatches (torch profiler events, deterministic, so comparable under load).
+* ``decode_tps_b1_vs_model_step``: the engine's decode path (prepared weights) against the same
+  engine decoding over the modules (``prepared_decode=False``).
+* ``decode_step_b{1,16}_prepared`` / ``ops_per_step_b{1,16}``: one step of ``model(tokens, cache)``
+  alone on a prefilled cache, over prepared weights (``prepared=``, ``k3.infer.prepared``) against
+  the same forward over the modules, interleaved (median steps/s), and the operations one step
+  dispatches (torch profiler events, deterministic, so comparable under load).
 * ``decode_tps_b1_kimi_linear`` (off with ``--skip-transformers``): the same geometry in Kimi-Linear mode, k3's
   engine against transformers' ``KimiLinearForCausalLM.generate`` on the same saved weights, the two timed
   in turn (>= 3 rounds each, medians).
@@ -30,7 +30,6 @@ appends JSON lines to ``benchmarks/results/infer.jsonl``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _timing import median_time  # noqa: E402
+from _timing import append_results, median_time  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "infer.jsonl"
 # issue 10's targets on the ratio column: >= for speed-ups and the roofline fraction, <= for TTFT
@@ -100,7 +99,7 @@ def step_ab(model, B: int, prompt_len: int, rounds: int = 9) -> tuple[float, flo
     """(prepared steps/s, module-path steps/s, prepared ops/step, module ops/step) at batch B."""
     from torch.profiler import ProfilerActivity, profile
 
-    from k3.infer.decode_step import DecodeStep
+    from k3.infer.prepared import PreparedModel
     from k3.model.cache import K3Cache
 
     V = model.config.vocab_size
@@ -109,19 +108,20 @@ def step_ab(model, B: int, prompt_len: int, rounds: int = 9) -> tuple[float, flo
         c = model.new_cache(1)
         model(torch.tensor([p]), cache=c)
         caches.append(c)
-    steps = {True: DecodeStep(model), False: DecodeStep(model, prepared=False)}
+    prepared = PreparedModel(model)
+    steps = {True: lambda c: model(tok, cache=c, prepared=prepared), False: lambda c: model(tok, cache=c)}
     cache = {k: K3Cache.cat([c.clone() for c in caches]) for k in steps}
-    tok = torch.zeros(B, dtype=torch.long)
+    tok = torch.zeros(B, 1, dtype=torch.long)
     times, ops = {True: [], False: []}, {}
     for k, s in steps.items():
-        s.step(tok, cache[k])
+        s(cache[k])
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            s.step(tok, cache[k])
+            s(cache[k])
         ops[k] = sum(e.count for e in prof.key_averages())
     for _ in range(rounds):
         for k, s in steps.items():
             t0 = time.perf_counter()
-            s.step(tok, cache[k])
+            s(cache[k])
             times[k].append(time.perf_counter() - t0)
     return 1 / statistics.median(times[True]), 1 / statistics.median(times[False]), ops[True], ops[False]
 
@@ -261,17 +261,17 @@ def main(argv=None) -> int:
     with Engine(model, max_batch=16) as eng:
         b1 = decode_tps(eng, 1, args.prompt_len, args.gen, args.repeats)
         b16 = decode_tps(eng, 16, args.prompt_len, args.gen, args.repeats)
-    with Engine(model, max_batch=1, fast_decode=False) as eng:
+    with Engine(model, max_batch=1, prepared_decode=False) as eng:
         b1_ref = decode_tps(eng, 1, args.prompt_len, args.gen, args.repeats)
     rec = None if args.skip_recompute else recompute_tps(model, args.prompt_len, args.gen, args.device)
     for B in (1, 16):
         new, old, ops_new, ops_old = step_ab(model, B, args.prompt_len)
-        emit(f"decode_step_b{B}_prepared", new, old, "steps/s (baseline: DecodeStep on the modules, prepared=False)")
-        emit(f"ops_per_step_b{B}", ops_new, ops_old, "profiler events per step (baseline: prepared=False)")
+        emit(f"decode_step_b{B}_prepared", new, old, "steps/s (baseline: model(...) over the modules)")
+        emit(f"ops_per_step_b{B}", ops_new, ops_old, "profiler events per step (baseline: over the modules)")
     emit("decode_tps_b1_vs_recompute", b1, rec, "tokens/s (baseline: full forward each step)")
     emit("decode_tps_b16_vs_b1", b16, b1, "aggregate tokens/s (baseline: batch 1)")
     emit("decode_tps_b1_vs_model_step", b1, b1_ref,
-         "tokens/s (baseline: the engine decoding through model(...), fast_decode=False)")
+         "tokens/s (baseline: the engine decoding over the modules, prepared_decode=False)")
     active = parameter_breakdown(model).activated * next(model.parameters()).element_size()
     bw = read_bandwidth(args.device)
     emit("roofline_b1", b1, bw / active, f"tokens/s (baseline: {active / 1e6:.1f} MB active / {bw / 1e9:.1f} GB/s)")
@@ -281,10 +281,7 @@ def main(argv=None) -> int:
              f"tokens/s (baseline: transformers generate; same tokens: {same})")
     cold, warm = ttft_prefix(model, args.ttft_len, 64, args.device)
     emit("ttft_90pct_prefix_vs_cold", warm * 1000, cold * 1000, f"ms for {args.ttft_len} tokens (ratio < 1 = faster)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    append_results(RESULTS, rows)
     return 0
 
 

@@ -137,7 +137,7 @@ def main() -> None:
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
     if a.demo:
-        from k3.train.commands import DEMO_CONFIG
+        from k3.cli.train import DEMO_CONFIG
         from k3.train.config import TrainConfig, resolve_model_config
         model = decoder.K3ForCausalLM(resolve_model_config(TrainConfig.build(overrides=DEMO_CONFIG)))
         a.preset = "demo"

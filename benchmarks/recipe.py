@@ -6,7 +6,7 @@ Every candidate keeps all of K3's architecture on (KDA + MLA hybrid with the pre
 Balancing; SiTU; Per-Head Muon); only sizes, batch shape, schedule and dtype differ. A recipe is a
 set of TrainConfig fields on top of BASE (the k3 demo recipe before this sweep: tiny, 8 layers,
 B8 T256, lr 5e-3) plus ``model_overrides`` on the tiny preset; ``demo`` is BASE itself (the
-baseline of every ratio), ``k3demo`` is whatever ``k3.train.commands.DEMO_CONFIG`` is now, and
+baseline of every ratio), ``k3demo`` is whatever ``k3.cli.train.DEMO_CONFIG`` is now, and
 ``k3demo_*`` (DEMO_VARIANTS) change a few fields of it.
 
     python benchmarks/recipe.py --probe [--names a,b] [--threads 2] [--rounds 5] [--steps 2]
@@ -44,7 +44,7 @@ RESULTS = Path(__file__).parent / "results" / "recipe.jsonl"
 def kda_layout(layers: int, heads: int = 4, head_dim: int = 64) -> dict:
     """The tiny preset's linear_attn_config for ``layers`` layers (KDA/MLA split of the presets)."""
     from k3.config import k3_layer_split
-    from k3.presets import tiny
+    from k3.config.presets import tiny
     kda, full = k3_layer_split(layers)
     d = tiny().linear_attn_config.to_dict()
     d.update(kda_layers=kda, full_attn_layers=full, num_heads=heads, head_dim=head_dim)
@@ -67,7 +67,7 @@ BASE: dict = {"preset": "tiny", "batch_size": 8, "curriculum": [[0, 256]], "lr":
 # name -> (TrainConfig fields over BASE, model_overrides on tiny). "demo" = BASE.
 RECIPES: dict[str, tuple[dict, dict]] = {
     "demo": ({}, {}),
-    "k3demo": (None, None),  # filled from k3.train.commands.DEMO_CONFIG in _recipe
+    "k3demo": (None, None),  # filled from k3.cli.train.DEMO_CONFIG in _recipe
     "demo_bf16": ({"dtype": "bf16"}, {}),
     "b16": ({"batch_size": 16}, {}),
     "b32": ({"batch_size": 32}, {}),
@@ -126,7 +126,7 @@ def _recipe(name: str) -> tuple[dict, dict]:
     """(TrainConfig fields, model_overrides) of ``name``; ``k3demo`` reads k3 demo's live config."""
     if name not in DEMO_VARIANTS:
         return RECIPES[name]
-    from k3.train.commands import DEMO_CONFIG
+    from k3.cli.train import DEMO_CONFIG
     train = {k: v for k, v in DEMO_CONFIG.items() if k not in ("model_overrides", "eval_interval",
              "eval_batches", "final_eval_batches", "ckpt_interval", "log_interval")}
     model = DEMO_CONFIG.get("model_overrides", {})

@@ -63,8 +63,8 @@ def main() -> int:
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "rl_demo.jsonl"))
     a = p.parse_args()
 
-    from k3.rl.agent_demo import evaluate_heldout, machine
-    from k3.rl.rl_cli import rl_main
+    from k3.cli.agent_demo import evaluate_heldout, machine
+    from k3.cli.rl import rl_main
     from k3.tasks.families import EFFORTS
     from k3.train.metrics import read_metrics
 

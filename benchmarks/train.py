@@ -33,8 +33,8 @@ Appends JSON lines to benchmarks/results/train.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -49,6 +49,9 @@ from k3.model.summary import parameter_breakdown
 from k3.ops.loss import cross_entropy
 from k3.train.balance import RouterBalancer
 from k3.train.optim import build_optimizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import append_results  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "train.jsonl"
 
@@ -160,13 +163,11 @@ def mfu(args) -> None:
     print(f"{cfg:<40} {tps:>10,.0f} {achieved / 1e12:>14.4f} {peak / 1e12:>13.4f} {achieved / peak:>7.2%}")
     print(f"model FLOPs/token: 6·N_act {fl['dense']:.3g} (N_act {fl['activated_params']:,}) + "
           f"MLA {fl['mla']:.3g} + KDA {fl['kda']:.3g}; median step {step:.3f} s over {len(times)}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     line = {"bench": "train", "config": cfg, "metric": "model_flops_per_s_vs_peak_matmul",
             "value": achieved, "baseline": peak, "ratio": achieved / peak, "tokens_per_s": tps,
             "model_flops_per_token": fl["total"], "activated_params": fl["activated_params"],
             "median_step_s": step, "steps": len(times), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    with open(RESULTS, "a") as f:
-        f.write(json.dumps(line) + "\n")
+    append_results(RESULTS, [line])
 
 
 if __name__ == "__main__":

@@ -236,7 +236,7 @@ BASE_FOR = {"topk_group": {"num_expert_group": 4}}  # topk_group is read with mo
 REFUSED = {"mla_use_nope": False, "num_nextn_predict_layers": 1}
 # Read outside the model: max_position_embeddings bounds the input length (checked below); the
 # token ids are tokenizer metadata for HF generation; model_type selects the Kimi-Linear defaults
-# when parsing (tests/checkpoint/test_hf_config.py).
+# when parsing (tests/test_config_hf.py).
 READ_ELSEWHERE = {"max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "model_type"}
 
 
@@ -299,3 +299,19 @@ def test_signature_of_one_config_is_reproducible():
     """Control for the table: two builds of one config agree, so a difference comes from the field."""
     (s0, y0), (s1, y1) = _signature(get_preset("nano")), _signature(get_preset("nano"))
     assert s0 == s1 and (y0 - y1).abs().max() == 0
+
+
+def test_importing_the_configs_leaves_torch_unloaded_and_the_tower_eps_is_fp32s():
+    """k3.threads sets OpenMP up before torch loads, so ``import k3`` (the configs) must not load
+    torch; the vision tower's norm eps is written out as a number, and it is fp32's machine eps."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from k3.config import TOWER_NORM_EPS
+
+    r = subprocess.run([sys.executable, "-c", "import sys, k3, k3.config; print('torch' in sys.modules)"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
+    assert TOWER_NORM_EPS == torch.finfo(torch.float32).eps

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from k3.config import K3Config, get_preset, list_presets
 from k3.errors import K3Error
-from k3.train.commands import build_train_parser, train_config_from_args
+from k3.cli.train import build_train_parser, train_config_from_args
 from k3.train.config import TrainConfig, resolve_model_config
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,11 +1,11 @@
-"""k3.presets: the named configurations, their known sizes, and keyword-only construction."""
+"""k3.config.presets: the named configurations, their known sizes, and keyword-only construction."""
 import ast
 import inspect
 
 import pytest
 import torch
 
-import k3.presets as presets
+import k3.config.presets as presets
 from k3.config import PRESETS, K3Config, get_preset, list_presets
 from k3.errors import ConfigError
 
@@ -57,7 +57,7 @@ def test_overrides_are_validated_and_applied():
 
 
 def test_presets_are_written_with_keyword_arguments():
-    """Every config-building call in k3/presets.py names its numbers (no positional arguments)."""
+    """Every config-building call in k3/config/presets.py names its numbers (no positional arguments)."""
     tree = ast.parse(inspect.getsource(presets))
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
              and getattr(node.func, "id", "") in ("K3Config", "LinearAttnConfig", "_small")]

@@ -173,7 +173,7 @@ def test_threads_setting_values():
 
 
 def test_threads_flag_refuses_a_bad_value_naming_the_flag(capsys):
-    from k3.train.commands import build_train_parser
+    from k3.cli.train import build_train_parser
     with pytest.raises(SystemExit) as e:
         build_train_parser().parse_args(["--threads", "lots"])
     assert e.value.code == 2

@@ -1,8 +1,7 @@
 """K3: the Kimi K3 architecture, training and inference stack in PyTorch."""
 
 from k3.config import K3Config, get_preset, list_presets
-
-__version__ = "0.1.0"
+from k3.version import __version__
 __all__ = ["K3Config", "get_preset", "list_presets", "K3Model", "K3ForCausalLM", "from_pretrained",
            "save_pretrained", "generate", "__version__"]
 

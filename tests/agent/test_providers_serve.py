@@ -19,7 +19,8 @@ import pytest
 
 from k3.agent.providers import LocalEngine, OpenAICompatible, ProviderRequest
 from k3.agent.randomize import HarnessConfig
-from k3.agent.tools import TOOL_SPECS, tool_schemas
+from k3.agent.tools import tool_schemas
+from k3.tasks.tool_specs import TOOL_SPECS
 from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
 from k3.data.chat import ChatFormat
 from k3.serve.launch import launch
@@ -138,7 +139,7 @@ def _tiny_task(tmp_path):
 
 @pytest.mark.slow
 def test_k3_task_run_with_the_local_engine_provider(nano, tmp_path, env_home, monkeypatch, capsys):
-    from k3.rl.cli import task_main
+    from k3.cli.task import task_main
     from k3.rl.trajectory import read_trajectory
 
     monkeypatch.setenv("K3_ENV_HOME", str(env_home))
@@ -160,7 +161,7 @@ def test_k3_task_run_with_the_openai_provider_records_what_the_server_was_sent(n
     """The whole loop with a model-backed provider, in a real namespace sandbox: the trajectory's
     conditions are what the server received (renamed tools of seed 5, prompt, sampling)."""
     from k3.env.manager import SandboxManager
-    from k3.rl.cli import task_main
+    from k3.cli.task import task_main
     from k3.rl.trajectory import read_trajectory
 
     monkeypatch.setenv("K3_ENV_HOME", str(env_home))

@@ -10,7 +10,8 @@ import pytest
 
 from k3.agent.randomize import (ARG_ALIASES, CONTEXT_STRATEGIES, PROMPT_TEMPLATES, TOOL_ALIASES,
                                 HarnessConfig)
-from k3.agent.tools import TOOL_SPECS, tool_schemas
+from k3.agent.tools import tool_schemas
+from k3.tasks.tool_specs import TOOL_SPECS
 from k3.errors import ConfigError
 
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from k3.checkpoint import CheckpointError, from_pretrained, inspect, save_pretrained
 from k3.checkpoint.names import mxfp4_quantization_config
-from k3.checkpoint.quantize import quantize, quantize_main
+from k3.checkpoint.quantize import quantize
+from k3.cli.checkpoint import quantize_main
 from k3.model.moe import RoutedExperts
 from k3.model.mx_experts import FakeQuantMXExperts, PackedMXFP4Experts
 from k3.ops.mx import dequantize_mx, quantize_mx

@@ -9,7 +9,8 @@ from checkpoint_models import random_model
 from test_quantize import _experts, _logits, _one_thread, packed_ckpt  # noqa: F401 (fixtures)
 
 from k3.checkpoint import CheckpointError, from_pretrained, save_pretrained
-from k3.checkpoint.quantize import quantize, quantize_main
+from k3.checkpoint.quantize import quantize
+from k3.cli.checkpoint import quantize_main
 from k3.train.qat import enable_qat
 
 

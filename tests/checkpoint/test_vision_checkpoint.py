@@ -21,7 +21,7 @@ from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.multimodal import K3VLForConditionalGeneration
 from k3.model.mx_experts import PackedMXFP4Experts, pack_routed_experts
-from k3.presets import vision_preset
+from k3.config.presets import vision_preset
 
 PAD = 7
 VL = K3VLForConditionalGeneration
@@ -177,7 +177,7 @@ def test_text_only_checkpoint_has_no_vision_to_load(tmp_path):
 def test_expected_vision_tensors_match_the_model_and_the_release_count():
     from k3.checkpoint.names import expected_vision_tensors
     from k3.model.vision import VisionModel
-    from k3.vision_config import RELEASE_VISION_CONFIG, VisionConfig
+    from k3.config.vision import RELEASE_VISION_CONFIG, VisionConfig
 
     release = expected_vision_tensors(VisionConfig.from_dict(RELEASE_VISION_CONFIG))
     assert sum(torch.Size(s).numel() for s in release.values()) == 447_358_976  # SPEC §3.9

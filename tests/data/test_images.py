@@ -19,7 +19,7 @@ from PIL import Image
 from k3.data.images import (MAX_IMAGE_PIXELS, TRANSPARENT_BG, load_image, open_image, preprocess,
                             to_rgb)
 from k3.errors import K3Error
-from k3.vision_config import ImageProcConfig
+from k3.config.vision import ImageProcConfig
 
 PROC = ImageProcConfig()
 P = PROC.patch_size
@@ -159,7 +159,7 @@ def test_packing_equals_each_alone():
 
 def test_output_feeds_the_vision_model():
     from k3.model.vision import VisionModel
-    from k3.presets import vision_preset
+    from k3.config.presets import vision_preset
     vc = vision_preset("nano")
     if vc is None:
         pytest.skip("nano preset has no vision tower")

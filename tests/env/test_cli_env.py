@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from k3.cli import main
-from k3.env.cli import parse_size
+from k3.cli.env import parse_size
 
 
 def k3env(root, *args, check=True):

@@ -69,24 +69,26 @@ def test_a_failing_batched_forward_is_retried_one_request_at_a_time(model):
     calls = []
 
     class Flaky(torch.nn.Module):
-        """The model, except that a forward over more than one row raises."""
+        """The model, except that a prefill over more than one row raises (decode steps, one token
+        per row, go through as they are)."""
 
         def __init__(self, inner):
             super().__init__()
             self.inner, self.config = inner, inner.config
-            self.model, self.lm_head = inner.model, inner.lm_head  # DecodeStep reads these
+            self.model, self.lm_head = inner.model, inner.lm_head  # the prepared weights read these
 
         def new_cache(self, b):
             return self.inner.new_cache(b)
 
         def forward(self, ids, **kw):
-            calls.append(ids.shape[0])
-            if ids.shape[0] > 1:
-                raise RuntimeError("batched forward failed")
+            if ids.shape[1] > 1:
+                calls.append(ids.shape[0])
+                if ids.shape[0] > 1:
+                    raise RuntimeError("batched forward failed")
             return self.inner(ids, **kw)
 
     with Engine(Flaky(model), max_batch=8) as eng:
         outs = _submit_together(eng, prompts)
         st = eng.stats()
-    assert calls == [3, 1, 1, 1]  # the batch was tried once, then each prompt alone
+    assert calls == [3, 1, 1, 1]  # the batched prefill was tried once, then each prompt alone
     assert [o.token_ids for o in outs] == refs and st["failed"] == 0 and st["max_prefill_batch"] == 1

@@ -21,8 +21,8 @@ from k3.errors import ConfigError, K3Error
 from k3.model.decoder import K3ForCausalLM
 from k3.model.multimodal import K3VLForConditionalGeneration, media_pad_token_id_of
 from k3.model.vision import VisionModel
-from k3.presets import vision_preset
-from k3.vision_config import ImageProcConfig
+from k3.config.presets import vision_preset
+from k3.config.vision import ImageProcConfig
 
 PAD = 7  # <|media_pad|> for the nano tokenizer-sized vocabulary (512)
 

@@ -21,8 +21,8 @@ from k3.errors import ConfigError
 from k3.model.summary import build_meta_model, build_meta_vision, format_breakdown, parameter_breakdown
 from k3.model.vision import VisionModel
 from k3.ops.vision import merge_patches, patch_positions, resize_pos_table, rope_2d, varlen_attention
-from k3.presets import vision_preset
-from k3.vision_config import RELEASE_VISION_CONFIG, ImageProcConfig, VisionConfig, vision_config_of
+from k3.config.presets import vision_preset
+from k3.config.vision import RELEASE_VISION_CONFIG, ImageProcConfig, VisionConfig, vision_config_of
 
 # The released config.json's vision_config, verbatim (moonshotai/Kimi-K3).
 RELEASE = {

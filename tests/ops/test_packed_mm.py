@@ -142,8 +142,7 @@ def test_mm_refuses_wrong_rows():
 _NO_CC = textwrap.dedent("""
     import torch
     from k3.config import get_preset
-    from k3.infer.decode_prep import prepare_unsupported
-    from k3.infer.decode_step import DecodeStep
+    from k3.infer.prepared import PreparedWeights, prepare_unsupported
     from k3.model.decoder import K3ForCausalLM
     from k3.ops import cpu_kernels
     torch.manual_seed(0)
@@ -151,15 +150,16 @@ _NO_CC = textwrap.dedent("""
     print("WHY", cpu_kernels.unavailable())
     print("PATH", cpu_kernels.kernel_path())
     print("PREP", prepare_unsupported(model))
-    step = DecodeStep(model)
+    weights = PreparedWeights(model)
     with torch.no_grad():
         c1, c2 = model.new_cache(1), model.new_cache(1)
         prompt = torch.tensor([[3, 1, 4, 1, 5]])
         model(prompt, cache=c1), model(prompt, cache=c2)
-        tok = torch.tensor([9])
-        got = step.step(tok, c1)
-        want = model(tok[:, None], cache=c2, logits_to_keep=1).logits[:, -1]
-    print("PLAN", step._plan is None, "CLOSE", bool((got - want).abs().max() <= 1e-5 * want.abs().max()))
+        tok = torch.tensor([[9]])
+        plan = weights.current()
+        got = model(tok, cache=c1, prepared=plan).logits[:, -1]
+        want = model(tok, cache=c2).logits[:, -1]
+    print("PLAN", plan is None, "CLOSE", bool((got - want).abs().max() <= 1e-5 * want.abs().max()))
 """)
 
 

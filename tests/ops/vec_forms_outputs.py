@@ -8,7 +8,7 @@ import torch
 
 from k3 import K3ForCausalLM
 from k3.config import get_preset
-from k3.infer.decode_step import DecodeStep
+from k3.infer.prepared import PreparedModel
 from k3.model.cache import K3Cache
 from k3.ops import cpu_kernels
 from k3.ops.kda import chunk_kda
@@ -67,12 +67,12 @@ def outputs() -> dict:
             c = m.new_cache(1)
             m(torch.randint(0, m.config.vocab_size, (1, n)), cache=c)
             caches.append(c)
-        cache, step = K3Cache.cat(caches), DecodeStep(m, prepared=True)
-        tok, steps = torch.randint(0, m.config.vocab_size, (4,)), []
+        cache, prepared = K3Cache.cat(caches), PreparedModel(m)
+        tok, steps = torch.randint(0, m.config.vocab_size, (4, 1)), []
         for _ in range(4):
-            logits = step.step(tok, cache)
+            logits = m(tok, cache=cache, prepared=prepared).logits[:, -1]
             steps.append(logits.clone())
-            tok = logits.argmax(-1)
+            tok = logits.argmax(-1)[:, None]
         out["decode"] = steps
     return out
 

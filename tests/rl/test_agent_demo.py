@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from k3.rl.agent_demo import AgentDemo, episode_stats, evaluate_heldout
+from k3.cli.agent_demo import AgentDemo, episode_stats, evaluate_heldout
 from k3.tasks.families import FAMILIES
 
 

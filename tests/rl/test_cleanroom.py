@@ -155,7 +155,7 @@ def test_the_verdict_channel_takes_exactly_one_nonce_verdict_from_a_clean_exit(t
 
 def test_tasks_refuse_the_local_backend(tmp_path, env_root, capsys, monkeypatch):
     from k3.errors import ConfigError
-    from k3.rl.cli import task_main
+    from k3.cli.task import task_main
     from k3.tasks.verify import Sandboxes
 
     with pytest.raises(ConfigError, match="does not isolate"):

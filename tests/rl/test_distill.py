@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from k3.rl.rl_cli import distill_main
-from k3.rl.sft import sft_main
+from k3.cli.rl import distill_main
+from k3.cli.train import sft_main
 from k3.train.metrics import read_metrics
 from taskdirs import make_letter_task
 
@@ -152,7 +152,7 @@ def test_bad_input_is_one_line_before_the_first_step(models, tmp_path, capsys, m
     assert distill_main(argv(student, ok, task, tmp_path / "fine", steps=1)) == 0
     capsys.readouterr()
     # a distillation run is not an RL run; it resumes as what it is
-    from k3.rl.rl_cli import rl_main
+    from k3.cli.rl import rl_main
     assert rl_main(["--resume", str(tmp_path / "fine"), "--steps", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not of an RL run" in err, err

@@ -19,8 +19,8 @@ from k3.data.chat import ChatFormat
 from k3.data.packing import IGNORE_INDEX
 from k3.rl import grpo
 from k3.rl.grpo import GRPOObjective, RLConfig, episode_sequences, replay_hacks
-from k3.rl.rl_cli import rl_main
-from k3.rl.sft import sft_main
+from k3.cli.rl import rl_main
+from k3.cli.train import sft_main
 from k3.rl.trajectory import read_trajectory
 from k3.tasks.format import find_tasks, load_task
 from k3.train.metrics import read_metrics

@@ -65,7 +65,8 @@ def test_the_token_budget_stops_the_episode(tmp_path, sandboxes):
 
 
 def test_a_provider_switch_replans_without_the_old_reasoning(tmp_path, sandboxes):
-    from k3.agent.harness import Budget, Harness
+    from k3.agent.harness import Harness
+    from k3.tasks.format import Budget
     from k3.agent.policy import Policy
     from k3.agent.tools import ToolBox
     from k3.agent.turns import REPLAN_NOTE

@@ -9,9 +9,10 @@ import pytest
 
 from k3.agent.providers import Scripted
 from k3.agent.randomize import HarnessConfig
-from k3.rl.cli import task_main
+from k3.cli.task import task_main
 from k3.rl.rollout import run_episode, run_jobs
-from k3.rl.trajectory import TrajectoryWriter, read_trajectory, replay
+from k3.rl.rollout import replay
+from k3.rl.trajectory import TrajectoryWriter, read_trajectory
 from taskdirs import FIXED, make_task, write_transcript
 
 FIX = {"name": "write", "arguments": {"path": "calc.py", "content": FIXED}}

@@ -11,7 +11,8 @@ from k3.checkpoint import from_pretrained
 from k3.checkpoint.quantize import quantize
 from k3.data.chat import ChatFormat
 from k3.infer.run_model import load_run_model
-from k3.rl.sft import SFTRows, sft_main
+from k3.cli.train import sft_main
+from k3.rl.sft import SFTRows
 from k3.train.loop import Trainer
 from k3.train.metrics import read_metrics
 

@@ -6,7 +6,7 @@ import json
 import openai
 import pytest
 
-from k3.rl.sft import sft_main
+from k3.cli.train import sft_main
 from k3.serve.launch import launch
 
 TEXT = "Hello! The user greets me, so I greet back. Hi there, nice to meet you. How are you today? "

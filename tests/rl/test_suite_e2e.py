@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from k3.rl.cli import task_main
+from k3.cli.task import task_main
 from k3.tasks.format import find_tasks, validate_task
 
 TASKS = Path(__file__).resolve().parents[2] / "tasks"

@@ -6,7 +6,7 @@ import fnmatch
 import pytest
 
 from k3.errors import ConfigError
-from k3.rl.cli import task_main
+from k3.cli.task import task_main
 from k3.tasks.format import find_tasks, load_task, load_transcript, validate_task
 from k3.tasks.verify import glob_regex
 from taskdirs import make_task, toml, write_transcript

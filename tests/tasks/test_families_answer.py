@@ -6,7 +6,7 @@ import pytest
 
 from k3.agent.randomize import ANSWER_NOTE, ANSWER_PROMPTS, PROMPT_TEMPLATES
 from k3.errors import ConfigError
-from k3.rl.trajectory import replay
+from k3.rl.rollout import replay
 from k3.tasks.families import FAMILIES
 from k3.tasks.families.base import answer_verifier
 from k3.tasks.format import load_task

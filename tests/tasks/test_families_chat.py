@@ -11,7 +11,7 @@ import pytest
 
 from k3.agent.providers import Scripted, render_prompt
 from k3.agent.randomize import HarnessConfig
-from k3.agent.tools import TOOL_SPECS
+from k3.tasks.tool_specs import TOOL_SPECS
 from k3.data.chat import ChatFormat
 from k3.data.tokenizer import train_tokenizer
 from k3.errors import K3Error

@@ -7,7 +7,7 @@ import pytest
 from k3.cli import main
 from k3.data.chat import ChatFormat
 from k3.data.tokenizer import train_tokenizer
-from k3.rl.cli import task_main
+from k3.cli.task import task_main
 from k3.rl.synth import parse_efforts, parse_seeds
 from k3.tasks.families import HELDOUT_START, read_meta
 from k3.tasks.families.arith import Arith

@@ -12,7 +12,7 @@ from k3.data.images import load_image, preprocess
 from k3.errors import K3Error
 from k3.tasks.vision_synth import (CELLS, KINDS, PALETTE, check_text, make_image_item, solve, verify_item,
                                    write_jsonl)
-from k3.vision_config import ImageProcConfig
+from k3.config.vision import ImageProcConfig
 
 SEEDS = range(50)
 

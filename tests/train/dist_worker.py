@@ -23,7 +23,7 @@ N_TOKENS, BINS = 64, 4096
 
 def _moe_and_tokens(seed: int = 0):
     from k3.model.moe import LatentMoE
-    from k3.presets import get_preset
+    from k3.config.presets import get_preset
     torch.manual_seed(seed)
     cfg = get_preset("nano")
     moe = LatentMoE(cfg)
@@ -124,7 +124,7 @@ def muon(out: str) -> None:
 
 
 def train(argv: list[str]) -> int:
-    from k3.train.commands import train_main
+    from k3.cli.train import train_main
     kill_rank, kill_step = os.environ.get("K3_TEST_KILL_RANK"), os.environ.get("K3_TEST_KILL_STEP")
 
     def hook(trainer):

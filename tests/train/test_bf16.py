@@ -58,7 +58,7 @@ def test_bf16_on_a_cpu_without_bf16_kernels_says_so(env, monkeypatch, native):
 
 
 def test_dtype_flag_and_validation():
-    from k3.train.commands import build_train_parser, train_config_from_args
+    from k3.cli.train import build_train_parser, train_config_from_args
 
     args = build_train_parser().parse_args(["--preset", "nano", "--dtype", "bf16", "--qk-clip", "30"])
     tc = train_config_from_args(args)

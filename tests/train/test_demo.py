@@ -9,8 +9,9 @@ import json
 import pytest
 from test_loop import make_corpus  # same folder (pytest's default rootdir-relative import)
 
-from k3.infer.run_model import load_run_model, sample_main
-from k3.train import commands
+from k3.cli.infer import sample_main
+from k3.infer.run_model import load_run_model
+from k3.cli import train as commands
 from k3.train.config import TrainConfig, resolve_model_config
 from k3.train.rundir import MARKER_NAME
 

@@ -136,7 +136,7 @@ def test_torchrun_with_a_bad_layout_fails_before_the_first_step(env, tmp_path):
 
 
 def test_dp_ep_without_torchrun_is_refused(env, tmp_path, capsys):
-    from k3.train.commands import train_main
+    from k3.cli.train import train_main
     from test_distributed import _argv
     base, data = env
     assert train_main(_argv(data, tmp_path / "r", ep=2, steps=1)) == 2
@@ -154,7 +154,7 @@ def _free_port() -> int:
 @pytest.fixture
 def dcp_run(env, tmp_path, monkeypatch):
     """A 3-step run of DistTrainer as a 1-rank torchrun job (env://, free port) -> its run dir."""
-    from k3.train.commands import train_main
+    from k3.cli.train import train_main
     from test_distributed import _argv
     base, data = env
     out = tmp_path / "dcp1"
@@ -170,7 +170,7 @@ def dcp_run(env, tmp_path, monkeypatch):
 def test_dcp_checkpoint_of_another_model_config_is_refused(dcp_run, capsys):
     """Resuming with --preset tiny fails before any step, naming the differing fields; the same
     resume with the run's own config (positive control) continues in one process from step 3."""
-    from k3.train.commands import train_main
+    from k3.cli.train import train_main
     from test_distributed import losses
     data, out = dcp_run
     assert train_main(["--resume", str(out), "--preset", "tiny"]) == 2
@@ -183,7 +183,7 @@ def test_dcp_checkpoint_of_another_model_config_is_refused(dcp_run, capsys):
 
 def test_convert_dcp_to_hf_and_back(dcp_run, tmp_path):
     from k3.checkpoint import from_pretrained
-    from k3.checkpoint.tools import convert_main
+    from k3.cli.checkpoint import convert_main
     from k3.train.dist_checkpoint import read_dcp
     data, out = dcp_run
     want = read_dcp(out)["model"]
@@ -201,7 +201,7 @@ def test_convert_dcp_to_hf_and_back(dcp_run, tmp_path):
 def test_capacity_overflow_is_logged_per_step(env, tmp_path):
     """--capacity-factor 0.25 on nano (C = ceil(0.25·N·2/8)): every step logs dropped_slots > 0,
     at most the slots routed beyond C; dropless runs (positive control) log no such field."""
-    from k3.train.commands import train_main
+    from k3.cli.train import train_main
     from test_distributed import _argv, losses
     base, data = env
     assert train_main(_argv(data, tmp_path / "cap", steps=2, capacity_factor=0.25)) == 0

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3.infer.run_model import sample_main
-from k3.train.commands import train_main
+from k3.cli.infer import sample_main
+from k3.cli.train import train_main
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer, TrainingDiverged
 from k3.train.metrics import read_metrics

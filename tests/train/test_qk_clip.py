@@ -162,7 +162,7 @@ def test_qk_clip_refuses_bad_tau_and_models_without_mla():
 # --- in the trainer: `k3 train --qk-clip TAU` ------------------------------------------------------
 
 def _train(base, data, name, *extra):
-    from k3.train.commands import train_main
+    from k3.cli.train import train_main
 
     got = []
     argv = ["--preset", "nano", "--data", str(data), "--out", str(base / name), "--steps", "6",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3.train.commands import train_main
+from k3.cli.train import train_main
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
 from k3.train.metrics import read_metrics
@@ -82,7 +82,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes(env):
     args = ["--preset", "nano", "--data", str(data), "--out", str(run), "--steps", "400",
             "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--eval-interval", "0",
             "--final-eval-batches", "1", "--no-plot"]
-    code = "import sys; from k3.train.commands import train_main; sys.exit(train_main(sys.argv[1:]))"
+    code = "import sys; from k3.cli.train import train_main; sys.exit(train_main(sys.argv[1:]))"
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=REPO, env=os.environ.copy(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -198,7 +198,7 @@ def test_corrupt_checkpoint_is_reported_never_absent_and_never_deleted(env, caps
               "--seq-len", "16", "--threads", "1", "--no-plot", "--final-eval-batches", "1"]
     assert train_main(["--resume", str(run)]) == 2
     assert "safetensors does not match the manifest" in capsys.readouterr().err
-    from k3.infer.run_model import sample_main
+    from k3.cli.infer import sample_main
     assert sample_main([str(run), "--max-new-tokens", "2"]) == 2
     assert "safetensors does not match the manifest" in capsys.readouterr().err
     assert train_main(common + ["--out", str(run)]) == 2  # a fresh run refuses, deletes nothing

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3.errors import ConfigError
-from k3.train.commands import train_main
+from k3.cli.train import train_main
 from k3.train.config import (SEED_MAX, TrainConfig, load_toml, parse_curriculum, resolve_model_config)
 
 

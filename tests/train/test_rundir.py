@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from k3.errors import K3Error
-from k3.train.commands import build_train_parser, train_config_from_args, train_main
+from k3.cli.train import build_train_parser, train_config_from_args, train_main
 from k3.train.rundir import LOCK_NAME, MARKER_NAME, RunDirBusy, RunLock, check_foreign_dir
 from k3.train.state import find_checkpoint, load_trainer_state
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN = "import sys; from k3.train.commands import train_main; sys.exit(train_main(sys.argv[1:]))"
+TRAIN = "import sys; from k3.cli.train import train_main; sys.exit(train_main(sys.argv[1:]))"
 
 
 def _args(data: Path, *extra: str) -> list[str]:

@@ -36,16 +36,9 @@ from k3.agent.providers import ProviderError, ProviderRequest
 from k3.agent.randomize import HarnessConfig
 from k3.agent.tools import ToolBox, tool_schemas
 from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
+from k3.tasks.format import Budget
 
-__all__ = ["Budget", "EpisodeResult", "Harness", "compact", "estimate_tokens"]
-
-
-@dataclass
-class Budget:
-    steps: int = 40
-    tokens: int = 32000
-    wall_seconds: float = 120.0
-    submissions: int = 3
+__all__ = ["EpisodeResult", "Harness", "compact", "estimate_tokens"]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The agent's tools over a ``Sandbox`` (SPEC §7.3): shell, read, write, edit, list, submit.
 
-``TOOL_SPECS`` is the canonical schema (names and arguments as task transcripts write them);
-``tool_schemas(cfg, allowed)`` renders it as OpenAI ``tools`` under a harness config's renaming.
+``k3.tasks.tool_specs.TOOL_SPECS`` is the canonical schema (names and arguments as task transcripts
+write them); ``tool_schemas(cfg, allowed)`` renders it as OpenAI ``tools`` under a harness config's renaming.
 ``ToolBox(sandbox).run(name, args, timeout_cap)`` executes one canonical call and returns a
 ``ToolResult``; bad arguments and failed operations are results with ``error=True`` (the model
 sees why), never exceptions. Paths are relative to the sandbox workdir (``/workspace``). Output
@@ -16,25 +16,10 @@ import posixpath
 from k3.agent.randomize import HarnessConfig
 from k3.agent.turns import ToolResult
 from k3.env.sandbox import Sandbox, SandboxError
+from k3.tasks.tool_specs import TOOL_SPECS, check_arguments
 
-__all__ = ["TOOL_SPECS", "ToolBox", "tool_schemas", "check_arguments", "AGENT_ENV"]
+__all__ = ["ToolBox", "tool_schemas", "AGENT_ENV"]
 
-# name -> (description, {arg: (json type, required, description)})
-TOOL_SPECS: dict[str, tuple[str, dict[str, tuple[str, bool, str]]]] = {
-    "shell": ("Run a shell command (/bin/sh) in the working directory; returns exit code, stdout, stderr.",
-              {"command": ("string", True, "the command line"),
-               "timeout": ("number", False, "seconds before the command is killed (default 60)")}),
-    "read": ("Read a text file.", {"path": ("string", True, "file path, relative to the working directory")}),
-    "write": ("Create or overwrite a file with the given content.",
-              {"path": ("string", True, "file path, relative to the working directory"),
-               "content": ("string", True, "the whole new file content")}),
-    "edit": ("Replace one exact occurrence of a string in a file (it must occur exactly once).",
-             {"path": ("string", True, "file path, relative to the working directory"),
-              "old": ("string", True, "the text to replace"), "new": ("string", True, "the replacement")}),
-    "list": ("List a directory.", {"path": ("string", False, "directory, relative to the working directory")}),
-    "submit": ("Submit the current work for grading by the hidden verifier (counts against the budget).", {}),
-}
-_JSON_TYPES = {"string": str, "number": (int, float)}
 AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
 DEFAULT_SHELL_TIMEOUT = 60.0
 
@@ -51,27 +36,6 @@ def tool_schemas(cfg: HarnessConfig, allowed: list[str] | tuple[str, ...]) -> li
             "parameters": {"type": "object", "properties": props, "required": req,
                            "additionalProperties": False}}})
     return out
-
-
-def check_arguments(name: str, args) -> str | None:
-    """None if ``args`` fit the canonical schema of ``name``, else the problem (naming the arg)."""
-    if name not in TOOL_SPECS:
-        return f"unknown tool {name!r}"
-    if not isinstance(args, dict):
-        return f"{name}: arguments must be a JSON object"
-    spec = TOOL_SPECS[name][1]
-    for k in args:
-        if k not in spec:
-            return f"{name}: unknown argument {k!r} (expected {sorted(spec) or 'none'})"
-    for k, (t, req, _) in spec.items():
-        if k not in args:
-            if req:
-                return f"{name}: missing argument {k!r}"
-            continue
-        v = args[k]
-        if isinstance(v, bool) or not isinstance(v, _JSON_TYPES[t]):
-            return f"{name}: argument {k!r} must be a {t}"
-    return None
 
 
 def _cap(text: str, limit: int) -> tuple[str, bool]:

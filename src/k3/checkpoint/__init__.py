@@ -19,8 +19,8 @@ from k3.checkpoint.load import load_state_dict, read_config, scan
 from k3.checkpoint.names import expected_tensors, keeps_fp32
 from k3.checkpoint.pretrained import from_pretrained, load_checkpoint, save_pretrained
 from k3.checkpoint.save import save_state_dict
-from k3.checkpoint.tools import convert, convert_main, inspect, inspect_main
+from k3.checkpoint.tools import convert, inspect
 
 __all__ = ["CheckpointError", "expected_tensors", "keeps_fp32", "save_state_dict", "load_state_dict",
            "read_config", "scan", "save_pretrained", "load_checkpoint", "from_pretrained", "convert",
-           "inspect", "convert_main", "inspect_main"]
+           "inspect"]

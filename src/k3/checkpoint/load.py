@@ -40,7 +40,7 @@ from k3.checkpoint.names import (QUANT_CONFIG_KEY, TEXT_PREFIX, Target, check_fi
 from k3.checkpoint.save import CONFIG_NAME, INDEX_FORMAT, INDEX_NAME, SHA256_KEY
 from k3.config import K3Config
 from k3.ops.mx import dequantize_mx, unpack_fp4
-from k3.vision_config import VisionConfig
+from k3.config.vision import VisionConfig
 
 __all__ = ["CheckpointFiles", "LoadPlan", "read_config", "scan", "plan_load", "plan_vision", "stream_into",
            "load_state_dict", "checkpoint_dtype", "verify_files"]

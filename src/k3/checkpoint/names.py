@@ -31,7 +31,7 @@ import torch
 from k3.config import K3Config
 from k3.errors import CheckpointError
 from k3.model.mx_experts import ACT_FMT  # the one MX activation format k3 runs (MXFP8 E4M3)
-from k3.vision_config import VisionConfig
+from k3.config.vision import VisionConfig
 
 __all__ = ["expected_tensors", "keeps_fp32", "storage_dtype", "file_names", "resolve", "Target", "check_file_shape",
            "to_internal", "is_stacked_expert", "is_packed_buffer", "holds_packed_experts", "stores_packed_experts",

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from k3.checkpoint.hf_config import DEFAULT_WRAPPER
+from k3.config.hf import DEFAULT_WRAPPER
 from k3.checkpoint.load import CheckpointFiles, LoadPlan, checkpoint_dtype, plan_load, plan_vision, scan, stream_into
 from k3.checkpoint.names import (declared_act_fmt, expected_tensors, expected_vision_tensors, holds_packed_experts,
                                  is_mxfp4_quantization, is_vision_tensor, storage_dtype, stores_packed_experts)
@@ -52,7 +52,7 @@ from k3.errors import CheckpointError, ConfigError
 from k3.model.moe import RoutedExperts
 from k3.model.multimodal import MEDIA_PAD_KEY, K3VLForConditionalGeneration
 from k3.model.mx_experts import FakeQuantMXExperts, PackedMXFP4Experts, pack_routed_experts, swap_modules
-from k3.vision_config import VisionConfig, vision_config_of
+from k3.config.vision import VisionConfig, vision_config_of
 
 __all__ = ["save_pretrained", "load_checkpoint", "from_pretrained", "model_act_fmt"]
 

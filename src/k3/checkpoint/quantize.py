@@ -28,7 +28,6 @@ experts for a float source) while the packed copy is made.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -36,13 +35,12 @@ import torch
 
 from k3.checkpoint.load import scan
 from k3.checkpoint.names import ACT_FMT, declared_act_fmt
-from k3.checkpoint.pretrained import from_pretrained, model_act_fmt, save_pretrained
+from k3.checkpoint.pretrained import from_pretrained, save_pretrained
 from k3.checkpoint.save import CONFIG_NAME
-from k3.checkpoint.tools import DTYPE_ARGS
 from k3.errors import CheckpointError
 from k3.model.mx_experts import PackedMXFP4Experts
 
-__all__ = ["quantize", "quantize_main", "resolve_source", "ACTIVATIONS"]
+__all__ = ["quantize", "resolve_source", "ACTIVATIONS", "export"]
 
 ACTIVATIONS = {"none": None, "mxfp8": ACT_FMT}
 RUN_INFO = "run.json"
@@ -98,7 +96,7 @@ def choose_act_fmt(requested: str, run_qat: bool | None, source_fmt: str | None,
     return want
 
 
-def _export(src, dst, dtype, max_shard_size, strict, activations="auto", verify=True):
+def export(src, dst, dtype, max_shard_size, strict, activations="auto", verify=True):
     model_dir, run_qat = resolve_source(src)
     if os.path.realpath(model_dir) == os.path.realpath(dst) or os.path.realpath(src) == os.path.realpath(dst):
         raise CheckpointError(f"{dst}: quantize: source and destination are the same directory")
@@ -120,31 +118,4 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: torch.dtype 
     ``dst`` with packed MXFP4 routed experts; return the shard file names. ``dtype`` is the storage
     dtype of the unquantized tensors (None: as stored in ``src``). ``activations``: "auto", "none"
     or "mxfp8" (module docstring). ``verify``: check the source's sha256 first."""
-    return _export(src, dst, dtype, max_shard_size, strict, activations, verify)[1]
-
-
-def quantize_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="k3 quantize",
-        description="write a checkpoint whose routed experts are packed MXFP4 (compressed-tensors "
-                    "mxfp4-pack-quantized, group 32); everything else is saved as by k3 convert")
-    p.add_argument("src", help="checkpoint directory (k3, K3 release or Kimi-Linear layout) or k3 run directory")
-    p.add_argument("dst", help="output directory")
-    p.add_argument("--dtype", choices=sorted(DTYPE_ARGS) + ["keep"], default="bf16",
-                   help="dtype of the unquantized tensors (fp32-kept tensors stay fp32); 'keep': as stored")
-    p.add_argument("--activations", choices=["auto", *ACTIVATIONS], default="auto",
-                   help="declared expert input activations: auto = mxfp8 for a run trained with --qat, "
-                        "else as the source declares (weights-only for a float source)")
-    p.add_argument("--max-shard-size", default="2GB")
-    p.add_argument("--lenient", action="store_true", help="skip tensors k3 does not know instead of failing")
-    p.add_argument("--no-verify", action="store_true", help="do not check the source's sha256 hashes")
-    a = p.parse_args(argv)
-    if os.path.realpath(a.src) == os.path.realpath(a.dst):
-        p.error("SRC and DST must be different directories")
-    dtype = None if a.dtype == "keep" else DTYPE_ARGS[a.dtype]
-    model, names = _export(a.src, a.dst, dtype, a.max_shard_size, not a.lenient, a.activations, not a.no_verify)
-    packed = [m for m in model.modules() if isinstance(m, PackedMXFP4Experts)]
-    acts = "MXFP8 activations" if model_act_fmt(model) else "weights-only"
-    print(f"wrote {len(names)} shard(s) to {a.dst}: {sum(3 * m.num_experts for m in packed)} routed-expert "
-          f"matrices packed as MXFP4 ({sum(m.nbytes() for m in packed):,} bytes), {acts}")
-    return 0
+    return export(src, dst, dtype, max_shard_size, strict, activations, verify)[1]

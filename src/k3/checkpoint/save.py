@@ -43,7 +43,7 @@ import torch
 
 from k3.checkpoint.io import CheckpointError, parse_size, write_json_atomic, write_safetensors
 from k3.checkpoint.kimi_linear import a_log_file_shape, is_kimi_linear_mode, kimi_linear_config_fields
-from k3.checkpoint.hf_config import wrap_text_config
+from k3.config.hf import wrap_text_config
 from k3.checkpoint.names import (
     QUANT_CONFIG_KEY,
     TEXT_PREFIX,
@@ -57,7 +57,7 @@ from k3.checkpoint.names import (
 from k3.config import K3Config
 from k3.errors import ConfigError
 from k3.fsutil import fsync_path
-from k3.vision_config import vision_config_of
+from k3.config.vision import vision_config_of
 
 __all__ = ["save_state_dict", "INDEX_NAME", "CONFIG_NAME", "TMP_PREFIX", "CRASH_ENV", "INDEX_FORMAT",
            "SHA256_KEY", "K3_SHARD_RE", "check_free_space"]

@@ -1,8 +1,8 @@
-"""``k3 convert`` and ``k3 inspect``: re-export any supported checkpoint, summarise one from headers."""
+"""Re-export any supported checkpoint (``convert``), summarise one from its headers (``inspect``):
+what ``k3 convert`` and ``k3 inspect`` run (``k3.cli.checkpoint``)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from collections import Counter, defaultdict
@@ -13,7 +13,7 @@ from k3.checkpoint.load import CheckpointFiles, checkpoint_dtype, load_state_dic
 from k3.checkpoint.save import save_state_dict
 from k3.errors import CheckpointError
 
-__all__ = ["convert", "inspect", "convert_main", "inspect_main", "DTYPE_ARGS"]
+__all__ = ["convert", "inspect", "DTYPE_ARGS"]
 
 DTYPE_ARGS = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
               "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -112,38 +112,3 @@ def inspect(directory: str | os.PathLike, verify: bool = True) -> str:
     for (pat, dt, shape), c in sorted(groups.items()):
         lines.append(f"  {c:>6}  {dt:<9}{str(list(shape)):<20}{pat}")
     return "\n".join(lines)
-
-
-def convert_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3 convert", description="re-export a checkpoint in k3's layout "
-                                "(a distributed run's DCP checkpoint too; --to-dcp for the reverse)")
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--dtype", choices=sorted(DTYPE_ARGS), default=None,
-                   help="model dtype (fp32-kept tensors stay fp32); default: as stored")
-    p.add_argument("--max-shard-size", default="2GB")
-    p.add_argument("--lenient", action="store_true", help="skip tensors k3 does not know instead of failing")
-    p.add_argument("--no-verify", action="store_true", help="do not check the source's sha256 hashes")
-    p.add_argument("--to-dcp", action="store_true",
-                   help="write a model-only torch.distributed.checkpoint folder instead")
-    a = p.parse_args(argv)
-    from k3.train.dist_checkpoint import dcp_to_hf, hf_to_dcp, is_dcp_dir
-    if a.to_dcp:
-        print(f"wrote a torch.distributed.checkpoint folder to {hf_to_dcp(a.src, a.dst)}")
-        return 0
-    if is_dcp_dir(a.src):  # a distributed run's checkpoint (or its dcp/ folder) -> HF safetensors
-        print(f"wrote the HF safetensors layout to {dcp_to_hf(a.src, a.dst)}")
-        return 0
-    names = convert(a.src, a.dst, DTYPE_ARGS[a.dtype] if a.dtype else None, a.max_shard_size, not a.lenient,
-                    not a.no_verify)
-    print(f"wrote {len(names)} shard(s) to {a.dst}")
-    return 0
-
-
-def inspect_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3 inspect", description="summarise a checkpoint without loading it")
-    p.add_argument("dir")
-    p.add_argument("--no-verify", action="store_true", help="read headers only, skip the sha256 check")
-    a = p.parse_args(argv)
-    print(inspect(a.dir, not a.no_verify))
-    return 0

@@ -23,18 +23,18 @@ import json
 import re
 from typing import Any, Mapping, Sequence
 
+from k3.data.chat_parser import TOOL_CALL_ID, ChatParser
 from k3.data.tokenizer import CHAT_TOKENS, Tokenizer
 from k3.errors import K3Error
 
 __all__ = ["ChatFormat", "EFFORTS", "DEFAULT_EFFORT", "THINKING_CAPS", "thinking_budget",
-           "CHAT_TOKENS", "TOOL_CALL_ID", "canonical_json"]
+           "CHAT_TOKENS", "canonical_json"]
 
 EFFORTS = ("low", "high", "max")
 DEFAULT_EFFORT = "max"  # what the server uses when a request names none (SPEC §6.4)
 # Thinking-token caps per effort for small models; None = unlimited (only max_tokens bounds it).
 THINKING_CAPS: dict[str, int | None] = {"low": 512, "high": 4096, "max": None}
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-TOOL_CALL_ID = re.compile(r"functions\.([A-Za-z0-9_.\-]{1,64}):(\d+)")
 _ROLE_KEYS = {"system": {"content"}, "user": {"content"}, "tool": {"content", "tool_call_id", "name"},
               "assistant": {"content", "reasoning_content", "reasoning", "tool_calls"}}
 # Fields OpenAI clients echo back on messages; accepted only while empty.
@@ -149,8 +149,6 @@ class ChatFormat:
 
     def parser(self, in_reasoning: bool = True):
         """A streaming parser for one generated assistant message (after the generation prompt)."""
-        from k3.data.chat_parser import ChatParser
-
         return ChatParser(self, in_reasoning=in_reasoning)
 
     def parse(self, ids: Sequence[int], finish_reason: str | None = None):

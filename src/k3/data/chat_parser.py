@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from dataclasses import dataclass, field
 
-from k3.data.chat import TOOL_CALL_ID
 from k3.errors import K3Error
 
-__all__ = ["ChatParser", "ChatResult", "ReasoningDelta", "ContentDelta", "ToolCallBegin",
+__all__ = ["TOOL_CALL_ID", "ChatParser", "ChatResult", "ReasoningDelta", "ContentDelta", "ToolCallBegin",
            "ToolCallArgumentsDelta", "ToolCallEnd"]
+
+# a tool call's id as the chat format writes it: functions.NAME:INDEX
+TOOL_CALL_ID = re.compile(r"functions\.([A-Za-z0-9_.\-]{1,64}):(\d+)")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import torch
 from PIL import Image
 
 from k3.errors import K3Error
-from k3.vision_config import ImageProcConfig
+from k3.config.vision import ImageProcConfig
 
 __all__ = ["load_image", "open_image", "to_rgb", "preprocess", "TransparentBg", "TRANSPARENT_BG",
            "MAX_IMAGE_PIXELS", "SUPPORTED_FORMATS"]

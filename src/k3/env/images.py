@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from k3.env.sandbox import SandboxError
-from k3.env.store import Store
+from k3.env.store import Store, root_store
 
 __all__ = ["default_image", "import_image", "TOOLS"]
 
@@ -158,8 +158,7 @@ def default_image(store: Store | str | None = None, python: str | None = None) -
     """Build (once) and return the id of the default image: host Python + coreutils + own /etc.
     ``store``: a ``Store``, a manager root directory, or None for the default manager root."""
     if not isinstance(store, Store):
-        from k3.env.manager import SandboxManager  # the manager imports this module
-        store = SandboxManager(store).store
+        store = root_store(store)
     quick = os.path.join(store.root, "images", "quick-" + _quick_key(python))
     image_id = _read_id(store, quick)
     if image_id:

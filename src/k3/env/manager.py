@@ -21,22 +21,18 @@ import shutil
 from k3.env.backends import get_backend
 from k3.env.images import default_image, image_names
 from k3.env.sandbox import Limits, Sandbox, SandboxError, SnapshotInfo
-from k3.env.store import Store
+from k3.env.store import default_root, root_store
 
 NAME_FILE = "name"   # a sandbox's name, in its directory, written before the backend makes it
 
-__all__ = ["SandboxManager", "default_root"]
-
-
-def default_root() -> str:
-    return os.environ.get("K3_ENV_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "k3", "env")
+__all__ = ["SandboxManager"]
 
 
 class SandboxManager:
     def __init__(self, root: str | None = None):
         self.root = os.path.realpath(root or default_root())
         os.makedirs(os.path.join(self.root, "sandboxes"), exist_ok=True)
-        self.store = Store(os.path.join(self.root, "store"))
+        self.store = root_store(self.root)
         self.tag = hashlib.sha256(self.root.encode()).hexdigest()[:8]
 
     # paths and state (used by backends) -------------------------------------------------------

@@ -28,13 +28,23 @@ import time
 
 from k3.env.sandbox import SandboxError, SnapshotInfo
 
-__all__ = ["Store", "hash_json"]
+__all__ = ["Store", "hash_json", "default_root", "root_store"]
 
 _SETTLED_NS = 2_000_000_000
 
 
 def hash_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def default_root() -> str:
+    """The sandbox manager's root: $K3_ENV_HOME, else ~/.cache/k3/env."""
+    return os.environ.get("K3_ENV_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "k3", "env")
+
+
+def root_store(root: str | None = None) -> "Store":
+    """The image store of the manager rooted at ``root`` (None: ``default_root()``)."""
+    return Store(os.path.join(os.path.realpath(root or default_root()), "store"))
 
 
 class Store:

@@ -152,12 +152,3 @@ def install(root: Path | None = None) -> dict:
     (root / "recipe.json").write_text(json.dumps(recipe, indent=1))
     parts(root)
     return recipe
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["install"]:
-        print("usage: python -m k3.env.vm_image install", file=sys.stderr)
-        sys.exit(2)
-    print(json.dumps(install(), indent=1))
-    from k3.env.backends.vm import choose_accel  # the KVM probe, cached for the test runs
-    print("accelerator:", choose_accel())

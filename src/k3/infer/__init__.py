@@ -6,11 +6,10 @@ function must win the package attribute. The other names load lazily.
 
 from k3.infer.generate import generate
 
-__all__ = ["Engine", "SamplingParams", "TokenEvent", "generate", "sample_next_token", "load_run_model",
-           "sample_main"]
+__all__ = ["Engine", "SamplingParams", "TokenEvent", "generate", "sample_next_token", "load_run_model"]
 
 _WHERE = {"Engine": "engine", "SamplingParams": "sampling", "sample_next_token": "sampling",
-          "TokenEvent": "scheduler", "load_run_model": "run_model", "sample_main": "run_model"}
+          "TokenEvent": "scheduler", "load_run_model": "run_model"}
 
 
 def __getattr__(name):

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from k3.errors import K3Error
-from k3.infer.decode_step import DecodeStep
 from k3.infer.prefill import PrefillSteps
+from k3.infer.prepared import PreparedWeights, accepts
 from k3.infer.detok import TextStream
 from k3.infer.sampling import Sampler, SamplingParams, sample_rows
 from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
@@ -68,8 +68,9 @@ def _load(path, dtype, device, tokenizer):
 class Engine(PrefillSteps):
     """``Engine(model_or_checkpoint_dir, max_batch=16, prefill_chunk=512, cache_block=64, ...)``.
 
-    ``fast_decode`` (default on) runs decode steps through ``k3.infer.decode_step.DecodeStep``
-    (the model's math in fewer kernels) when the model and cache allow it, else ``model(...)``.
+    ``prepared_decode`` (default on) gives each decode step ``model(..., prepared=P)``: the model's
+    own forward over weights the engine prepared once (``k3.infer.prepared``: the same math in few
+    C calls, rebuilt when a weight changes), where the model allows it (``PreparedWeights.why``).
     ``prefix_cache_bytes`` > 0 turns the prefix cache on with that byte budget;
     ``max_cache_bytes`` bounds the running sequences' caches (each reserves its worst case,
     prompt + max_tokens, at admission; one that alone exceeds the budget fails).
@@ -79,7 +80,7 @@ class Engine(PrefillSteps):
     def __init__(self, model_or_dir, max_batch: int = 16, prefill_chunk: int = 512, cache_block: int = 64,
                  prefix_cache_bytes: int = 0, max_cache_bytes: int | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None, tokenizer=None,
-                 fast_decode: bool = True):
+                 prepared_decode: bool = True):
         for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("cache_block", cache_block)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise K3Error(f"Engine: {name} must be an int >= 1, got {v!r}")
@@ -97,8 +98,9 @@ class Engine(PrefillSteps):
         self.device, self.dtype = p.device, p.dtype
         self.max_batch, self.prefill_chunk, self.cache_block = max_batch, prefill_chunk, cache_block
         self.max_cache_bytes = max_cache_bytes
-        self.fast_decode = bool(fast_decode)
-        self._decode_step = DecodeStep(self.model, in_place_state=True)   # the groups' caches are its own
+        # the decode backend (None: off); the groups' caches are the engine's own, so KDA states
+        # are updated in place
+        self._prepared = PreparedWeights(self.model, in_place_state=True) if prepared_decode else None
         self.prefix_cache = None
         if prefix_cache_bytes:
             from k3.infer.prefix_cache import PrefixCache
@@ -363,10 +365,8 @@ class Engine(PrefillSteps):
 
     def _decode(self, g: DecodeGroup) -> None:
         tokens = g.last_tokens(self.device)                                   # [B, 1]
-        if self.fast_decode and DecodeStep.unsupported(self.model) is None and DecodeStep.accepts(g.cache):
-            logits = self._decode_step.step(tokens[:, 0], g.cache)            # same math, fewer kernels
-        else:
-            logits = self.model(tokens, cache=g.cache, logits_to_keep=1).logits[:, -1]
+        prepared = self._prepared.current() if self._prepared is not None and accepts(g.cache) else None
+        logits = self.model(tokens, cache=g.cache, logits_to_keep=1, prepared=prepared).logits[:, -1]
         c = self._counters
         c["decode_steps"] += 1
         c["max_decode_batch"] = max(c["max_decode_batch"], len(g.reqs))

@@ -1,4 +1,5 @@
-"""``k3 sample``: load a trained run's model and tokenizer, continue a prompt.
+"""Load a trained run's model and tokenizer (what ``k3 sample``, ``k3 generate``, ``k3 serve`` and the
+evaluation load).
 
 ``load_run_model(path)`` accepts a run directory (its current checkpoint, verified against the
 manifest), a checkpoint folder itself, or a plain model directory (config.json + safetensors, with a
@@ -8,11 +9,9 @@ failing file, never "no checkpoint".
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-__all__ = ["load_run_model", "sample_main", "check_prompt"]
+__all__ = ["load_run_model", "check_prompt"]
 
 
 def load_run_model(path: str | Path, device: str = "cpu"):
@@ -68,57 +67,3 @@ def check_prompt(ids: list[int], max_new_tokens: int, max_positions: int) -> Non
     if len(ids) + max_new_tokens > max_positions:
         raise K3Error(f"--prompt: {len(ids)} tokens + --max-new-tokens {max_new_tokens} exceeds the "
                       f"model's max_position_embeddings={max_positions}")
-
-
-def _stream_printer(tok, prompt_len: int, ids_so_far: list[int]):
-    printed = [""]
-
-    def on_token(nxt) -> None:
-        ids_so_far.append(int(nxt[0]))
-        text = tok.decode(ids_so_far[prompt_len:])
-        if text.endswith("\ufffd"):  # a UTF-8 sequence split across tokens: wait for the rest
-            return
-        sys.stdout.write(text[len(printed[0]):])
-        sys.stdout.flush()
-        printed[0] = text
-    return on_token
-
-
-def sample_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="k3 sample", description="Continue a prompt with a trained model.")
-    p.add_argument("run", help="run directory (or its checkpoint folder)")
-    p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
-    args = p.parse_args(argv)
-
-    def run() -> int:
-        import math
-
-        import torch
-
-        from k3.errors import K3Error
-
-        from k3.infer.generate import generate
-        from k3.infer.sampling import sample_next_token
-        model, tok = load_run_model(args.run, args.device)
-        ids = tok.encode(args.prompt)
-        check_prompt(ids, args.max_new_tokens, model.config.max_position_embeddings)
-        if not math.isfinite(args.temperature):
-            raise K3Error(f"--temperature must be a finite number >= 0, got {args.temperature}")
-        sample_next_token(torch.zeros(1, 2), args.temperature, args.top_k, args.top_p)  # validates
-        sys.stdout.write(args.prompt)
-        out_ids: list[int] = list(ids)
-        generate(model, torch.tensor([ids]), args.max_new_tokens, args.temperature, args.top_k,
-                 args.top_p, args.seed, eos=None if args.no_stop else tok.eos_token_id,
-                 on_token=_stream_printer(tok, len(ids), out_ids))
-        sys.stdout.write("\n")
-        return 0
-
-    from k3.cliutil import guarded
-    return guarded("sample", run)

@@ -98,20 +98,37 @@ class DecoderLayer(nn.Module):
             return self.self_attn(x, state)
         return segs.from_docs([self.self_attn(part, state) for part in segs.to_docs(x)])
 
-    def forward(self, h: torch.Tensor, state=None, segs: Segments | None = None) -> torch.Tensor:
+    # Each sublayer runs either over its modules or, given a ``prepared`` layer (the decode backend
+    # of k3.infer.prepared: the same math over weights prepared once), through that backend.
+    def _attn(self, h: torch.Tensor, res: torch.Tensor | None, state, segs: Segments | None,
+              prepared) -> torch.Tensor:
+        """res + token mixer(input_layernorm(h)); res None: the mixer's output alone."""
+        if prepared is not None:
+            return prepared.attn(h, res, state)
+        a = self._mix_tokens(self.input_layernorm(h), state, segs)
+        return a if res is None else res + a
+
+    def _ffn(self, h: torch.Tensor, res: torch.Tensor, prepared) -> torch.Tensor:
+        """res + ffn(post_attention_layernorm(h))."""
+        if prepared is not None:
+            return prepared.ffn(h, res)
+        return res + self.ffn(self.post_attention_layernorm(h))
+
+    def _res_mix(self, prefix: str, sources: list[torch.Tensor], prepared) -> torch.Tensor:
+        return AttnResPair.mix(self, prefix, sources) if prepared is None else prepared.mix(prefix, sources)
+
+    def forward(self, h: torch.Tensor, state=None, segs: Segments | None = None, prepared=None) -> torch.Tensor:
         """Standard pre-norm residual layer: h [B,T,H] -> [B,T,H]."""
-        h = h + self._mix_tokens(self.input_layernorm(h), state, segs)
-        return h + self.ffn(self.post_attention_layernorm(h))
+        h = self._attn(h, h, state, segs, prepared)
+        return self._ffn(h, h, prepared)
 
     def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor | None,
-                         state=None, segs: Segments | None = None) -> torch.Tensor:
+                         state=None, segs: Segments | None = None, prepared=None) -> torch.Tensor:
         """One AttnRes layer: returns the new partial sum (see module docstring)."""
         srcs = blocks if partial is None else blocks + [partial]
-        h = AttnResPair.mix(self, "self_attention_res", srcs)
-        a = self._mix_tokens(self.input_layernorm(h), state, segs)
-        partial = a if partial is None else partial + a
-        h = AttnResPair.mix(self, "mlp_res", blocks + [partial])
-        return partial + self.ffn(self.post_attention_layernorm(h))
+        partial = self._attn(self._res_mix("self_attention_res", srcs, prepared), partial, state, segs, prepared)
+        h = self._res_mix("mlp_res", blocks + [partial], prepared)
+        return self._ffn(h, partial, prepared)
 
 
 class K3Model(nn.Module):
@@ -138,16 +155,22 @@ class K3Model(nn.Module):
         AttnResPair.reset(self, "output_attn_res")
 
     def check_ids(self, input_ids: torch.Tensor) -> None:
-        """input_ids must be [B,T] integers inside the vocabulary."""
+        """input_ids must be [B,T] integers inside the vocabulary (on the CPU a ValueError naming the
+        range; on an accelerator a device-side assertion, so a step never waits for the device)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-        if input_ids.numel() and input_ids.device.type != "meta":
+        if not input_ids.numel() or input_ids.device.type == "meta":
+            return
+        V = self.config.vocab_size
+        if input_ids.device.type == "cpu":
             lo, hi = int(input_ids.min()), int(input_ids.max())
-            if lo < 0 or hi >= self.config.vocab_size:
-                raise ValueError(f"input_ids outside the vocabulary [0, {self.config.vocab_size}): "
-                                 f"min {lo}, max {hi}")
+            if lo < 0 or hi >= V:
+                raise ValueError(f"input_ids outside the vocabulary [0, {V}): min {lo}, max {hi}")
+        else:  # an accelerator: checked on the device, without waiting for it (no host sync)
+            inside = ((input_ids >= 0) & (input_ids < V)).all()
+            torch._assert_async(inside, f"input_ids outside the vocabulary [0, {V})")
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [B,T] (checked) -> token embeddings [B,T,H], exactly what ``forward`` starts from."""
@@ -155,7 +178,8 @@ class K3Model(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
-                doc_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                prepared=None) -> torch.Tensor:
         """input_ids [B,T] int64 -> final normed hidden states [B,T,H].
 
         With a cache, row b's T tokens continue its sequence at positions ``cache.seq_lens[b]`` ..
@@ -166,6 +190,9 @@ class K3Model(nn.Module):
         ``inputs_embeds`` [B,T,H] replaces ``input_ids`` (exactly one of the two): precomputed
         embeddings (e.g. image rows at ``<|media_pad|>`` positions) enter the same stack, so
         ``inputs_embeds=embed(ids)`` gives bit-for-bit what ``input_ids=ids`` gives.
+        ``prepared`` (``k3.infer.prepared.PreparedModel``, a decode step only: one token per row of a
+        prefilled cache, no gradient) runs each sublayer through its prepared-weights backend: the
+        same layers and cache updates, the math within float rounding of the modules'.
         """
         cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
@@ -188,6 +215,10 @@ class K3Model(nn.Module):
         if seen + T > cfg.max_position_embeddings:
             raise ValueError(f"sequence length {T} (+{seen} cached) exceeds "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        if prepared is not None and (cache is None or T != 1 or torch.is_grad_enabled()):
+            raise ValueError("prepared weights serve a decode step only: one token per row, a cache, "
+                             f"no gradient (got T={T}, cache={'yes' if cache is not None else 'no'}, "
+                             f"grad={'on' if torch.is_grad_enabled() else 'off'})")
         segs = None
         if doc_ids is not None:
             if cache is not None:
@@ -198,19 +229,22 @@ class K3Model(nn.Module):
             segs = Segments.of(doc_ids.to((input_ids if inputs_embeds is None else inputs_embeds).device))
         states = cache.layers if cache is not None else [None] * len(self.layers)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        preps = prepared.layers if prepared is not None else [None] * len(self.layers)
         if cfg.attn_res_block_size is None:
-            for layer, st in zip(self.layers, states):
-                x = layer(x, st, segs)
+            for layer, st, p in zip(self.layers, states, preps):
+                x = layer(x, st, segs, p)
         else:
             bs = cfg.attn_res_block_size
             blocks: list[torch.Tensor] = []
             partial: torch.Tensor | None = x
-            for l, (layer, st) in enumerate(zip(self.layers, states)):
+            for l, (layer, st, p) in enumerate(zip(self.layers, states, preps)):
                 if l % bs == 0:
                     blocks.append(partial)
                     partial = None
-                partial = layer.forward_attn_res(blocks, partial, st, segs)
-            x = AttnResPair.mix(self, "output_attn_res", blocks + [partial])
+                partial = layer.forward_attn_res(blocks, partial, st, segs, p)
+            srcs = blocks + [partial]
+            x = AttnResPair.mix(self, "output_attn_res", srcs) if prepared is None else \
+                prepared.mix("output_attn_res", srcs)
         if cache is not None:
             cache.seq_lens = cache.seq_lens + T
         return self.norm(x)
@@ -284,31 +318,24 @@ class K3ForCausalLM(nn.Module):
             reset()
         return self
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 16, **kwargs) -> torch.Tensor:
-        """``model.generate(input_ids, max_new_tokens, temperature=0.0, top_k=None, top_p=None,
-        seed=None, eos=None, on_token=None, **sampling)``: the one-call entry point, exactly
-        :func:`k3.infer.generate.generate` with this model (cached prefill/decode through the
-        engine); returns the prompt followed by the new tokens."""
-        from k3.infer.generate import generate
-
-        return generate(self, input_ids, max_new_tokens, **kwargs)
-
     def new_cache(self, batch_size: int) -> K3Cache:
         """An empty inference cache for ``batch_size`` sequences."""
         return K3Cache(self.config, batch_size)
 
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 cache: K3Cache | None = None, logits_to_keep: int = 0,
-                doc_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
+                doc_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                prepared=None) -> CausalLMOutput:
         """``logits_to_keep`` > 0 computes logits for the last that many positions only (decode).
         ``doc_ids``: packed documents (``K3Model.forward``); the loss then never predicts the first
         token of a document from the end of the one before it. ``inputs_embeds`` [B,T,H] in place
-        of ``input_ids`` (``K3Model.forward``)."""
-        h = self.model(input_ids, cache, doc_ids, inputs_embeds=inputs_embeds)
+        of ``input_ids`` (``K3Model.forward``). ``prepared``: a decode step through prepared
+        weights (``K3Model.forward``; the lm_head too)."""
+        h = self.model(input_ids, cache, doc_ids, inputs_embeds=inputs_embeds, prepared=prepared)
         tokens_shape = h.shape[:2]  # [B, T] of input_ids (or inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(h)
+        logits = self.lm_head(h) if prepared is None else prepared.lm_head(h)
         loss = None
         if labels is not None:
             if labels.shape != tokens_shape:

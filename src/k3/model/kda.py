@@ -20,12 +20,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import KDAState, check_layer_call
-from k3.model.fused import fused_linear, plain_linears
 from k3.model.norm import RMSNorm
 from k3.ops.kda import chunk_kda, kda_gate, recurrent_kda
 from k3.ops.norm import l2_normalize
@@ -43,7 +41,6 @@ class KimiDeltaAttention(nn.Module):
     """
 
     _FP32_PARAMS = ("A_log", "dt_bias")
-    fast_decode = True  # T = 1 with a state: ``_decode_step`` (same math as the general path)
 
     def __init__(self, config: K3Config, layer_idx: int):
         super().__init__()
@@ -122,61 +119,10 @@ class KimiDeltaAttention(nn.Module):
             state.conv = torch.cat([ctx, qkv.transpose(1, 2)], -1)[..., T:].contiguous()   # the last K−1 inputs
         return short_conv_silu(qkv, w.to(qkv.dtype), prev)
 
-    def _decode_step(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
-        """One new token per row from a cached state, x [B,1,H] -> [B,1,H]; ``state`` updated."""
-        B, P = x.shape[0], self.num_heads * self.head_dim
-        conv = state.conv if state.conv is not None else x.new_zeros(B, 3 * P, self.conv_kernel_size - 1)
-        S = state.recurrent if state.recurrent is not None else x.new_zeros(B, self.num_heads, self.head_dim,
-                                                                             self.head_dim, dtype=torch.float32)
-        out, state.conv, state.recurrent = self.decode_math(x[:, 0], conv, S)
-        return out[:, None]
-
-    def decode_math(self, x2: torch.Tensor, conv: torch.Tensor, S: torch.Tensor):
-        """The single-token step as a pure function (also what the compiled decode step traces):
-        x2 [B,H], conv [B,3P,K−1], S [B,nh,d,d] -> (out [B,H], conv' [B,3P,K−1], S' fp32), with
-        the math of ``forward`` in few kernels (per-step dispatch overhead is what decode costs).
-
-        conv:  h = SiLU(Σ_k w[:, k] · [prev | x_t][:, k])  over the K−1 cached inputs and this one
-        delta: S' = diag(e^g) S;  u = β (v − S'ᵀ k);  S ← S' + k uᵀ;  o = Sᵀ (q / √d)   (fp32)
-        """
-        B = x2.shape[0]
-        nh, d, P = self.num_heads, self.head_dim, self.num_heads * self.head_dim
-        ins = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
-               self.g_proj if self.use_full_rank_gate else self.g_a_proj)
-        if plain_linears(*ins):  # the six projections of x as one matmul (k3.model.fused)
-            q, k, v, f_a, b, g_in = fused_linear(self, x2, tuple(m.weight for m in ins), "in")
-            qkv = torch.cat([q, k, v], -1)
-        else:
-            qkv = torch.cat([self.q_proj(x2), self.k_proj(x2), self.v_proj(x2)], -1)  # [B, 3P]
-            f_a, b, g_in = self.f_a_proj(x2), self.b_proj(x2), ins[-1](x2)
-        xp = torch.cat([conv.to(qkv.dtype), qkv[:, :, None]], -1)               # [B, 3P, K]
-        conv = xp[:, :, 1:].contiguous()
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)[:, 0]  # [3P, K]
-        acc = torch.promote_types(xp.dtype, torch.float32)                      # ≥ fp32 taps
-        h = F.silu((xp.to(acc) * w.to(acc)).sum(-1)).view(B, 3, nh, d)
-        qk = l2_normalize(h[:, :2])                                             # [B, 2, nh, d] fp32
-        q, k, v = (qk[:, 0] * d ** -0.5).float(), qk[:, 1].float(), h[:, 2].float()  # recurrence in fp32
-        f = self.f_b_proj(f_a).view(B, 1, nh, d)
-        g = kda_gate(f, self.A_log, self.dt_bias, self.gate_lower_bound)[:, 0]  # [B, nh, d]
-        beta = torch.sigmoid(b.float())                                         # [B, nh]
-        S = S.float() * g.exp()[..., None]                                       # [B, nh, d(k), d(v)]
-        u = beta[..., None] * (v - (k[:, :, None, :] @ S)[:, :, 0])             # [B, nh, d]
-        Sv, kv, uv = S.view(B * nh, d, d), k.reshape(B * nh, d, 1), u.reshape(B * nh, 1, d)
-        if torch.is_grad_enabled():
-            S = torch.baddbmm(Sv, kv, uv).view(B, nh, d, d)
-        else:  # S is the fresh decayed copy (never the cached, maybe shared, tensor): update it in place
-            Sv.baddbmm_(kv, uv)
-        o = (q[:, :, None, :] @ S)[:, :, 0]                                     # [B, nh, d]
-        gate = g_in if self.use_full_rank_gate else self.g_b_proj(g_in)
-        o = self.o_norm(o) * torch.sigmoid(gate.reshape(B, nh, d).float())
-        return self.o_proj(o.to(x2.dtype).reshape(B, P)), conv, S
-
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
         """x [B,T,H] -> [B,T,H]; ``state`` (this layer's cache entry) is updated in place."""
         self._check(x, state)
         B, T, _ = x.shape
-        if state is not None and T == 1 and self.fast_decode:
-            return self._decode_step(x, state)
         nh, d = self.num_heads, self.head_dim
         qkv = self._short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state)
         q, k, v = (t.reshape(B, T, nh, d) for t in qkv.split(nh * d, dim=-1))

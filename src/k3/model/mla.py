@@ -37,7 +37,6 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import MLAState, check_layer_call
-from k3.model.fused import fused_linear, plain_linears
 from k3.model.norm import RMSNorm
 
 __all__ = ["GatedMLA", "ATTN_IMPLS"]
@@ -206,41 +205,6 @@ class GatedMLA(nn.Module):
         o_lat = torch.bmm(probs, c).view(B, nh, T, r).transpose(0, 1).reshape(nh, B * T, r)
         o = torch.bmm(o_lat, w_uv.transpose(1, 2))                       # [nh, B·T, v]
         return o.view(nh, B, T, self.v_head_dim).permute(1, 2, 0, 3)      # [B, T, nh, v]
-
-    def decode_math(self, x2: torch.Tensor, c_buf: torch.Tensor, pe_buf: torch.Tensor, lengths: torch.Tensor):
-        """One new token per row as a pure function (what the compiled decode step traces): the
-        absorbed attention of ``forward`` over a cache buffer, without writing it.
-
-        x2 [B,H]; c_buf [B,S,r], pe_buf [B,S,p] (row b's tokens at slots < lengths[b], the rest
-        finite padding); lengths [B] int64 -> (out [B,H], c_new [B,r], k_pe_new [B,p]). The new
-        token attends the row's cached slots and itself: softmax over [cache scores | self score].
-        """
-        B = x2.shape[0]
-        nh, n, p, r, vd = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank, self.v_head_dim
-        q_in = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-        ins = (q_in, self.kv_a_proj_with_mqa, *((self.g_proj,) if self.use_output_gate else ()))
-        if plain_linears(*ins):  # the projections of x as one matmul (k3.model.fused)
-            q, ckv, *gate = fused_linear(self, x2, tuple(m.weight for m in ins), "in")
-        else:
-            q, ckv, *gate = (m(x2) for m in ins)
-        if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(q))
-        q = q.view(B, nh, n + p)                                           # [B, nh, n+p]
-        c_new, pe_new = ckv.split([r, p], dim=-1)
-        c_new = self.kv_a_layernorm(c_new)                                 # [B, r], [B, p]
-        w = self.kv_b_proj.weight.view(nh, n + vd, r)
-        q_lat = torch.bmm(q[..., :n].transpose(0, 1), w[:, :n]).transpose(0, 1)  # [B, nh, r]
-        q_pe = q[..., n:]                                                  # [B, nh, p]
-        s_cache = torch.baddbmm(torch.bmm(q_pe, pe_buf.transpose(1, 2)), q_lat, c_buf.transpose(1, 2))
-        s_self = (q_lat * c_new[:, None]).sum(-1, keepdim=True) + (q_pe * pe_new[:, None]).sum(-1, keepdim=True)
-        valid = torch.arange(c_buf.shape[1], device=x2.device)[None, None, :] < lengths.to(x2.device)[:, None, None]
-        s_cache = s_cache.float().masked_fill(~valid, float("-inf"))
-        probs = (torch.cat([s_cache, s_self.float()], -1) * self.softmax_scale).softmax(-1).to(q.dtype)
-        o_lat = torch.bmm(probs[..., :-1], c_buf) + probs[..., -1:] * c_new[:, None]   # [B, nh, r]
-        o = torch.bmm(o_lat.transpose(0, 1), w[:, n:].transpose(1, 2)).transpose(0, 1)  # [B, nh, v]
-        if self.use_output_gate:
-            o = o * torch.sigmoid(gate[0]).view(B, nh, vd)
-        return self.o_proj(o.reshape(B, nh * vd)), c_new, pe_new
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, state: MLAState | None = None) -> torch.Tensor:

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.model.fused import fused_linear, plain_linears
 from k3.model.mlp import GatedMLP
 from k3.model.norm import RMSNorm
 from k3.ops.routing import route_topk
@@ -301,56 +300,6 @@ class LatentMoE(nn.Module):
         """Expert outputs at the [E·C, ℓ] buffer's rows -> [n, ℓ] fp32: u_t = Σ p_slot · rows[slot]."""
         ys = rows.index_select(0, slot).float() * p.unsqueeze(-1)
         return torch.zeros(n, rows.shape[1], dtype=ys.dtype, device=rows.device).index_add_(0, token_k, ys)
-
-    # ------------------------------------------------------------ inference: a decode step
-    def forward_decode(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [N, H] -> [N, H] under no_grad: the math of ``forward`` (dropless) with fewer kernels
-        for the few tokens of a decode step.
-
-        The router, the latent down projection and the shared experts' gate/up read x2 in one
-        matmul (fp32 models; ``k3.model.fused``). With few slots (N·k < E) no sort: each slot s
-        (token n, choice j, expert e) runs e's gate/up rows into one [S, 2F] buffer, the activation
-        runs once over it, the down products fill [S, ℓ], and u_n = Σ_j p_nj y_(n,j). Otherwise
-        the sorted grouped dispatch of ``forward``.
-        """
-        N = x2.shape[0]
-        shared = getattr(self, "shared_experts", None)
-        ins = [self.routed_expert_down_proj] if self.latent else []
-        if shared is not None:
-            ins += [shared.gate_proj, shared.up_proj]
-        if x2.dtype == torch.float32 and plain_linears(*ins):
-            logits, *outs = fused_linear(self, x2, (self.gate.weight, *(m.weight for m in ins)), "in")
-            g = self.gate
-            weights, indices, _ = route_topk(logits, g.e_score_correction_bias, g.top_k, g.activation,
-                                             g.renormalize, g.scaling, g.num_groups, g.topk_group)
-            z = outs.pop(0) if self.latent else x2
-            y_shared = shared.down_proj(shared.act(*outs)) if shared is not None else None
-        else:
-            weights, indices, _ = self.gate(x2)
-            z = self.routed_expert_down_proj(x2) if self.latent else x2
-            y_shared = shared(x2) if shared is not None else None
-        if N * self.top_k < self.num_experts and type(self.experts) is RoutedExperts:
-            u = self._slots_decode(z, weights, indices)
-        else:  # (a column slice of the fused output is strided: per-expert copies otherwise)
-            u = self._dispatch_sorted(z.contiguous(), weights, indices)
-        y = self._routed_output(u, z, x2)
-        return y if y_shared is None else y + y_shared
-
-    def _slots_decode(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """z [N, ℓ] -> u [N, ℓ] fp32 = Σ_k p_k expert_k(z), one slot at a time (no sort)."""
-        w1, w3, w2 = self.experts.expert_weights()
-        N, k = indices.shape
-        F_ = w1.shape[1]
-        h13 = z.new_empty(N * k, 2 * F_)
-        ys = z.new_empty(N * k, w2.shape[1])
-        for s, e in enumerate(indices.reshape(-1).tolist()):
-            zn = z[s // k: s // k + 1]
-            torch.mm(zn, w1[e].t(), out=h13[s: s + 1, :F_])
-            torch.mm(zn, w3[e].t(), out=h13[s: s + 1, F_:])
-        h = self.experts.act(h13[:, :F_], h13[:, F_:])
-        for s, e in enumerate(indices.reshape(-1).tolist()):
-            torch.mm(h[s: s + 1], w2[e].t(), out=ys[s: s + 1])
-        return torch.bmm(weights.view(N, 1, k), ys.float().view(N, k, -1))[:, 0]
 
     # ---------------------------------------------------------------- accounting
     def _count_flops(self, config) -> int:

@@ -30,7 +30,7 @@ from k3.config import K3Config, check_int
 from k3.errors import ConfigError, K3Error
 from k3.model.decoder import CausalLMOutput, K3ForCausalLM
 from k3.model.vision import VisionModel
-from k3.vision_config import vision_config_of
+from k3.config.vision import vision_config_of
 
 __all__ = ["K3VLForConditionalGeneration", "MEDIA_PAD_KEY", "RELEASE_MEDIA_PAD_TOKEN_ID", "media_pad_token_id_of"]
 

@@ -105,7 +105,7 @@ def build_meta_model(config) -> nn.Module:
 def build_meta_vision(config) -> nn.Module | None:
     """The VisionModel of ``config.vision_config`` on the meta device, or None without one."""
     from k3.model.vision import VisionModel
-    from k3.vision_config import vision_config_of
+    from k3.config.vision import vision_config_of
 
     vc = vision_config_of(config)
     if vc is None:

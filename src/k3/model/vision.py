@@ -23,7 +23,7 @@ from torch import nn
 from k3.model.norm import RMSNorm
 from k3.ops.vision import (cu_seqlens, grid_list, merge_patches, patch_positions, pos_embedding, rope_2d,
                            varlen_attention)
-from k3.vision_config import ROPE_THETA, TOWER_NORM_EPS, VisionConfig
+from k3.config.vision import ROPE_THETA, TOWER_NORM_EPS, VisionConfig
 
 __all__ = ["VisionTower", "VisionProjector", "VisionModel", "VisionBlock", "PatchEmbed", "INIT_STD"]
 

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "k3_kernels.h"
 #include "k3_vec.h"
 
 enum { MIX_MAX = 64, MIX_BLOCK = 64 };

@@ -19,9 +19,10 @@ from typing import Sequence
 import torch
 
 from k3.ops import cpu_kernels
-from k3.ops.norm import inv_sumsq, rms_norm
+from k3.ops.backend import use_c
+from k3.ops.norm import rms_norm
 
-__all__ = ["attn_res_mix", "attn_res_mix_rows", "attn_res_mix_folded", "compiled_attn_res_mix"]
+__all__ = ["attn_res_mix", "compiled_attn_res_mix"]
 
 
 def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
@@ -36,7 +37,7 @@ def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
         raise ValueError("attn_res_mix needs at least one source")
     if len(sources) == 1:
         return sources[0]
-    if _c_applies(sources, query, norm_weight):
+    if use_c("attn_res_mix", _c_fits(sources, query, norm_weight)):
         H = norm_weight.shape[-1]
         q = (norm_weight * query.reshape(-1)) * H ** 0.5
         return _mix_op(list(sources), q, float(H * eps))[0]
@@ -54,14 +55,13 @@ def _mix_torch(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight
         return (alpha * v).sum(0).to(dtype)
 
 
-def _c_applies(sources, query, norm_weight) -> bool:
+def _c_fits(sources, query, norm_weight) -> bool:
     first = sources[0]
     H = first.shape[-1] if first.dim() else 0
     return (first.device.type == "cpu" and len(sources) <= 64 and H > 0
             and all(x.dtype == torch.float32 and x.device.type == "cpu" for x in (*sources, query, norm_weight))
             and all(x.shape == first.shape for x in sources)
-            and query.numel() == norm_weight.numel() == H
-            and cpu_kernels.unavailable() is None)
+            and query.numel() == norm_weight.numel() == H)
 
 
 def _checked_mix(op: str, sources: list[torch.Tensor], q: torch.Tensor):
@@ -160,24 +160,3 @@ def compiled_attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, 
     if len(sources) == 1:
         return sources[0]
     return _COMPILED(sources, query, norm_weight, eps)
-
-
-def attn_res_mix_rows(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
-                      eps: float = 1e-5) -> torch.Tensor:
-    """Inference form of ``attn_res_mix`` for fp32 rows: sources n × [B, H] -> [B, H] (the decode
-    step), ``attn_res_mix_folded`` with the key norm's weight folded into the query; equal to
-    ``attn_res_mix`` up to float rounding (not bitwise)."""
-    H = norm_weight.shape[-1]
-    q = norm_weight * query.reshape(-1) * H ** 0.5
-    return attn_res_mix_folded(q, torch.tensor(H * eps), sources)
-
-
-def attn_res_mix_folded(q: torch.Tensor, c: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The mix of n fp32 rows [B, H] -> [B, H] with the folded query q = √H γ ⊙ w [H] and c = H·eps
-    (0-dim): logit_i = <q, v_i> · (Σv_i² + c)^(-1/2) = <w, γ ⊙ v_i / rms(v_i)>, α = softmax_i,
-    out = Σ_i α_i v_i; one matrix-vector product for the logits, one vecdot for the sum."""
-    if len(sources) == 1:
-        return sources[0]
-    v = torch.stack(list(sources))                                             # [n, B, H]
-    a = torch.matmul(v, q).mul_(inv_sumsq(v, c, keepdim=False)).softmax(0)     # [n, B]
-    return torch.linalg.vecdot(v, a.unsqueeze(2), dim=0)                       # Σ_i α_i v_i

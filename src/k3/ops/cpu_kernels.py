@@ -9,7 +9,14 @@ one shared object:
 * ``kda_scan.c``: KDA's recurrence over a sequence, forward and backward (prefill, training);
 * ``attn_res.c``: Block AttnRes mixing, for the decode step and for training (with its backward);
 * ``short_conv.c``: KDA's short convolution with SiLU, forward and backward;
-* ``k3_vec.h``, ``k3_kernels.h``: their vector helpers and entry points.
+* ``k3_vec.h``, ``k3_kernels.h``: their vector helpers, and the prototype of every entry point with
+  the structs they take (each .c file includes it, so the compiler checks the definitions).
+
+At load, ``k3_kernels.h`` is read (``parse_header``) and each function it declares gets its ctypes
+argument types from its prototype (``signatures()``); a prototype the parser cannot read, a declared
+function the library lacks, or a ctypes struct of ``k3.ops.kernel_structs`` laid out otherwise than
+its C struct makes the kernels unavailable, the reason naming it. ``$K3_KERNEL_HEADER`` names
+another header to read instead (for tests; the build always uses the one beside the sources).
 
 ``$K3_KERNEL_CFLAGS`` (whitespace-separated) is appended to those flags: ``-mno-avx512f`` builds the
 AVX2 form of ``k3_vec.h`` on an AVX-512 CPU (``vector_form()`` says which form is loaded), which is
@@ -30,13 +37,17 @@ import atexit
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["library", "unavailable", "kernel_path", "vector_form", "check_dense", "SOURCES", "HEADERS"]
+from k3.ops.kernel_structs import check_layouts
+
+__all__ = ["library", "unavailable", "kernel_path", "vector_form", "check_dense", "signatures", "parse_header",
+           "HeaderError", "SOURCES", "HEADERS"]
 
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("packed_mm.c", "decode_rows.c", "decode_layers.c", "kda_scan.c", "attn_res.c",
@@ -48,36 +59,79 @@ _LIB: ctypes.CDLL | None = None
 _WHY: str | None = None
 _PATH: Path | None = None
 
-_I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "k3_packed_mm": [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT],
-    "k3_packed_rows_mm": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _INT],
-    "k3_map": [_INT, _PTR, _I64],
-    "k3_wide_registers": [],
-    "k3_sort_desc": [_PTR, _I64, _I64, _PTR, _PTR, _INT],
-    "k3_gated_act": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _F32, _INT, _PTR, _PTR, _INT],
-    "k3_route": [_I64, _I64, _PTR, _I64, _PTR, _I64, _INT, _INT, _F32, _PTR, _PTR],
-    "k3_attn_res_mix": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR],
-    "k3_short_conv_silu": [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_short_conv_silu_bwd": [_I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_cross_entropy": [_I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT],
-    "k3_cross_entropy_bwd": [_I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT],
-    "k3_rms_norm": [_I64, _I64, _PTR, _PTR, _F32, _PTR, _PTR, _INT],
-    "k3_rms_norm_bwd": [_I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_glu": [_I64, _PTR, _PTR, _INT, _F32, _F32, _PTR, _INT],
-    "k3_glu_bwd": [_I64, _PTR, _PTR, _PTR, _INT, _F32, _F32, _PTR, _PTR, _INT],
-    "k3_attn_res_fwd": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_attn_res_bwd": [_I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_kda_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_moe_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _INT],
-    "k3_mla_layer_step": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_kda_scan": [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64,
-                    _INT],
-    "k3_kda_scan_bwd": [_I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _F32, _PTR, _I64, _PTR, _PTR,
-                        _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _INT],
-    "k3_kda_step": [_I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT, _F32, _PTR,
-                    _PTR, _I64, _PTR, _I64, _PTR, _PTR, _F32, _F32, _F32, _PTR, _INT],
-}
+_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+_TYPEDEF = re.compile(r"typedef\s+struct\s*\{[^{}]*\}\s*([A-Za-z_]\w*)\s*;")
+_TOKEN = re.compile(r"[A-Za-z_]\w*|\S")
+_PROTO = re.compile(r"int ([A-Za-z_]\w*) \((.*)\)")
+_PARAM = re.compile(r"(?:const )?([A-Za-z_]\w*)((?: \*(?: const)?)*)(?: ([A-Za-z_]\w*))?")
+
+
+class HeaderError(ValueError):
+    """A declaration of the kernels' header that ``parse_header`` cannot read."""
+
+
+def _param(text: str, structs: set[str]):
+    m = _PARAM.fullmatch(text)
+    if m is None:
+        raise ValueError(f"cannot read parameter {text!r}")
+    base, stars, name = m.groups()
+    if base not in _TYPES and base not in structs and base != "void":
+        raise ValueError(f"unknown type {base!r} in parameter {text!r}")
+    if name in _TYPES or name in structs or name in ("void", "const"):
+        raise ValueError(f"parameter {text!r} has no name after its type")
+    if stars:
+        return ctypes.c_void_p
+    if base not in _TYPES:
+        raise ValueError(f"parameter {text!r} is not a pointer, int, int64_t or float")
+    return _TYPES[base]
+
+
+def parse_header(text: str, source: str = "k3_kernels.h") -> dict[str, list]:
+    """The ctypes argument types of each ``int name(...)`` prototype in a header's text, in order:
+    ``int64_t`` c_int64, ``int`` c_int, ``float`` c_float, any pointer c_void_p, ``(void)`` none.
+    Parameter types are built from ``const``, those three, ``void`` and the header's
+    ``typedef struct {...} name;`` names, with ``*``. Besides prototypes and those typedefs it takes
+    only comments and preprocessor lines: anything else is a HeaderError naming the declaration."""
+    lines = _COMMENT.sub(" ", text).splitlines()
+    text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    structs = set(_TYPEDEF.findall(text))
+    table: dict[str, list] = {}
+    for decl in _TYPEDEF.sub(" ", text).split(";"):
+        decl = " ".join(_TOKEN.findall(decl))
+        if not decl:
+            continue
+        named = re.search(r"([A-Za-z_]\w*) \(", decl)
+        what = named.group(1) if named else repr(decl[:60])
+        try:
+            m = _PROTO.fullmatch(decl)
+            if m is None:
+                raise ValueError("not a prototype `int name(parameters);`")
+            name, params = m.groups()
+            if name in table:
+                raise ValueError("declared twice")
+            params = params.strip()
+            if not params:
+                raise ValueError("empty parameter list (no parameters is `(void)`)")
+            if params == "void":
+                table[name] = []
+            else:
+                table[name] = [_param(p.strip(), structs) for p in params.split(",")]
+        except ValueError as e:
+            raise HeaderError(f"{source}: cannot read the declaration of {what}: {e}") from None
+    return table
+
+
+def header_path() -> Path:
+    """The header the prototypes are read from: ``$K3_KERNEL_HEADER``, else ``k3_kernels.h`` here."""
+    return Path(os.environ.get("K3_KERNEL_HEADER") or Path(__file__).with_name("k3_kernels.h"))
+
+
+def signatures() -> dict[str, list]:
+    """Entry point name -> the ctypes argument types the loader gives it (``parse_header`` of
+    ``header_path()``; a HeaderError where a prototype cannot be read)."""
+    path = header_path()
+    return parse_header(path.read_text(), str(path))
 
 
 def _cpu_flags() -> str:
@@ -155,16 +209,21 @@ def _load() -> ctypes.CDLL | None:
     with _LOCK:
         if _LIB is None and _WHY is None:
             try:
+                table = signatures()
                 path = _build()
                 lib = ctypes.CDLL(str(path))
                 gomp = _libgomps()
                 if len(gomp) > 1:
                     raise OSError(f"two OpenMP runtimes in this process: {sorted(gomp)}")
-                for name, argtypes in _SIGNATURES.items():
-                    fn = getattr(lib, name)
+                for name, argtypes in table.items():
+                    try:
+                        fn = getattr(lib, name)
+                    except AttributeError:
+                        raise OSError(f"{name} is declared in {header_path()} but {path} lacks it") from None
                     fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                check_layouts(lib)   # the ctypes structs against the C ones
                 _LIB, _PATH = lib, path
-            except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            except (OSError, subprocess.SubprocessError, ValueError, RuntimeError) as e:
                 _WHY = f"the CPU kernels cannot be built or loaded: {e}"
     return _LIB
 

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "k3_kernels.h"
 #include "k3_vec.h"
 
 static inline float hmax16(v16 v) {

@@ -1,21 +1,17 @@
-/* Whole decode sublayers in one call (k3.infer.decode_fast): the KDA attention, the MLA attention
+/* Whole decode sublayers in one call (k3.infer.prepared): the KDA attention, the MLA attention
  * and the LatentMoE of one layer, for B rows, over weights packed once (k3.ops.packed_mm) and
  * described by a struct the caller fills at preparation. Each is the sequence of the kernels it is
  * made of (the packed matmuls, k3_kda_step, k3_route, k3_gated_act) with its intermediates in one
  * scratch buffer, so a sublayer costs one call from Python instead of a dozen.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "k3_kernels.h"
 #include "k3_vec.h"
-
-typedef struct {     /* a packed matrix (k3.ops.packed_mm): K rows in, N columns out; E stacked */
-    const float *w;
-    int64_t K, N, E;
-} k3_mat;
 
 /* y [M, N] = (res or nothing) + n(x) @ W, res: [M, N] rows (ld N) or NULL; bias_row: a row [N] added to every
  * row instead (NULL: none). */
@@ -29,13 +25,6 @@ static int mat_mm(const k3_mat *m, const float *x, int64_t ldx, int64_t M, const
     }
     return k3_packed_mm(x, ldx, M, m->K, m->w, m->N, y, m->N, acc, norm_c, nthreads);
 }
-
-typedef struct {
-    k3_mat w_in, w_f, w_gb, w_o;              /* w_gb.w NULL: the gate is full rank (read from w_in's output) */
-    const float *conv_w, *f_bias, *neg_a;     /* neg_a NULL: the lower-bounded gate exp(lb sigmoid(.)) */
-    int64_t nh, d, Kc, fa, G;                 /* fa: f_a's width; G: the gate's width in w_in's output */
-    float lb, c_in, c_qk, q_scale, c_o;
-} k3_kda_layer;
 
 /* out [B, H] = res + KDA(n(x)) (res NULL: no residual); conv, S -> conv_out, S_out (the cache's next). */
 int k3_kda_layer_step(const k3_kda_layer *L, int64_t B, const float *x, const float *res, const float *conv,
@@ -59,13 +48,6 @@ int k3_kda_layer_step(const k3_kda_layer *L, int64_t B, const float *x, const fl
     free(buf);
     return rc;
 }
-
-typedef struct {
-    k3_mat w_in, w13, w2, w_up, w_sd;         /* w_up.w NULL: not latent; w_sd.w NULL: no shared experts */
-    const float *bias, *gamma;                /* router bias [E] (live); gamma [H]: z = n(x) gamma when not latent */
-    int64_t E, k, F, Fs, ell, softmax, renorm, silu, tanh_up;
-    float tiny, inv_beta, c_in, c_u;          /* c_u < 0: no latent norm */
-} k3_moe_layer;
 
 /* out [N, H] = res + LatentMoE(n(x)) (res NULL: no residual). */
 int k3_moe_layer_step(const k3_moe_layer *L, int64_t N, const float *x, const float *res, float *out,
@@ -193,13 +175,6 @@ static void head_mix(int nb, const float *a, int64_t ns, int64_t n, const float 
     }
 }
 
-typedef struct {
-    k3_mat w_in, w_q, w_o;                    /* w_q.w NULL: no q LoRA (the query is in w_in's output) */
-    const float *w_uv_t, *kv_w;               /* w_uv_t [nh, r, v]: the latent to each head's values */
-    int64_t nh, r, p, vd, qdim, gated;        /* qdim: the query part's width in w_in's output */
-    float c_in, c_q, c_kv;
-} k3_mla_layer;
-
 /* out [B, H] = res + MLA(n(x)) over the cached latents of each row (c_buf [B, S, r], pe_buf [B, S, p]:
  * batch strides ldc, ldp, row b's first lengths[b] entries valid) and this token's; c_new [B, r],
  * pe_new [B, p]: this token's latents (normed), for the caller to append. The query has W_UK and the
@@ -277,3 +252,41 @@ int k3_mla_layer_step(const k3_mla_layer *L, int64_t B, const float *x, const fl
     free(buf);
     return rc;
 }
+
+/* The layout of struct `which` (0 k3_mat, 1 k3_kda_layer, 2 k3_mla_layer, 3 k3_moe_layer), for
+ * k3.ops.decode_layers to check its ctypes structs against: out = its sizeof, then the offsetof and the
+ * sizeof of each field in declaration order. Returns the count written; -1 for an unknown struct or
+ * when n is too small. */
+#define K3_FIELD(T, f) offsetof(T, f), sizeof(((T *)0)->f)
+int k3_struct_layout(int which, int64_t *out, int64_t n) {
+    static const size_t mat[] = {sizeof(k3_mat), K3_FIELD(k3_mat, w), K3_FIELD(k3_mat, K), K3_FIELD(k3_mat, N),
+                                 K3_FIELD(k3_mat, E)};
+    static const size_t kda[] = {
+        sizeof(k3_kda_layer), K3_FIELD(k3_kda_layer, w_in), K3_FIELD(k3_kda_layer, w_f),
+        K3_FIELD(k3_kda_layer, w_gb), K3_FIELD(k3_kda_layer, w_o), K3_FIELD(k3_kda_layer, conv_w),
+        K3_FIELD(k3_kda_layer, f_bias), K3_FIELD(k3_kda_layer, neg_a), K3_FIELD(k3_kda_layer, nh),
+        K3_FIELD(k3_kda_layer, d), K3_FIELD(k3_kda_layer, Kc), K3_FIELD(k3_kda_layer, fa),
+        K3_FIELD(k3_kda_layer, G), K3_FIELD(k3_kda_layer, lb), K3_FIELD(k3_kda_layer, c_in),
+        K3_FIELD(k3_kda_layer, c_qk), K3_FIELD(k3_kda_layer, q_scale), K3_FIELD(k3_kda_layer, c_o)};
+    static const size_t mla[] = {
+        sizeof(k3_mla_layer), K3_FIELD(k3_mla_layer, w_in), K3_FIELD(k3_mla_layer, w_q),
+        K3_FIELD(k3_mla_layer, w_o), K3_FIELD(k3_mla_layer, w_uv_t), K3_FIELD(k3_mla_layer, kv_w),
+        K3_FIELD(k3_mla_layer, nh), K3_FIELD(k3_mla_layer, r), K3_FIELD(k3_mla_layer, p),
+        K3_FIELD(k3_mla_layer, vd), K3_FIELD(k3_mla_layer, qdim), K3_FIELD(k3_mla_layer, gated),
+        K3_FIELD(k3_mla_layer, c_in), K3_FIELD(k3_mla_layer, c_q), K3_FIELD(k3_mla_layer, c_kv)};
+    static const size_t moe[] = {
+        sizeof(k3_moe_layer), K3_FIELD(k3_moe_layer, w_in), K3_FIELD(k3_moe_layer, w13),
+        K3_FIELD(k3_moe_layer, w2), K3_FIELD(k3_moe_layer, w_up), K3_FIELD(k3_moe_layer, w_sd),
+        K3_FIELD(k3_moe_layer, bias), K3_FIELD(k3_moe_layer, gamma), K3_FIELD(k3_moe_layer, E),
+        K3_FIELD(k3_moe_layer, k), K3_FIELD(k3_moe_layer, F), K3_FIELD(k3_moe_layer, Fs),
+        K3_FIELD(k3_moe_layer, ell), K3_FIELD(k3_moe_layer, softmax), K3_FIELD(k3_moe_layer, renorm),
+        K3_FIELD(k3_moe_layer, silu), K3_FIELD(k3_moe_layer, tanh_up), K3_FIELD(k3_moe_layer, tiny),
+        K3_FIELD(k3_moe_layer, inv_beta), K3_FIELD(k3_moe_layer, c_in), K3_FIELD(k3_moe_layer, c_u)};
+    static const size_t *const tables[] = {mat, kda, mla, moe};
+    static const int64_t counts[] = {sizeof mat / sizeof *mat, sizeof kda / sizeof *kda, sizeof mla / sizeof *mla,
+                                     sizeof moe / sizeof *moe};
+    if (which < 0 || which > 3 || !out || n < counts[which]) return -1;
+    for (int64_t i = 0; i < counts[which]; i++) out[i] = (int64_t)tables[which][i];
+    return (int)counts[which];
+}
+#undef K3_FIELD

@@ -1,7 +1,10 @@
 """Whole decode sublayers in one C call (``decode_layers.c``): the KDA attention and the LatentMoE of
 a layer over packed weights, described once by a ctypes struct (``KDALayer``, ``MoELayer``) that
-``k3.infer.decode_prep`` fills at preparation. The struct holds raw pointers: its owner keeps the
-tensors alive and rebuilds it when they change (``WeightWatch``)."""
+``k3.infer.prepared`` fills at preparation. The struct holds raw pointers: its owner keeps the
+tensors alive and rebuilds it when they change (``WeightWatch``).
+
+The ctypes structs are in ``k3.ops.kernel_structs`` (checked against the C ones in ``k3_kernels.h``
+when the kernels load)."""
 
 from __future__ import annotations
 
@@ -10,16 +13,10 @@ import ctypes
 import torch
 
 from k3.ops import cpu_kernels
+from k3.ops.kernel_structs import KDALayer, Mat, MLALayer, MoELayer
 from k3.ops.packed_mm import PackedMatrix
 
 __all__ = ["KDALayer", "MLALayer", "MoELayer", "mat", "ptr", "kda_layer_step", "mla_layer_step", "moe_layer_step"]
-
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class Mat(ctypes.Structure):
-    _fields_ = [("w", _P), ("K", _I), ("N", _I), ("E", _I)]
-
 
 def mat(p: PackedMatrix | None) -> Mat:
     """The C view of a packed matrix (all zero for None: the part is absent)."""
@@ -33,27 +30,6 @@ def ptr(t: torch.Tensor | None) -> int | None:
         raise ValueError(f"decode_layers: a layer tensor must be contiguous fp32 on the CPU, got {t.dtype} "
                          f"{tuple(t.shape)} contiguous={t.is_contiguous()}")
     return t.data_ptr()
-
-
-class KDALayer(ctypes.Structure):
-    _fields_ = [("w_in", Mat), ("w_f", Mat), ("w_gb", Mat), ("w_o", Mat),
-                ("conv_w", _P), ("f_bias", _P), ("neg_a", _P),
-                ("nh", _I), ("d", _I), ("Kc", _I), ("fa", _I), ("G", _I),
-                ("lb", _F), ("c_in", _F), ("c_qk", _F), ("q_scale", _F), ("c_o", _F)]
-
-
-class MLALayer(ctypes.Structure):
-    _fields_ = [("w_in", Mat), ("w_q", Mat), ("w_o", Mat), ("w_uv_t", _P), ("kv_w", _P),
-                ("nh", _I), ("r", _I), ("p", _I), ("vd", _I), ("qdim", _I), ("gated", _I),
-                ("c_in", _F), ("c_q", _F), ("c_kv", _F)]
-
-
-class MoELayer(ctypes.Structure):
-    _fields_ = [("w_in", Mat), ("w13", Mat), ("w2", Mat), ("w_up", Mat), ("w_sd", Mat),
-                ("bias", _P), ("gamma", _P),
-                ("E", _I), ("k", _I), ("F", _I), ("Fs", _I), ("ell", _I), ("softmax", _I), ("renorm", _I),
-                ("silu", _I), ("tanh_up", _I),
-                ("tiny", _F), ("inv_beta", _F), ("c_in", _F), ("c_u", _F)]
 
 
 def _rows(x: torch.Tensor, B: int, H: int, what: str) -> None:

@@ -1,6 +1,6 @@
 /* The per-row math of a CPU decode step (k3.ops.decode_rows), each sublayer part one call instead of
- * a few dozen tensor ops. The formulas are those of k3.infer.decode_fast; the module path
- * (decode_math) is the reference the tests hold these to.
+ * a few dozen tensor ops. The formulas are those of k3.infer.prepared; the model's own modules
+ * are the reference the tests hold these to.
  *
  * A row's result never depends on the other rows: every sum runs in one fixed order.
  */
@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "k3_kernels.h"
 #include "k3_vec.h"
 
 enum { KDA_MAX_D = 256, KDA_ND_MAX = 8 };

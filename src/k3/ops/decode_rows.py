@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from k3.ops import cpu_kernels
+from k3.ops.backend import use_c
 from k3.ops.packed_mm import check_rows
 
 __all__ = ["attn_res_mix_c", "kda_step_c", "gated_act_c", "route_c", "map_c", "MAP_KINDS", "SortedRows",
@@ -35,8 +36,10 @@ def map_c(kind: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def attn_res_mix_c(q: torch.Tensor, c: float, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``attn_res_mix_folded(q, c, sources)``: n rows [B, H] -> [B, H]; logit_i = <q, v_i> ·
-    (Σv_i² + c)^(-1/2), α = softmax_i, out = Σ_i α_i v_i (one call, no stacked copy)."""
+    """The AttnRes mix (``k3.ops.attn_res.attn_res_mix``) with its key norm folded into the query:
+    n rows [B, H] -> [B, H] with q = √H γ ⊙ w [H] and c = H·eps; logit_i = <q, v_i> ·
+    (Σv_i² + c)^(-1/2) = <w, γ ⊙ v_i / rms(v_i)>, α = softmax_i, out = Σ_i α_i v_i (one call, no
+    stacked copy)."""
     n = len(sources)
     if n == 1:
         return sources[0]
@@ -121,7 +124,7 @@ def sort_desc(z: torch.Tensor) -> SortedRows:
     """``z.sort(dim=-1, descending=True, stable=True)`` of a 2-D tensor, bitwise the same result:
     fp32 CPU rows by the C radix sort (``k3_sort_desc``, O(V) per row: a batch of vocabulary rows
     for top-k / top-p sampling), anything else by torch."""
-    if z.dim() != 2 or z.dtype != torch.float32 or z.device.type != "cpu" or cpu_kernels.unavailable():
+    if not use_c("sort_desc", z.dim() == 2 and z.dtype == torch.float32 and z.device.type == "cpu"):
         s = z.sort(dim=-1, descending=True, stable=True)
         return SortedRows(s.values, s.indices)
     z = z.contiguous()

@@ -14,6 +14,7 @@
  */
 #include <stdint.h>
 
+#include "k3_kernels.h"
 #include "k3_vec.h"
 
 enum { GLU_CHUNK = 4096 };

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops import cpu_kernels
+from k3.ops.backend import use_c
 from k3.ops.norm import l2_normalize  # noqa: F401  (re-exported: q, k are normalized with it)
 
 __all__ = ["l2_normalize", "kda_gate", "recurrent_kda", "chunk_kda"]
@@ -350,7 +351,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         raise ValueError(f"chunk_kda: chunk_size must be positive, got {chunk_size}")
     if q.is_cuda and _fla_available():
         return _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state)
-    if q.device.type == "cpu" and cpu_kernels.unavailable() is None:
+    if use_c("chunk_kda", q.device.type == "cpu"):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return _scan_c(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
     return _chunked_kda(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size, g_lower_bound)

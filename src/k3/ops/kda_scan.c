@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "k3_kernels.h"
 #include "k3_vec.h"
 
 /* e = e^g over a row of K. */

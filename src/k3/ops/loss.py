@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops import cpu_kernels
+from k3.ops.backend import use_c
 
 __all__ = ["cross_entropy"]
 
@@ -30,7 +31,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         raise ValueError(f"cross_entropy: logits must be [N, V] and target [N], got {tuple(logits.shape)} "
                          f"and {tuple(target.shape)}")
     logits = logits.float()
-    if logits.device.type != "cpu" or target.dtype != torch.int64 or cpu_kernels.unavailable() is not None:
+    if not use_c("cross_entropy", logits.device.type == "cpu" and target.dtype == torch.int64):
         return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
     rows, _ = _ce_op(logits.contiguous(), target.contiguous(), ignore_index)
     if reduction == "none":

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from k3.ops import cpu_kernels
+from k3.ops.backend import use_c
 
-__all__ = ["rms_norm", "l2_normalize", "inv_rms", "inv_sumsq"]
+__all__ = ["rms_norm", "l2_normalize", "inv_rms"]
 
 
 def inv_rms(x: torch.Tensor, eps: float, keepdim: bool = False) -> torch.Tensor:
@@ -27,17 +28,10 @@ def inv_rms(x: torch.Tensor, eps: float, keepdim: bool = False) -> torch.Tensor:
     return x.pow(2).mean(-1, keepdim=keepdim).add_(eps).rsqrt_()
 
 
-def inv_sumsq(x: torch.Tensor, c: torch.Tensor, keepdim: bool = True) -> torch.Tensor:
-    """x [..., D] fp32, c a 0-dim tensor -> 1 / sqrt(Σ_D x² + c), [..., 1] (or [...]). With c = D·eps
-    this is inv_rms(x, eps) / √D: the decode step's form, whose √D lives in the next weight."""
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=keepdim)
-    return torch.addcmul(c, n, n).rsqrt_()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> weight · x / sqrt(mean(x²) + eps) in x's dtype (fp32 compute)."""
-    if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel()
-            and weight.shape == x.shape[-1:] and cpu_kernels.unavailable() is None):
+    if use_c("rms_norm", x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
+             and weight.shape == x.shape[-1:]):
         return _norm_op(x.contiguous().view(-1, x.shape[-1]), weight.contiguous(), float(eps))[0].view(x.shape)
     if x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
         # inference, fp32: the same operations in place (bit-identical, fewer allocations)

@@ -23,6 +23,7 @@
 
 #include <omp.h>
 
+#include "k3_kernels.h"
 #include "k3_vec.h"
 
 enum { NR = 32, MR = 8, AHEAD = 32, PN = 4 };

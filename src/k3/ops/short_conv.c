@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "k3_kernels.h"
 #include "k3_vec.h"
 
 enum { CONV_BLOCK = 64, CONV_MAX_K = 16 };

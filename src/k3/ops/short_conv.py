@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops import cpu_kernels
+from k3.ops.backend import use_c
 
 __all__ = ["short_conv_silu"]
 
@@ -28,8 +29,8 @@ def short_conv_silu(x: torch.Tensor, w: torch.Tensor, prev: torch.Tensor | None 
     K = w.shape[1]
     if prev is not None and tuple(prev.shape) != (B, C, K - 1):
         raise ValueError(f"short_conv_silu: prev must be [B, C, K-1] = {(B, C, K - 1)}, got {tuple(prev.shape)}")
-    if (x.device.type == "cpu" and 1 <= K <= 16 and x.dtype == w.dtype == torch.float32
-            and (prev is None or prev.dtype == torch.float32) and cpu_kernels.unavailable() is None):
+    if use_c("short_conv_silu", x.device.type == "cpu" and 1 <= K <= 16 and x.dtype == w.dtype == torch.float32
+             and (prev is None or prev.dtype == torch.float32)):
         return _conv_op(x.contiguous(), w.t().contiguous(), None if prev is None else prev.contiguous())
     xt = x.transpose(1, 2)                                                 # [B, C, T]
     if prev is None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops import cpu_kernels
+from k3.ops.backend import use_c
 
 __all__ = ["situ_glu", "swiglu", "gated_act", "glu_act"]
 
@@ -41,8 +42,7 @@ def gated_act(g: torch.Tensor, u: torch.Tensor, silu: bool, beta: float = 4.0,
     """``swiglu(g, u)`` when ``silu`` else ``situ_glu(g, u, beta, linear_beta)``; g, u [..., F]."""
     if g.shape != u.shape:
         raise ValueError(f"gated_act: g and u must have one shape, got {tuple(g.shape)} and {tuple(u.shape)}")
-    if (g.device.type == "cpu" and g.dtype == u.dtype == torch.float32 and g.numel()
-            and cpu_kernels.unavailable() is None):
+    if use_c("gated_act", g.device.type == "cpu" and g.dtype == u.dtype == torch.float32 and g.numel() > 0):
         if not silu and not beta > 0:
             raise ValueError(f"gated_act: SiTU needs beta > 0, got {beta}")
         return _glu_op(g.contiguous(), u.contiguous(), silu, float(beta),

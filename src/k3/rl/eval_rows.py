@@ -36,6 +36,7 @@ from pathlib import Path
 
 from k3.errors import ConfigError, K3Error
 from k3.train.config import init_model_dir
+from k3.version import __version__
 
 __all__ = ["CONDITIONS", "ROW_KEYS", "EvalRun", "check_row", "read_rows", "model_condition", "endpoint_condition",
            "machine", "digest", "RowWriter"]
@@ -132,10 +133,8 @@ class RowWriter:
     """Appends checked rows to ``out/rows.jsonl`` (flushed per row); fills the common fields."""
 
     def __init__(self, out: Path, suite: str):
-        import k3
-
         self.out, self.suite = out, suite
-        self.common = {"k3_version": k3.__version__, "machine": machine(), "date": time.strftime("%Y-%m-%d")}
+        self.common = {"k3_version": __version__, "machine": machine(), "date": time.strftime("%Y-%m-%d")}
         out.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict] = []
         self._f = open(out / ROWS, "a", encoding="utf-8")

@@ -34,10 +34,10 @@ from k3.agent.randomize import HarnessConfig
 from k3.agent.tools import ToolBox
 from k3.errors import ConfigError, K3Error
 from k3.tasks.format import load_task, load_transcript
-from k3.rl.trajectory import VERSION, TrajectoryWriter
+from k3.rl.trajectory import VERSION, ReplayProvider, ReplayReport, TrajectoryWriter, compare, read_trajectory
 from k3.tasks.verify import Sandboxes, agent_sandbox, collect_submission, verify
 
-__all__ = ["run_episode", "rollout", "run_jobs", "make_provider"]
+__all__ = ["run_episode", "rollout", "run_jobs", "make_provider", "replay"]
 
 
 def make_provider(spec: dict):
@@ -223,3 +223,25 @@ def _run_ray(jobs: list[dict], workers: int) -> list[dict]:
     finally:
         if started:
             ray.shutdown()
+
+
+def replay(path: str | Path, backend: str | None = None, task_dir: str | Path | None = None,
+           out: str | Path | None = None) -> ReplayReport:
+    """Run the recorded episode again (see module doc) and compare; ``out`` keeps the new trajectory."""
+    recs = read_trajectory(path)
+    header = recs[0]
+    approvals = {r["call_id"]: r.get("approval") == "approved" for r in recs
+                 if r["type"] == "policy" and r.get("action") == "ask"}
+    provider = ReplayProvider(header, [r for r in recs if r["type"] == "turn"])
+    cond = header["conditions"]
+    writer = TrajectoryWriter(out)
+    try:
+        run_episode(task_dir or header["task"]["path"], provider, writer,
+                    backend=backend or header["backend"], harness=cond["harness"],
+                    yolo=header["policy"]["yolo"], approve=lambda req: approvals.get(req.call_id, False),
+                    expect_digest=header["task"]["sha256"], effort=cond["effort"],
+                    temperature=cond["temperature"], max_tokens=cond["max_tokens"],
+                    context_tokens=cond["context_tokens"], seed=cond["seed"])
+    finally:
+        writer.close()
+    return compare(recs, writer.records)

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from k3.data.sft import SFTError, jsonl_files, read_chat_file
 
-__all__ = ["SFTRows", "is_trajectory", "sft_main", "PASS_SCORE"]
+__all__ = ["SFTRows", "is_trajectory", "PASS_SCORE"]
 
 PASS_SCORE = 1.0  # an episode's score (the best or last verified reward) that counts as passed
 
@@ -76,18 +76,3 @@ class SFTRows:
                 self.failed.append(str(f))
                 continue
             yield str(f), row
-
-
-def sft_main(argv: list[str] | None = None, trainer_hook=None) -> int:
-    """``k3 sft --from CKPT --data FILE_OR_DIR [--qat] [--out DIR] [flags of k3 train]``."""
-    from k3.train.commands import train_main
-
-    rows = SFTRows()
-
-    def hook(trainer) -> None:
-        if rows.failed:
-            trainer.print(f"left out {len(rows.failed)} trajectories whose verdict did not pass "
-                          f"(--include-failed trains on them), e.g. {rows.failed[0]}")
-        if trainer_hook is not None:
-            trainer_hook(trainer)
-    return train_main(argv, hook, sft=True, read_rows=rows)

@@ -13,7 +13,7 @@ One JSON object per line, each with ``"type"`` and ``"t"`` (seconds since the ro
 - ``verdict``: per verified submission: reward, reason, timings;
 - ``end``: status, score, steps, tokens, timings.
 
-``replay(path)`` runs the task again with a provider that repeats the recorded turns under the
+``k3.rl.rollout.replay(path)`` runs the task again with a provider that repeats the recorded turns under the
 recorded conditions (harness config, budget, policy options and recorded approvals), then
 compares tool results, policy decisions, submissions, verdicts and the final score with the
 recording (timing fields excluded). ``ReplayReport.ok`` is True when all of them match.
@@ -41,7 +41,7 @@ from k3.agent.randomize import HarnessConfig
 from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
 from k3.errors import K3Error
 
-__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "replay", "to_chat", "VERSION"]
+__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "compare", "to_chat", "VERSION"]
 
 VERSION = 1
 
@@ -165,30 +165,6 @@ def compare(recorded: list[dict], replayed: list[dict]) -> ReplayReport:
     rep.recorded_score = ends[0][0]["score"] if ends[0] else None
     rep.score = ends[1][0]["score"] if ends[1] else None
     return rep
-
-
-def replay(path: str | Path, backend: str | None = None, task_dir: str | Path | None = None,
-           out: str | Path | None = None) -> ReplayReport:
-    """Run the recorded episode again (see module doc) and compare; ``out`` keeps the new trajectory."""
-    from k3.rl.rollout import run_episode
-
-    recs = read_trajectory(path)
-    header = recs[0]
-    approvals = {r["call_id"]: r.get("approval") == "approved" for r in recs
-                 if r["type"] == "policy" and r.get("action") == "ask"}
-    provider = ReplayProvider(header, [r for r in recs if r["type"] == "turn"])
-    cond = header["conditions"]
-    writer = TrajectoryWriter(out)
-    try:
-        run_episode(task_dir or header["task"]["path"], provider, writer,
-                    backend=backend or header["backend"], harness=cond["harness"],
-                    yolo=header["policy"]["yolo"], approve=lambda req: approvals.get(req.call_id, False),
-                    expect_digest=header["task"]["sha256"], effort=cond["effort"],
-                    temperature=cond["temperature"], max_tokens=cond["max_tokens"],
-                    context_tokens=cond["context_tokens"], seed=cond["seed"])
-    finally:
-        writer.close()
-    return compare(recs, writer.records)
 
 
 def _records(trajectory) -> list[dict]:

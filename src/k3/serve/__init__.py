@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (SPEC §6.4).
 
 ``k3 serve CKPT [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--allow-missing-reasoning]``
-(``k3.serve.cli``) runs ``create_app`` (``k3.serve.app``) under uvicorn over one ``Engine``.
+(``k3.cli.serve``) runs ``create_app`` (``k3.serve.app``) under uvicorn over one ``Engine``.
 
 - ``POST /v1/chat/completions``: messages rendered by ``k3.data.chat.ChatFormat`` (history may carry
   ``reasoning_content`` or ``reasoning``; an assistant turn with ``tool_calls`` and no reasoning is a

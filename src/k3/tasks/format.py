@@ -27,21 +27,20 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3.agent.harness import Budget
-from k3.agent.tools import check_arguments
 from k3.errors import ConfigError
+from k3.tasks.tool_specs import TOOL_SPECS, check_arguments
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Task", "TaskBudget", "Transcript", "load_task", "load_transcript", "find_tasks", "validate_task",
+__all__ = ["Budget", "Task", "TaskBudget", "Transcript", "load_task", "load_transcript", "find_tasks", "validate_task",
            "KINDS", "TOOLS", "DOMAINS"]
 
 KINDS = ("python", "shell", "data")
 DOMAINS = ("general", "general_agent", "coding_agent")
-TOOLS = ("shell", "read", "write", "edit", "list", "submit")
+TOOLS = tuple(TOOL_SPECS)
 MAX_SUBMIT_FILE = 1 << 20
 _ID = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _TOP = {"id", "kind", "goal", "submit", "answer", "domain", "budget", "scoring", "tools", "verifier"}
@@ -51,6 +50,15 @@ _TABLES = {
     "tools": {"allowed": list(TOOLS)},
     "verifier": {"timeout": 60, "network": False},
 }
+
+
+@dataclass
+class Budget:
+    """A task's [budget] table: what the harness enforces for one episode."""
+    steps: int = 40
+    tokens: int = 32000
+    wall_seconds: float = 120.0
+    submissions: int = 3
 
 
 TaskBudget = Budget  # one budget type: the task's [budget] table is what the harness enforces

@@ -1,4 +1,4 @@
-"""``k3 plan``: per-device memory and per-step communication of a config on a cluster (docs/PLAN.md).
+"""Per-device memory and per-step communication of a config on a cluster (docs/PLAN.md).
 
 Layout (SPEC §5): ``devices`` = R · dp · ep, a mesh of dp × ep repeated R times (R replicas, plain
 data parallel between them). Inside a mesh, dense/attention parameters are FSDP-sharded over all
@@ -15,25 +15,23 @@ device (no tensor parallelism); KDA state + MLA latent cache per sequence from
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import re
 
 import torch
 
 from k3.errors import K3Error
-from k3.train.plan_activations import ATTENTION_KINDS, activation_bytes
+from k3.train.plan_activations import activation_bytes
 from k3.train.plan_sizes import (RELEASE_CHECKPOINT_GIB, RELEASE_SHARDS, RELEASE_VISION_CONFIG,
                                  checkpoint_bytes, param_split, vision_bytes)
 
 __all__ = ["parse_bytes", "all_to_all_bytes_per_step", "all_to_all_capacity_bytes_per_step",
            "fsdp_bytes_per_step", "train_plan", "inference_plan", "checkpoint_summary", "format_plan",
-           "plan_main", "checkpoint_bytes", "RELEASE_CHECKPOINT_GIB"]
+           "checkpoint_bytes", "RELEASE_CHECKPOINT_GIB", "DTYPES"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 F32 = 4
 
 
@@ -238,47 +236,3 @@ def format_plan(name: str, tp: dict, ip: dict, ck: dict) -> str:
         lines.append(f"  release: {ck['release_gib']:,} GiB in {ck['release_shards']} shards; text + vision = "
                      f"{ck['total'] / 2**30:,.2f} GiB")
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3 plan", description="per-device memory and communication on a cluster")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--preset", default="k3", help="preset name (default k3)")
-    g.add_argument("--config", help="path to a config.json (or a checkpoint directory)")
-    p.add_argument("--devices", type=int, required=True)
-    p.add_argument("--device-memory", required=True, help="memory of one device, e.g. 141GB or 80GiB")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) size (default devices/ep)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--context", type=int, default=131072, help="inference context per sequence")
-    p.add_argument("--infer-ep", type=int, default=None,
-                   help="expert-parallel size for inference (default gcd(devices, num_experts))")
-    p.add_argument("--recompute", action="store_true", help="per-decoder-layer activation recomputation")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="compute/communication dtype")
-    p.add_argument("--attention", choices=ATTENTION_KINDS, default="fused",
-                   help="MLA attention kernel: fused (CUDA memory-efficient SDPA: inputs + log-sum-exp "
-                        "saved) or math (CPU: fp32 copies and the T×T probabilities saved)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
-
-
-def plan_main(argv: list[str]) -> int:
-    from k3.config import K3Config, get_preset
-
-    args = build_parser().parse_args(argv)
-    cfg = K3Config.from_json(args.config) if args.config else get_preset(args.preset)
-    mem = parse_bytes(args.device_memory)
-    dp = args.dp if args.dp is not None else max(1, args.devices // max(1, args.ep))
-    dtype = _DTYPES[args.dtype]
-    tp = train_plan(cfg, args.devices, mem, dp, args.ep, args.seq_len, args.micro_batch, args.grad_accum,
-                    args.recompute, dtype, args.attention)
-    infer_ep = args.infer_ep if args.infer_ep is not None else math.gcd(args.devices, cfg.num_experts or 1)
-    ip = inference_plan(cfg, args.devices, mem, infer_ep, args.context, dtype)
-    ck = checkpoint_summary(cfg)
-    if args.json:
-        print(json.dumps({"train": tp, "inference": ip, "checkpoint": ck}))
-    else:
-        print(format_plan(args.config or args.preset, tp, ip, ck))
-    return 0

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from k3.fsutil import atomic_write
+from k3.version import __version__
 
 if TYPE_CHECKING:
     from k3.data.corpus import Corpus
@@ -100,11 +101,10 @@ def write_run_info(trainer, resumed_from: int | None) -> None:
     import platform
     import sys
 
-    import k3
     path = trainer.run_dir / "run.json"
     info = json.loads(path.read_text()) if resumed_from is not None and path.is_file() else {}
     now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    code = {"k3_version": k3.__version__, **_git_commit(), "python": platform.python_version(),
+    code = {"k3_version": __version__, **_git_commit(), "python": platform.python_version(),
             "torch": torch.__version__}
     if resumed_from is None:
         info = {"train_config": trainer.tc.to_dict(), "model_config": trainer.model_config.to_text_dict(),

@@ -59,7 +59,7 @@ class AgentDemo:
         if not _has_checkpoint(self.base):
             log(f"== no checkpoint in {self.base}: pretraining it first (k3 demo)")
             t0 = time.monotonic()
-            from k3.train.commands import demo_main
+            from k3.cli.train import demo_main
             if demo_main(["--out", str(self.base)]) != 0:
                 raise RuntimeError("the demo's pretraining failed")
             times["pretrain_s"] = time.monotonic() - t0

@@ -218,7 +218,7 @@ def cmd_suite(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from k3.rl.trajectory import replay
+    from k3.rl.rollout import replay
 
     rep = replay(args.trajectory, backend=args.backend, task_dir=args.task)
     for m in rep.mismatches:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from k3.config import K3Config, LinearAttnConfig, did_you_mean, k3_layer_split
+from k3.config.checks import did_you_mean
+from k3.config.model import K3Config, LinearAttnConfig, k3_layer_split
 from k3.errors import ConfigError
-from k3.vision_config import RELEASE_VISION_CONFIG, VisionConfig
+from k3.config.vision import RELEASE_VISION_CONFIG, VisionConfig
 
 __all__ = ["PRESETS", "get_preset", "list_presets", "vision_preset"]
 

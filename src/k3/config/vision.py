@@ -25,15 +25,15 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
-from k3.config import check_bool, check_choice, check_float, check_int, refuse_unknown
+from k3.config.checks import check_bool, check_choice, check_float, check_int, refuse_unknown
 from k3.errors import ConfigError
 
 __all__ = ["VisionConfig", "ImageProcConfig", "vision_config_of", "RELEASE_VISION_CONFIG",
            "TOWER_NORM_EPS", "ROPE_THETA"]
 
-TOWER_NORM_EPS = torch.finfo(torch.float32).eps  # nn.RMSNorm(eps=None), fp32 compute (torch ≥ 2.6)
+# nn.RMSNorm(eps=None) computes in fp32 with finfo(float32).eps = 2⁻²³ (torch ≥ 2.6); written out, so that
+# importing the configs does not load torch (k3.threads sets OpenMP up before torch loads)
+TOWER_NORM_EPS = 2.0 ** -23
 ROPE_THETA = 10000.0
 # transformers' PretrainedConfig keys a re-saved vision_config carries; kept verbatim, never read
 _HF_GENERIC = frozenset((

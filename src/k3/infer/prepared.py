@@ -1,6 +1,20 @@
-"""Decode weights prepared once (``k3.infer.decode_fast``): every matrix a decode step multiplies,
-already in the form the step needs, and each sublayer described by one ctypes struct
-(``k3.ops.decode_layers``) so that it runs as one C call.
+"""Decode weights prepared once: a backend of the model's own decode step, owned by the engine.
+
+``model(tokens [B, 1], cache, prepared=P)`` runs the one forward (``k3.model.decoder``): the same
+layers, the same AttnRes block loop, the same cache updates. With ``P`` (a ``PreparedModel``) each
+sublayer's math goes to its prepared form instead of the module's torch ops, on [B, H] rows of
+fp32 weights copied once into the shape the CPU kernels read:
+
+    attention  res + KDA(n(x)) / res + MLA(n(x))  one C call each (``k3.ops.decode_layers``),
+               writing the layer's cache entry (KDA state, MLA latents appended)
+    MoE / MLP  res + LatentMoE(n(x)) one C call;  res + act(n(x) W_g, n(x) W_u) W_d (packed mm)
+    AttnRes    α = softmax(rms⁻¹(v) · (v (γ ⊙ w))),  Σ α v   one C call (``attn_res_mix_c``)
+    lm_head    one packed matmul
+
+On CPU a decode step at small batch is bound by per-call overhead and by reading the weights; the
+module path's ~3,000 small kernels per step become a few per layer. The prepared forms are tested
+against the module path (``tests/infer/test_prepared.py``: every sublayer and whole steps within
+1e-5 of their scale, the same greedy tokens).
 
 What is folded, per layer (x: the sublayer's input row, n(x) = x / rms(x) without its weight):
 
@@ -27,32 +41,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.errors import K3Error
+from k3.model.cache import KDAState, MLAState
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE, RoutedExperts
-from k3.ops import cpu_kernels
-from k3.ops.decode_layers import KDALayer, MLALayer, MoELayer, mat, ptr
-from k3.ops.decode_rows import gated_act_c
+from k3.ops.backend import c_unavailable, mode as kernels_mode
+from k3.ops.decode_layers import (KDALayer, MLALayer, MoELayer, kda_layer_step, mat, mla_layer_step,
+                                  moe_layer_step, ptr)
+from k3.ops.decode_rows import attn_res_mix_c, gated_act_c
 from k3.ops.packed_mm import PackedMatrix
 
-__all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "norm_const",
-           "PreparedAct", "PreparedKDA", "PreparedMLA", "PreparedMLP", "PreparedMoE"]
+__all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "norm_const", "accepts",
+           "PreparedAct", "PreparedKDA", "PreparedMLA", "PreparedMLP", "PreparedMoE", "PreparedLayer",
+           "PreparedModel", "PreparedWeights"]
 
 
 class WeightWatch:
     """Tells cheaply whether anything a preparation was built from changed: ``key()`` lists every
     module's parameters and buffers (``data_ptr``, ``_version``: an in-place update, a ``.data``
-    swap, a cast or ``load_state_dict``) and the identity of its submodules (a replaced layer),
-    walking the module dicts captured once (so a step costs one pass over them, not a recursion)."""
+    swap, a cast or ``load_state_dict``), the identity of its submodules (a replaced layer) and the
+    statistics switches a trainer sets on the attention and MoE layers (the prepared step records no
+    statistics: ``prepare_unsupported``), walking the module dicts captured once (so a step costs one
+    pass over them, not a recursion)."""
 
     def __init__(self, model):
         mods = list(model.modules())
         self.tensor_dicts = [d for m in mods for d in (m._parameters, m._buffers)]
         self.module_dicts = [m._modules for m in mods]
+        self.flagged = [m for m in mods if hasattr(m, "record_max_logits") or hasattr(m, "record_router_stats")]
 
     def key(self) -> tuple:
         ts = [t for d in self.tensor_dicts for t in d.values() if t is not None]
         return ([t.data_ptr() for t in ts], [t._version for t in ts],
-                [id(v) for d in self.module_dicts for v in d.values()])
+                [id(v) for d in self.module_dicts for v in d.values()],
+                [(getattr(m, "record_max_logits", False), getattr(m, "record_router_stats", False))
+                 for m in self.flagged])
 
 
 def weights_key(model) -> tuple:
@@ -71,8 +94,9 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
     """Why the prepared step cannot serve ``model`` (None when it can): fp32 weights on the CPU
     (the path this project measures and tests), at most ``max_bytes`` of them (default
     ``MAX_PREPARED_BYTES``: the preparation is a second copy), plain bias-free ``nn.Linear``
-    projections, plain routed experts, no group-limited routing, and the packed matmul kernel built
-    for this machine (``k3.ops.cpu_kernels.unavailable``)."""
+    projections, plain dropless routed experts, no group-limited routing, no statistics recording
+    (max logits, router statistics: a trainer's switches), and the packed matmul kernel built for this
+    machine and not turned off (``k3.ops.backend.c_unavailable``)."""
     cfg = model.config
     params = list(model.parameters())
     if any(p.dtype != torch.float32 for p in params):
@@ -89,17 +113,23 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
         mods = [m for m in layer.modules() if isinstance(m, nn.Linear)]
         if not _plain(*mods):
             return f"layer {i}: a projection is not a plain bias-free nn.Linear"
+        if getattr(layer.self_attn, "record_max_logits", False):
+            return f"layer {i}: MLA record_max_logits is on (the prepared step records no statistics)"
         moe = getattr(layer, "block_sparse_moe", None)
         if isinstance(moe, LatentMoE):
             if type(moe.experts) is not RoutedExperts:
                 return f"layer {i}: routed experts are {type(moe.experts).__name__}"
             if moe.gate.num_groups > 1 or moe.dispatcher is not None:
                 return f"layer {i}: group-limited routing or a custom dispatcher"
+            if moe.capacity_factor is not None:
+                return f"layer {i}: MoE capacity_factor={moe.capacity_factor} (the prepared MoE is dropless)"
+            if moe.record_router_stats:
+                return f"layer {i}: MoE record_router_stats is on (the prepared step records no statistics)"
         elif not isinstance(getattr(layer, "mlp", None), GatedMLP):
             return f"layer {i}: the dense MLP is {type(getattr(layer, 'mlp', None)).__name__}"
     if not _plain(model.lm_head):
         return "lm_head is not a plain bias-free nn.Linear"
-    return cpu_kernels.unavailable()
+    return c_unavailable()
 
 
 class PreparedAct:
@@ -241,3 +271,132 @@ class PreparedMoE:
                           self.w2.N, int(self.activation != "sigmoid"), int(self.renormalize), int(act.silu),
                           int(act.tanh_up), self.tiny, act.inv_beta, self.c_in,
                           -1.0 if self.c_u is None else self.c_u)   # one C call (k3.ops.decode_layers)
+
+
+def _fold(owner, prefix: str) -> tuple[torch.Tensor, float]:
+    """(√H γ ⊙ w, H·eps) of one AttnRes pseudo-query / key-norm pair."""
+    norm = getattr(owner, f"{prefix}_norm")
+    H = norm.weight.shape[0]
+    q = norm.weight.detach() * getattr(owner, f"{prefix}_proj").weight.detach().reshape(-1) * H ** 0.5
+    return q, norm_const(norm, H)
+
+
+def _mix(folded: dict, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
+    """The AttnRes mix of n [B, 1, H] sources with a folded pair -> [B, 1, H] (one source: itself)."""
+    if len(sources) == 1:
+        return sources[0]
+    q, c = folded[prefix]
+    return attn_res_mix_c(q, c, [s.reshape(s.shape[0], -1) for s in sources])[:, None]
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, 1, H] -> [B, H] (a view)."""
+    return None if t is None else t.reshape(t.shape[0], t.shape[-1])
+
+
+class PreparedLayer:
+    """One decoder layer's prepared sublayers, the backend ``DecoderLayer`` calls in place of its
+    modules' math: ``attn(h, res, state)`` = res + mixer(input_layernorm(h)) (res None: the mixer's
+    output alone) with ``state`` (the layer's cache entry) advanced by the token, ``ffn(h, res)`` =
+    res + ffn(post_attention_layernorm(h)), ``mix(prefix, sources)`` the layer's AttnRes mix; every
+    tensor [B, 1, H]."""
+
+    def __init__(self, layer, act: PreparedAct, owner: "PreparedModel"):
+        self.is_kda, self.index, self.owner = layer.is_kda, layer.layer_idx, owner
+        self.attn_w = (PreparedKDA if layer.is_kda else PreparedMLA)(layer.self_attn, layer.input_layernorm)
+        moe = getattr(layer, "block_sparse_moe", None)
+        post = layer.post_attention_layernorm
+        self.moe = isinstance(moe, LatentMoE)
+        self.ffn_w = PreparedMoE(moe, post, act) if self.moe else PreparedMLP(layer.mlp, post, act)
+        self.folded = ({p: _fold(layer, p) for p in ("self_attention_res", "mlp_res")} if layer.attn_res else {})
+
+    def attn(self, h: torch.Tensor, res: torch.Tensor | None, state) -> torch.Tensor:
+        x, r = _rows(h), _rows(res)
+        if self.is_kda:
+            if state.conv is None or state.recurrent is None:
+                raise K3Error(f"prepared decode, layer {self.index}: the KDA state is not written yet "
+                              "(prefill the cache through the model first)")
+            out, state.conv, state.recurrent = kda_layer_step(self.attn_w.c, x, r, state.conv, state.recurrent,
+                                                              self.owner.in_place_state)
+        else:
+            if state.is_empty:
+                raise K3Error(f"prepared decode, layer {self.index}: the MLA cache is empty "
+                              "(prefill the cache through the model first)")
+            out, c, pe = mla_layer_step(self.attn_w.c, x, r, state.c, state.k_pe, state.lengths)
+            state.append(c[:, None], pe[:, None])
+        return out[:, None]
+
+    def ffn(self, h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        x, r = _rows(h), _rows(res)
+        if self.moe:
+            return moe_layer_step(self.ffn_w.c, x, r)[:, None]
+        p = self.ffn_w
+        return p.w_down.mm(p.act(*p.w_in.mm(x, norm_c=p.c_in).chunk(2, 1)), r)[:, None]
+
+    def mix(self, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
+        return _mix(self.folded, prefix, sources)
+
+
+class PreparedModel:
+    """Every decode weight of ``model`` prepared once: ``layers[l]`` (``PreparedLayer``), the output
+    AttnRes ``mix`` and ``lm_head`` — what ``model(tokens, cache, prepared=this)`` calls. A snapshot:
+    ``PreparedWeights`` rebuilds it when ``WeightWatch(model).key()`` changes.
+
+    ``in_place_state``: each KDA layer's new recurrent state is written over the cache's tensor
+    instead of a new one (fewer bytes moved at large batch), for a caller that owns its caches, as
+    the engine does; otherwise a state tensor taken from the cache before a step keeps its values."""
+
+    def __init__(self, model, in_place_state: bool = False):
+        with torch.no_grad():
+            cfg, m = model.config, model.model
+            act = PreparedAct(cfg)
+            self.in_place_state = bool(in_place_state)
+            self.layers = [PreparedLayer(layer, act, self) for layer in m.layers]
+            self.folded = {"output_attn_res": _fold(m, "output_attn_res")} if cfg.attn_res_block_size else {}
+            self.w_lm = _packed_t(model.lm_head.weight)
+
+    def mix(self, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
+        return _mix(self.folded, prefix, sources)
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, T, H] -> logits [B, T, V]."""
+        B, T, H = h.shape
+        return self.w_lm.mm(h.reshape(B * T, H).contiguous()).view(B, T, -1)
+
+
+def accepts(cache) -> bool:
+    """Every KDA state written and every MLA state non-empty: a cache after its prefill, which the
+    prepared step can continue."""
+    for s in cache.layers:
+        if isinstance(s, KDAState) and (s.conv is None or s.recurrent is None):
+            return False
+        if isinstance(s, MLAState) and (s._c is None or s.is_empty):
+            return False
+    return True
+
+
+class PreparedWeights:
+    """The engine's prepared-weights cache: ``current()`` gives the ``PreparedModel`` for the model's
+    current values (rebuilt when any weight, buffer, submodule, statistics switch or ``K3_KERNELS``
+    changed), or None when the prepared step does not apply (``why``: ``prepare_unsupported``, re-checked whenever
+    that key changes)."""
+
+    def __init__(self, model, in_place_state: bool = False):
+        self.model, self.in_place_state = model, in_place_state
+        self._plan: PreparedModel | None = None
+        self._watch: WeightWatch | None = None
+        self._key, self.why = None, None
+
+    def current(self) -> PreparedModel | None:
+        if self._watch is None:
+            self._watch = WeightWatch(self.model)
+        key = (self._watch.key(), kernels_mode())
+        if key != self._key:
+            self._watch = WeightWatch(self.model)    # the module set may have changed
+            key = (self._watch.key(), kernels_mode())
+            self._key, self.why, self._plan = key, prepare_unsupported(self.model), None
+        if self.why is not None:
+            return None
+        if self._plan is None:
+            self._plan = PreparedModel(self.model, self.in_place_state)
+        return self._plan

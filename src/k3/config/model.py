@@ -1,16 +1,10 @@
-"""K3 configuration: the schema (one dataclass whose fields are the HF ``kimi_linear`` names) and its validation.
+"""The text model's configuration: one dataclass whose fields are the HF ``kimi_linear`` names,
+and its validation (SPEC §2).
 
-``K3Config`` describes the text model (SPEC §2). Three neighbours hold the rest:
-
-* :mod:`k3.checkpoint.hf_config` reads and writes the ``config.json`` shapes (Moonshot's flat
-  ``linear_attn_config`` form, transformers' ``layer_types`` form, the ``kimi_k3`` wrapper) and
-  the Kimi-Linear defaults. ``from_dict`` / ``from_json`` / ``to_dict`` here are thin wrappers that
-  import it lazily: ``model/`` imports this module, so it must not import ``checkpoint/`` at load
-  time (that would be a cycle ``checkpoint → model → config → checkpoint``).
-* :mod:`k3.presets` holds the named configurations; ``get_preset`` / ``list_presets`` / ``PRESETS``
-  here forward to it (lazily, since it imports this module).
-* The value checks below (``check_int``, ``check_float``, ``check_bool``, ``check_choice``,
-  ``refuse_unknown``) are public so run configs and CLIs validate the same way.
+Its neighbours in :mod:`k3.config`: :mod:`k3.config.hf` maps the ``config.json`` shapes (Moonshot's
+flat ``linear_attn_config`` form, transformers' ``layer_types`` form, the ``kimi_k3`` wrapper) onto
+the fields here (``from_dict`` / ``from_json`` / ``to_dict``); :mod:`k3.config.presets` holds the
+named configurations; :mod:`k3.config.checks` the value checks.
 
 Every field is either read by the model / checkpoint code or refused: a value the model does not
 implement (``mla_use_nope=False``, ``num_nextn_predict_layers > 0``) raises :class:`ConfigError`
@@ -22,87 +16,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import json
-import math
+import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
+from k3.config.checks import (MAX_LAYERS, check_bool, check_choice, check_dict, check_float, check_int,
+                              refuse_unknown)
+from k3.config.hf import check_hf_keys, config_to_dict, read_json, split_wrapper, text_kwargs
 from k3.errors import ConfigError
 
-__all__ = ["LinearAttnConfig", "K3Config", "PRESETS", "get_preset", "list_presets", "check_int",
-           "check_float", "check_bool", "check_choice", "refuse_unknown", "did_you_mean",
-           "INT_MAX", "MAX_LAYERS", "ConfigError"]
+__all__ = ["LinearAttnConfig", "K3Config", "k3_layer_split"]
 
-INT_MAX = 2**31 - 1  # every size / id / count fits int32 (torch index kernels, safetensors shapes)
-MAX_LAYERS = 65536   # linear_attn_config lists every layer, so a config names each one
-
-
-# ------------------------------------------------------------------------------ value checks
-def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = INT_MAX,
-              allow_none: bool = False) -> None:
-    """``v`` is an int (not a bool) in [lo, hi], or None when allowed."""
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"{name} must be an int{' or null' if allow_none else ''}, got {v!r}")
-    if lo is not None and v < lo:
-        raise ConfigError(f"{name} must be {'> 0' if lo == 1 else f'>= {lo}'}, got {v}")
-    if hi is not None and v > hi:
-        raise ConfigError(f"{name} must be <= {hi}, got {v}")
-
-
-def check_float(name: str, v: Any, lo: float | None = None, hi: float | None = None,
-                lo_open: bool = False, allow_none: bool = False) -> None:
-    """``v`` is a finite real (an int counts, a bool does not) with lo ≤ v ≤ hi (lo < v if lo_open)."""
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"{name} must be a number{' or null' if allow_none else ''}, got {v!r}")
-    if not math.isfinite(v):
-        raise ConfigError(f"{name} must be finite, got {v}")
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise ConfigError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise ConfigError(f"{name} must be <= {hi}, got {v}")
-
-
-def check_bool(name: str, v: Any, allow_none: bool = False) -> None:
-    """``v`` is ``True`` / ``False`` itself: the strings "false"/"no" and 0/1 are refused, not cast."""
-    if v is None and allow_none:
-        return
-    if not isinstance(v, bool):
-        raise ConfigError(f"{name} must be true or false, got {v!r} ({type(v).__name__})")
-
-
-def check_choice(name: str, v: Any, choices: Iterable[Any], allow_none: bool = False) -> None:
-    choices = tuple(choices)
-    if v is None and allow_none:
-        return
-    if not isinstance(v, str) or v not in choices:
-        raise ConfigError(f"{name} must be one of {list(choices)}, got {v!r}")
-
-
-def did_you_mean(key: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest known name, or ``""``."""
-    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.75)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def refuse_unknown(keys: Iterable[str], known: Iterable[str], where: str) -> None:
-    """ConfigError naming every key of ``keys`` not in ``known``, each with a did-you-mean."""
-    known = list(known)
-    unknown = [k for k in keys if k not in known]
-    if unknown:
-        names = ", ".join(f"{k!r}{did_you_mean(k, known)}" for k in unknown)
-        raise ConfigError(f"{where}: unknown option(s) {names}")
-
-
-def _check_dict(name: str, v: Any, allow_none: bool = True) -> None:
-    if not (isinstance(v, dict) or (v is None and allow_none)):
-        raise ConfigError(f"{name} must be a JSON object{' or null' if allow_none else ''}, got {v!r}")
-
+log = logging.getLogger("k3.config")
 
 # ------------------------------------------------------------------------------ schema
 @dataclass
@@ -147,7 +74,7 @@ class LinearAttnConfig:
                 raise ConfigError(f"linear_attn_config.{name} must be a list of layer ids, got {layers!r}")
             for i in layers:
                 check_int(f"linear_attn_config.{name} entry", i)
-        _check_dict("linear_attn_config.extra", self.extra, allow_none=False)
+        check_dict("linear_attn_config.extra", self.extra, allow_none=False)
 
 
 def k3_layer_split(num_layers: int, period: int = 4) -> tuple[list[int], list[int]]:
@@ -290,9 +217,9 @@ class K3Config:
         check_choice("moe_router_activation_func", self.moe_router_activation_func, ("sigmoid", "softmax"))
         if not isinstance(self.model_type, str):
             raise ConfigError(f"model_type must be a string, got {self.model_type!r}")
-        _check_dict("vision_config", self.vision_config)
-        _check_dict("wrapper", self.wrapper)
-        _check_dict("extra", self.extra, allow_none=False)
+        check_dict("vision_config", self.vision_config)
+        check_dict("wrapper", self.wrapper)
+        check_dict("extra", self.extra, allow_none=False)
         self._refuse_unimplemented()
         self._validate_moe()
         self._validate_layers()
@@ -374,7 +301,6 @@ class K3Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The config.json dict: the kimi_k3 wrapper when this config came from one."""
-        from k3.checkpoint.hf_config import config_to_dict
         return config_to_dict(self)
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -386,15 +312,39 @@ class K3Config:
 
     @classmethod
     def from_dict(cls, d: Any) -> "K3Config":
-        """Any supported config.json dict (see :mod:`k3.checkpoint.hf_config`)."""
-        from k3.checkpoint.hf_config import config_from_dict
-        return config_from_dict(d)
+        """A flat, transformers-form or kimi_k3-wrapper config.json dict -> validated K3Config
+        (the shapes: :mod:`k3.config.hf`)."""
+        text, vision, wrapper = split_wrapper(d)
+        kw, extra, views = text_kwargs(text, cls.text_field_names())
+        cfg = cls._construct(kw, extra)
+        check_hf_keys(cfg, views)
+        if wrapper is not None:
+            cfg.wrapper, cfg.vision_config = wrapper, vision
+        return cfg
+
+    @classmethod
+    def _construct(cls, kw: dict[str, Any], extra: dict[str, Any]) -> "K3Config":
+        """K3Config(**kw): a ``kimi_linear`` config that uses K3-only features (what k3 wrote before
+        K3 configs had their own model_type) is read as ``kimi_k3_text``, with a notice."""
+        if kw.get("model_type") != "kimi_linear":
+            return cls(**kw, extra=extra)
+        cfg = cls(**{**kw, "model_type": "kimi_k3_text"}, extra=extra)
+        features = cfg.k3_only_features()
+        if features:
+            log.info("config says model_type='kimi_linear' but uses %s (not in Kimi-Linear): read as "
+                     "'kimi_k3_text'", ", ".join(features))
+        else:
+            cfg.model_type = "kimi_linear"
+        return cfg
 
     @classmethod
     def from_json(cls, path_or_text: str | os.PathLike) -> "K3Config":
         """Load from a config.json path, a checkpoint directory, or a JSON string."""
-        from k3.checkpoint.hf_config import config_from_json
-        return config_from_json(path_or_text)
+        d, where = read_json(path_or_text)
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
 
     def replace(self, **changes: Any) -> "K3Config":
         """A validated copy with some schema fields changed (``linear_attn_config`` may be a dict).
@@ -419,22 +369,3 @@ class K3Config:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-# ---------------------------------------------------------------------- presets (k3.presets)
-def list_presets() -> list[str]:
-    from k3.presets import list_presets as _list
-    return _list()
-
-
-def get_preset(name: str, **overrides: Any) -> K3Config:
-    """The named preset (see :mod:`k3.presets`), with ``overrides`` applied by ``replace``."""
-    from k3.presets import get_preset as _get
-    return _get(name, **overrides)
-
-
-def __getattr__(name: str) -> Any:  # PRESETS lives in k3.presets (it imports this module)
-    if name == "PRESETS":
-        from k3.presets import PRESETS
-        return PRESETS
-    raise AttributeError(f"module 'k3.config' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""config.json formats (k3.checkpoint.hf_config): flat, transformers' layer_types form, kimi_k3
+"""config.json formats (k3.config.hf): flat, transformers' layer_types form, kimi_k3
 wrapper; Kimi-Linear defaults; real files written by transformers and by k3 load, replace() and
 write back with their extra keys untouched."""
 import json
@@ -6,8 +6,7 @@ import json
 import pytest
 from transformers import KimiLinearConfig
 
-from k3.checkpoint.hf_config import config_from_dict, config_to_dict
-from k3.config import K3Config, get_preset
+from k3.config import K3Config, config_to_dict, get_preset
 from k3.errors import ConfigError
 
 SMALL_HF = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -101,7 +100,7 @@ def test_kimi_k3_wrapper_round_trip():
 def test_kimi_linear_config_uses_one_indexed_lists_and_latent_eps():
     d = get_preset("kimi-linear-48b").to_text_dict()
     d.pop("mla_latent_norm_eps")
-    c = config_from_dict(d)
+    c = K3Config.from_dict(d)
     assert c.mla_layer_ids == [3, 7, 11, 15, 19, 23, 26]
     assert c.latent_norm_eps == 1e-6
 

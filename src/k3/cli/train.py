@@ -1,5 +1,5 @@
-"""``k3 train | plot | demo``: argument parsing and the glue around the Trainer (``k3 sample`` and
-``load_run_model`` live in ``k3.infer.run_model``).
+"""``k3 train | sft | plot | demo``: argument parsing and the glue around the Trainer (``k3 sample``
+lives in ``k3.cli.infer``, ``load_run_model`` in ``k3.infer.run_model``).
 
 Each ``*_main(argv)`` parses its own arguments and returns an exit status: 0 done, 2 bad input
 (message on stderr), 1 training diverged, 128 + signal number when stopped by SIGINT/SIGTERM
@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["train_main", "plot_main", "demo_main"]
+from k3.rl.sft import SFTRows
+
+__all__ = ["train_main", "plot_main", "demo_main", "sft_main"]
 
 
 def _threads_flag(value: str):
@@ -399,3 +401,16 @@ DEMO_CONFIG: dict[str, Any] = {
     "batch_size": 16, "curriculum": [[0, 256]], "lr": 5e-3, "warmup_frac": 0.1, "decay_frac": 0.7,
     "eval_interval": 50, "eval_batches": 4, "final_eval_batches": 4, "ckpt_interval": 100, "log_interval": 10,
 }
+
+
+def sft_main(argv: list[str] | None = None, trainer_hook=None) -> int:
+    """``k3 sft --from CKPT --data FILE_OR_DIR [--qat] [--out DIR] [flags of k3 train]``."""
+    rows = SFTRows()
+
+    def hook(trainer) -> None:
+        if rows.failed:
+            trainer.print(f"left out {len(rows.failed)} trajectories whose verdict did not pass "
+                          f"(--include-failed trains on them), e.g. {rows.failed[0]}")
+        if trainer_hook is not None:
+            trainer_hook(trainer)
+    return train_main(argv, hook, sft=True, read_rows=rows)

@@ -12,7 +12,6 @@ each sampling its share of a step's episodes and training its share of the micro
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ _TRAINER_FLAGS = ("steps", "optimizer", "ns_dtype", "lr", "weight_decay", "warmu
 
 
 def _parser(kind: str = "rl") -> argparse.ArgumentParser:
-    from k3.train.commands import _TRAIN_FLAGS
+    from k3.cli.train import _TRAIN_FLAGS
 
     distill = kind == "distill"
     p = argparse.ArgumentParser(prog=f"k3 {kind}", description=(
@@ -161,7 +160,7 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None, kind: str = "rl") 
     args.kind = kind
 
     def launch() -> int:
-        from k3.train.commands import launch_torchrun
+        from k3.cli.train import launch_torchrun
         _train_config(args)   # bad options fail here, once, before any process starts
         if not args.resume:
             from k3.rl.grpo import resolve_tasks
@@ -178,7 +177,7 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None, kind: str = "rl") 
     def learn() -> int:
         from k3.rl.distill import DistillObjective
         from k3.rl.grpo import GRPOObjective, resolve_tasks
-        from k3.train.commands import make_trainer
+        from k3.cli.train import make_trainer
         from k3.train.loop import TrainingDiverged
 
         tc = _train_config(args)

@@ -1,4 +1,5 @@
-"""The ``config.json`` formats k3 reads and writes, mapped onto :class:`k3.config.K3Config` (SPEC §2, §4).
+"""The ``config.json`` formats k3 reads and writes, mapped onto the fields of
+:class:`k3.config.model.K3Config` (SPEC §2, §4).
 
 Three shapes are accepted:
 
@@ -23,23 +24,23 @@ reads the flat form k3 writes). HF keys that would change the model (``attention
 only at the value k3 implements; ``rope_theta`` / ``rope_scaling`` pass through (MLA is NoPE). Every problem is a
 :class:`~k3.errors.ConfigError` naming the key.
 
-This module imports :mod:`k3.config`, never the reverse at load time (``K3Config.from_dict`` /
-``from_json`` / ``to_dict`` import it lazily).
+This module works on dicts and on a config's attributes; ``K3Config.from_dict`` / ``from_json`` /
+``to_dict`` (:mod:`k3.config.model`) call it, so it never imports the class.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
-from typing import Any
+from typing import Any, Iterable
 
-from k3.config import K3Config, check_int
+from k3.config.checks import check_int
 from k3.errors import ConfigError
 
-__all__ = ["config_from_dict", "config_from_json", "config_to_dict", "wrap_text_config", "kimi_linear_defaults",
-           "linear_attn_from_layer_types", "KIMI_LINEAR_DEFAULTS", "HF_ALIASES"]
+__all__ = ["split_wrapper", "read_json", "text_kwargs", "check_hf_keys", "config_to_dict", "wrap_text_config",
+           "kimi_linear_defaults", "linear_attn_from_layer_types", "KIMI_LINEAR_DEFAULTS", "HF_ALIASES",
+           "DEFAULT_WRAPPER", "WRAPPER_KEYS"]
 
 WRAPPER_KEYS = ("text_config", "vision_config")
 DEFAULT_WRAPPER = {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"]}
@@ -60,52 +61,45 @@ _TRANSFORMERS_LINEAR = {"linear_num_heads": ("num_heads", 32), "linear_head_dim"
 
 
 # ------------------------------------------------------------------------------ reading
-def config_from_dict(d: Any) -> K3Config:
-    """A flat, transformers-form or kimi_k3-wrapper config.json dict -> validated K3Config."""
+def split_wrapper(d: Any) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """A config.json dict -> (text config dict, vision_config or None, wrapper keys or None: a flat
+    text config has no wrapper)."""
     if not isinstance(d, dict):
         raise ConfigError(f"a config must be a JSON object, got {type(d).__name__}")
     if "text_config" not in d:
-        return _from_text_dict(d)
+        return d, None, None
     text = d["text_config"]
     if not isinstance(text, dict):
         raise ConfigError(f"text_config must be a JSON object, got {type(text).__name__}")
     vision = d.get("vision_config")
     if vision is not None and not isinstance(vision, dict):
         raise ConfigError(f"vision_config must be a JSON object or null, got {type(vision).__name__}")
-    cfg = _from_text_dict(text)
-    cfg.wrapper = {k: copy.deepcopy(v) for k, v in d.items() if k not in WRAPPER_KEYS}
-    cfg.vision_config = copy.deepcopy(vision)
-    return cfg
+    wrapper = {k: copy.deepcopy(v) for k, v in d.items() if k not in WRAPPER_KEYS}
+    return text, copy.deepcopy(vision), wrapper
 
 
-log = logging.getLogger("k3.config")
-
-
-def config_from_json(path_or_text: str | os.PathLike) -> K3Config:
-    """Load from a config.json path, a checkpoint directory, or a JSON string."""
+def read_json(path_or_text: str | os.PathLike) -> tuple[Any, str]:
+    """(the parsed JSON, where it came from) of a config.json path, a checkpoint directory (its
+    config.json) or a JSON string."""
     src = os.fspath(path_or_text)
     if os.path.isdir(src):
         src = os.path.join(src, "config.json")
     if os.path.exists(src):
         try:
             with open(src, encoding="utf-8") as f:
-                d = json.load(f)
+                return json.load(f), src
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{src}: not valid JSON ({e})") from None
-        where = src
-    else:
-        try:
-            d = json.loads(src)
-        except json.JSONDecodeError:
-            raise FileNotFoundError(f"no config file at {src!r} (and it is not a JSON string)") from None
-        where = "config JSON"
     try:
-        return config_from_dict(d)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        return json.loads(src), "config JSON"
+    except json.JSONDecodeError:
+        raise FileNotFoundError(f"no config file at {src!r} (and it is not a JSON string)") from None
 
 
-def _from_text_dict(d: dict[str, Any]) -> K3Config:
+def text_kwargs(d: dict[str, Any], names: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A text config dict (any of the shapes above) -> (schema fields ``names`` as keyword arguments,
+    the passed-through ``extra`` keys, the transformers views to check once the config is built:
+    ``check_hf_keys``)."""
     d = copy.deepcopy(d)
     _apply_aliases(d)
     d = kimi_linear_defaults(d)
@@ -122,7 +116,7 @@ def _from_text_dict(d: dict[str, Any]) -> K3Config:
         # Moonshot's Kimi-Linear code and transformers use 1e-6 for the MLA latent norms;
         # configs written by k3 always carry the field explicitly.
         d["mla_latent_norm_eps"] = 1e-6
-    names = set(K3Config.text_field_names())
+    names = set(names)
     kw = {k: d.pop(k) for k in list(d) if k in names}
     for tid in ("eos_token_id", "bos_token_id", "pad_token_id"):
         v = kw.get(tid)
@@ -134,24 +128,7 @@ def _from_text_dict(d: dict[str, Any]) -> K3Config:
             d[f"{tid}s"] = v
             kw[tid] = v[0]
     views = {k: d.pop(k) for k in ("num_key_value_heads", "qk_head_dim") if k in d}
-    cfg = _construct(kw, d)
-    _check_hf_keys(cfg, views)
-    return cfg
-
-
-def _construct(kw: dict[str, Any], extra: dict[str, Any]) -> K3Config:
-    """K3Config(**kw): a ``kimi_linear`` config that uses K3-only features (what k3 wrote before
-    K3 configs had their own model_type) is read as ``kimi_k3_text``, with a notice."""
-    if kw.get("model_type") != "kimi_linear":
-        return K3Config(**kw, extra=extra)
-    cfg = K3Config(**{**kw, "model_type": "kimi_k3_text"}, extra=extra)
-    features = cfg.k3_only_features()
-    if features:
-        log.info("config says model_type='kimi_linear' but uses %s (not in Kimi-Linear): read as "
-                 "'kimi_k3_text'", ", ".join(features))
-    else:
-        cfg.model_type = "kimi_linear"
-    return cfg
+    return kw, d, views
 
 
 def _apply_aliases(d: dict[str, Any]) -> None:
@@ -219,8 +196,9 @@ def _check_layer_types_agree(lac: Any, from_types: dict[str, Any], d: dict[str, 
             raise ConfigError(f"{hf}={d[hf]!r} disagrees with linear_attn_config.{key}={lac[key]!r}")
 
 
-def _check_hf_keys(cfg: K3Config, views: dict[str, Any]) -> None:
-    """HF keys that would change the model are accepted only at the value k3 implements."""
+def check_hf_keys(cfg, views: dict[str, Any]) -> None:
+    """HF keys that would change the model are accepted only at the value k3 implements (``cfg``: the
+    built config, whose ``extra`` holds them; ``views``: from ``text_kwargs``)."""
     x = cfg.extra
     if x.get("attention_bias", False) is not False:
         raise ConfigError(f"attention_bias={x['attention_bias']!r}: attention projections with a bias "
@@ -248,7 +226,7 @@ def _check_hf_keys(cfg: K3Config, views: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------ writing
-def config_to_dict(cfg: K3Config) -> dict[str, Any]:
+def config_to_dict(cfg) -> dict[str, Any]:
     """The config.json dict: flat text config, or the kimi_k3 wrapper when ``cfg`` came from one."""
     text = cfg.to_text_dict()
     if cfg.wrapper is None and cfg.vision_config is None:
@@ -256,7 +234,7 @@ def config_to_dict(cfg: K3Config) -> dict[str, Any]:
     return wrap_text_config(cfg, text)
 
 
-def wrap_text_config(cfg: K3Config, text: dict[str, Any]) -> dict[str, Any]:
+def wrap_text_config(cfg, text: dict[str, Any]) -> dict[str, Any]:
     """The kimi_k3 wrapper around the text config dict ``text``: ``cfg``'s wrapper keys (the
     release's model_type / architectures when it has none), ``text_config`` and its ``vision_config``."""
     out = copy.deepcopy(cfg.wrapper or DEFAULT_WRAPPER)
