@@ -103,7 +103,8 @@ MODELS = ["k3_model", "kimi_model", "variant_model", "odd_mla_model"]
 
 
 def _rows(B, H, seed):
-    return torch.randn(B, 1, H, generator=torch.Generator().manual_seed(seed))
+    """[B, H] rows: the stream as the prepared backend takes it (one token per row)."""
+    return torch.randn(B, H, generator=torch.Generator().manual_seed(seed))
 
 
 def _prefilled(model, lengths: list[int], seed: int) -> K3Cache:
@@ -159,7 +160,7 @@ def test_each_sublayer_equals_its_modules_and_writes_the_same_cache_entry(reques
         h, res = _rows(B, H, 10 + i), _rows(B, H, 20 + i)
         st = _layer_state(layer.self_attn, B, g)
         want_st, got_st = _copy(st), _copy(st)
-        want = res + layer.self_attn(layer.input_layernorm(h), want_st)          # the module path
+        want = res + layer.self_attn(layer.input_layernorm(h[:, None]), want_st)[:, 0]   # the module path
         _close(L.attn(h, res, got_st), want)
         _close(L.attn(h, None, _copy(st)), want - res)                            # no residual
         if isinstance(st, KDAState):
@@ -194,17 +195,15 @@ def test_the_attn_res_mix_equals_its_float64_formula(k3_model):
     for n in (1, 2, 5):
         srcs = [_rows(3, 64, 40 + i) * (i + 1) for i in range(n)]
         got = P.layers[1].mix("self_attention_res", srcs)
-        v = torch.stack([s.double() for s in srcs])                                   # [n, B, 1, H]
+        v = torch.stack([s.double() for s in srcs])                                   # [n, B, H]
         keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps) * gamma
-        alpha = torch.softmax(keys @ w, 0)                                            # [n, B, 1]
+        alpha = torch.softmax(keys @ w, 0)                                            # [n, B]
         want = (alpha[..., None] * v).sum(0)
         _close(got.double(), want)
         if n == 5:
             assert not torch.allclose(alpha, torch.full_like(alpha, 1 / n), atol=1e-3)
     q, c = P.layers[1].folded["self_attention_res"]
-    srcs = [s[:, 0] for s in srcs]
-    mixed = P.layers[1].mix("self_attention_res", [s[:, None] for s in srcs])
-    assert torch.equal(attn_res_mix_c(q, c, srcs), mixed[:, 0])
+    assert torch.equal(attn_res_mix_c(q, c, srcs), P.layers[1].mix("self_attention_res", srcs))
 
 
 @pytest.mark.parametrize("name", ["k3_model", "kimi_model", "variant_model"])
@@ -360,7 +359,7 @@ def test_the_kda_kernel_in_place_writes_the_fresh_buffers_bits(preset):
     c, a = P.layers[layer.layer_idx].attn_w.c, layer.self_attn
     B, H = 5, model.config.hidden_size
     g = torch.Generator().manual_seed(1)
-    x, res = _rows(B, H, 30)[:, 0], _rows(B, H, 31)[:, 0]
+    x, res = _rows(B, H, 30), _rows(B, H, 31)
     conv = torch.randn(B, 3 * a.num_heads * a.head_dim, a.conv_kernel_size - 1, generator=g)
     S = torch.randn(B, a.num_heads, a.head_dim, a.head_dim, generator=g) * 0.1
     S0 = S.clone()

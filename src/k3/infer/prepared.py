@@ -49,6 +49,7 @@ from k3.ops.backend import c_unavailable, mode as kernels_mode
 from k3.ops.decode_layers import (KDALayer, MLALayer, MoELayer, kda_layer_step, mat, mla_layer_step,
                                   moe_layer_step, ptr)
 from k3.ops.decode_rows import attn_res_mix_c, gated_act_c
+from k3.ops.norm import inv_rms
 from k3.ops.packed_mm import PackedMatrix
 
 __all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "norm_const", "accepts",
@@ -282,16 +283,11 @@ def _fold(owner, prefix: str) -> tuple[torch.Tensor, float]:
 
 
 def _mix(folded: dict, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
-    """The AttnRes mix of n [B, 1, H] sources with a folded pair -> [B, 1, H] (one source: itself)."""
+    """The AttnRes mix of n [B, H] sources with a folded pair -> [B, H] (one source: itself)."""
     if len(sources) == 1:
         return sources[0]
     q, c = folded[prefix]
-    return attn_res_mix_c(q, c, [s.reshape(s.shape[0], -1) for s in sources])[:, None]
-
-
-def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
-    """[B, 1, H] -> [B, H] (a view)."""
-    return None if t is None else t.reshape(t.shape[0], t.shape[-1])
+    return attn_res_mix_c(q, c, sources)
 
 
 class PreparedLayer:
@@ -299,7 +295,7 @@ class PreparedLayer:
     modules' math: ``attn(h, res, state)`` = res + mixer(input_layernorm(h)) (res None: the mixer's
     output alone) with ``state`` (the layer's cache entry) advanced by the token, ``ffn(h, res)`` =
     res + ffn(post_attention_layernorm(h)), ``mix(prefix, sources)`` the layer's AttnRes mix; every
-    tensor [B, 1, H]."""
+    tensor [B, H] (one token per row: ``K3Model.forward`` hands the stream over as rows)."""
 
     def __init__(self, layer, act: PreparedAct, owner: "PreparedModel"):
         self.is_kda, self.index, self.owner = layer.is_kda, layer.layer_idx, owner
@@ -311,27 +307,25 @@ class PreparedLayer:
         self.folded = ({p: _fold(layer, p) for p in ("self_attention_res", "mlp_res")} if layer.attn_res else {})
 
     def attn(self, h: torch.Tensor, res: torch.Tensor | None, state) -> torch.Tensor:
-        x, r = _rows(h), _rows(res)
         if self.is_kda:
             if state.conv is None or state.recurrent is None:
                 raise K3Error(f"prepared decode, layer {self.index}: the KDA state is not written yet "
                               "(prefill the cache through the model first)")
-            out, state.conv, state.recurrent = kda_layer_step(self.attn_w.c, x, r, state.conv, state.recurrent,
+            out, state.conv, state.recurrent = kda_layer_step(self.attn_w.c, h, res, state.conv, state.recurrent,
                                                               self.owner.in_place_state)
         else:
             if state.is_empty:
                 raise K3Error(f"prepared decode, layer {self.index}: the MLA cache is empty "
                               "(prefill the cache through the model first)")
-            out, c, pe = mla_layer_step(self.attn_w.c, x, r, state.c, state.k_pe, state.lengths)
+            out, c, pe = mla_layer_step(self.attn_w.c, h, res, state.c, state.k_pe, state.lengths)
             state.append(c[:, None], pe[:, None])
-        return out[:, None]
+        return out
 
     def ffn(self, h: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-        x, r = _rows(h), _rows(res)
         if self.moe:
-            return moe_layer_step(self.ffn_w.c, x, r)[:, None]
+            return moe_layer_step(self.ffn_w.c, h, res)
         p = self.ffn_w
-        return p.w_down.mm(p.act(*p.w_in.mm(x, norm_c=p.c_in).chunk(2, 1)), r)[:, None]
+        return p.w_down.mm(p.act(*p.w_in.mm(h, norm_c=p.c_in).chunk(2, 1)), res)
 
     def mix(self, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
         return _mix(self.folded, prefix, sources)
@@ -339,7 +333,8 @@ class PreparedLayer:
 
 class PreparedModel:
     """Every decode weight of ``model`` prepared once: ``layers[l]`` (``PreparedLayer``), the output
-    AttnRes ``mix`` and ``lm_head`` — what ``model(tokens, cache, prepared=this)`` calls. A snapshot:
+    AttnRes ``mix``, the final ``norm`` and ``lm_head`` — what ``model(tokens, cache, prepared=this)``
+    calls. A snapshot:
     ``PreparedWeights`` rebuilds it when ``WeightWatch(model).key()`` changes.
 
     ``in_place_state``: each KDA layer's new recurrent state is written over the cache's tensor
@@ -353,10 +348,16 @@ class PreparedModel:
             self.in_place_state = bool(in_place_state)
             self.layers = [PreparedLayer(layer, act, self) for layer in m.layers]
             self.folded = {"output_attn_res": _fold(m, "output_attn_res")} if cfg.attn_res_block_size else {}
+            self.norm_w, self.norm_eps = m.norm.weight.detach(), m.norm.eps
             self.w_lm = _packed_t(model.lm_head.weight)
 
     def mix(self, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
         return _mix(self.folded, prefix, sources)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of [B, H] rows: torch's fp32 inference form of ``k3.ops.norm.rms_norm``
+        (three ops; the module's C op costs more than its math for a few rows)."""
+        return torch.mul(x, inv_rms(x, self.norm_eps, keepdim=True)).mul_(self.norm_w)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, T, H] -> logits [B, T, V]."""

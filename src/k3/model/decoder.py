@@ -99,7 +99,8 @@ class DecoderLayer(nn.Module):
         return segs.from_docs([self.self_attn(part, state) for part in segs.to_docs(x)])
 
     # Each sublayer runs either over its modules or, given a ``prepared`` layer (the decode backend
-    # of k3.infer.prepared: the same math over weights prepared once), through that backend.
+    # of k3.infer.prepared: the same math over weights prepared once), through that backend, which
+    # takes the stream as [B, H] rows.
     def _attn(self, h: torch.Tensor, res: torch.Tensor | None, state, segs: Segments | None,
               prepared) -> torch.Tensor:
         """res + token mixer(input_layernorm(h)); res None: the mixer's output alone."""
@@ -230,6 +231,8 @@ class K3Model(nn.Module):
         states = cache.layers if cache is not None else [None] * len(self.layers)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         preps = prepared.layers if prepared is not None else [None] * len(self.layers)
+        if prepared is not None:
+            x = x[:, 0]             # the prepared backend works on [B, H] rows (one token each)
         if cfg.attn_res_block_size is None:
             for layer, st, p in zip(self.layers, states, preps):
                 x = layer(x, st, segs, p)
@@ -247,7 +250,7 @@ class K3Model(nn.Module):
                 prepared.mix("output_attn_res", srcs)
         if cache is not None:
             cache.seq_lens = cache.seq_lens + T
-        return self.norm(x)
+        return self.norm(x) if prepared is None else prepared.norm(x)[:, None]
 
 
 @dataclass
