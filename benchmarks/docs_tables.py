@@ -180,6 +180,8 @@ def last_run(path: Path, bench: str) -> list[dict]:
 def _num(v) -> str:
     if v is None:
         return "—"
+    if float(v).is_integer():
+        return f"{int(v):,}"
     return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.3g}" if abs(v) < 10 else f"{v:,.1f}"
 
 
