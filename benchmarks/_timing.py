@@ -33,17 +33,24 @@ def _commit() -> str | None:
     return (sha + ("+dirty" if dirty else "")) or None
 
 
-def stamp(row: dict) -> dict:
-    """``row`` with ``machine`` (CPU model and cores), ``date`` and ``commit`` added where missing."""
+def stamp(row: dict, common: dict | None = None) -> dict:
+    """``row`` with ``machine`` (CPU model and cores), ``date`` and ``commit`` added where missing
+    (``common``: those three, computed once for many rows by ``measured_on``)."""
+    common = measured_on() if common is None else common
+    return {**row, **{k: v for k, v in common.items() if not row.get(k)}}
+
+
+def measured_on() -> dict:
+    """The machine, date and commit of this run."""
     from k3.rl.eval_rows import machine
 
-    return {**row, "machine": row.get("machine") or machine(), "date": row.get("date") or time.strftime("%Y-%m-%d"),
-            "commit": row.get("commit") or _commit()}
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "commit": _commit()}
 
 
 def append_results(path, rows) -> None:
     """Append each row, stamped (``stamp``), as one JSON line to ``path`` (its folder is made when missing)."""
+    common = measured_on()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         for r in rows:
-            fh.write(json.dumps(stamp(r)) + "\n")
+            fh.write(json.dumps(stamp(r, common)) + "\n")

@@ -49,7 +49,7 @@ from k3.ops.backend import c_unavailable, mode as kernels_mode
 from k3.ops.decode_layers import (KDALayer, MLALayer, MoELayer, kda_layer_step, mat, mla_layer_step,
                                   moe_layer_step, ptr)
 from k3.ops.decode_rows import attn_res_mix_c, gated_act_c
-from k3.ops.norm import inv_rms
+from k3.ops.norm import rms_norm_inference
 from k3.ops.packed_mm import PackedMatrix
 
 __all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsupported", "norm_const", "accepts",
@@ -355,9 +355,9 @@ class PreparedModel:
         return _mix(self.folded, prefix, sources)
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
-        """The final RMSNorm of [B, H] rows: torch's fp32 inference form of ``k3.ops.norm.rms_norm``
-        (three ops; the module's C op costs more than its math for a few rows)."""
-        return torch.mul(x, inv_rms(x, self.norm_eps, keepdim=True)).mul_(self.norm_w)
+        """The final RMSNorm of [B, H] rows in ``rms_norm``'s torch inference form (three ops; the
+        module's C op costs more than its math for a few rows)."""
+        return rms_norm_inference(x, self.norm_w, self.norm_eps)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, T, H] -> logits [B, T, V]."""

@@ -56,9 +56,12 @@ class AttnResPair(nn.Module):
             nn.init.zeros_(getattr(owner, f"{prefix}_proj").weight)
 
     @staticmethod
-    def mix(owner: nn.Module, prefix: str, sources: list[torch.Tensor]) -> torch.Tensor:
+    def mix(owner: nn.Module, prefix: str, sources: list[torch.Tensor], prepared=None) -> torch.Tensor:
         """Mix ``sources`` with the owner's pair; eager unless the owner's ``attn_res_compiled`` is
-        set (``K3ForCausalLM.compile_attn_res``, an opt-in: compiled rounding differs from eager)."""
+        set (``K3ForCausalLM.compile_attn_res``, an opt-in: compiled rounding differs from eager).
+        ``prepared``: the owner's prepared decode backend, which mixes with the pair folded."""
+        if prepared is not None:
+            return prepared.mix(prefix, sources)
         proj, norm = getattr(owner, f"{prefix}_proj"), getattr(owner, f"{prefix}_norm")
         compiled = getattr(owner, "attn_res_compiled", False) and len(sources) > 1
         fn = compiled_attn_res_mix if compiled else attn_res_mix
@@ -115,9 +118,6 @@ class DecoderLayer(nn.Module):
             return prepared.ffn(h, res)
         return res + self.ffn(self.post_attention_layernorm(h))
 
-    def _res_mix(self, prefix: str, sources: list[torch.Tensor], prepared) -> torch.Tensor:
-        return AttnResPair.mix(self, prefix, sources) if prepared is None else prepared.mix(prefix, sources)
-
     def forward(self, h: torch.Tensor, state=None, segs: Segments | None = None, prepared=None) -> torch.Tensor:
         """Standard pre-norm residual layer: h [B,T,H] -> [B,T,H]."""
         h = self._attn(h, h, state, segs, prepared)
@@ -127,8 +127,9 @@ class DecoderLayer(nn.Module):
                          state=None, segs: Segments | None = None, prepared=None) -> torch.Tensor:
         """One AttnRes layer: returns the new partial sum (see module docstring)."""
         srcs = blocks if partial is None else blocks + [partial]
-        partial = self._attn(self._res_mix("self_attention_res", srcs, prepared), partial, state, segs, prepared)
-        h = self._res_mix("mlp_res", blocks + [partial], prepared)
+        h = AttnResPair.mix(self, "self_attention_res", srcs, prepared)
+        partial = self._attn(h, partial, state, segs, prepared)
+        h = AttnResPair.mix(self, "mlp_res", blocks + [partial], prepared)
         return self._ffn(h, partial, prepared)
 
 
@@ -245,9 +246,7 @@ class K3Model(nn.Module):
                     blocks.append(partial)
                     partial = None
                 partial = layer.forward_attn_res(blocks, partial, st, segs, p)
-            srcs = blocks + [partial]
-            x = AttnResPair.mix(self, "output_attn_res", srcs) if prepared is None else \
-                prepared.mix("output_attn_res", srcs)
+            x = AttnResPair.mix(self, "output_attn_res", blocks + [partial], prepared)
         if cache is not None:
             cache.seq_lens = cache.seq_lens + T
         return self.norm(x) if prepared is None else prepared.norm(x)[:, None]

@@ -30,7 +30,7 @@ def attn_res_mix(sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weig
     """sources: n tensors [..., H]; query, norm_weight: [H] (query may be [1, H]) -> [..., H].
 
     fp32 sources on the CPU go through one C call forward and one backward (``k3::attn_res_mix``,
-    ``attn_res.c``: the folded form of ``attn_res_mix_folded``, no stacked copy of the sources);
+    ``attn_res.c``: the key norm's weight folded into the query, no stacked copy of the sources);
     anything else, or where the CPU kernels cannot be built, through the torch formulation of the
     module docstring. The two agree to fp32 rounding (tested against float64)."""
     if len(sources) == 0:

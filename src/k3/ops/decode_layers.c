@@ -254,7 +254,7 @@ int k3_mla_layer_step(const k3_mla_layer *L, int64_t B, const float *x, const fl
 }
 
 /* The layout of struct `which` (0 k3_mat, 1 k3_kda_layer, 2 k3_mla_layer, 3 k3_moe_layer), for
- * k3.ops.decode_layers to check its ctypes structs against: out = its sizeof, then the offsetof and the
+ * k3.ops.kernel_structs to check its ctypes structs against: out = its sizeof, then the offsetof and the
  * sizeof of each field in declaration order. Returns the count written; -1 for an unknown struct or
  * when n is too small. */
 #define K3_FIELD(T, f) offsetof(T, f), sizeof(((T *)0)->f)
