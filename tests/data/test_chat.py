@@ -184,7 +184,9 @@ def _base():
 BAD = [
     (lambda m: m[0].update(role="developer"), r"messages\[0\]\.role must be one of"),
     (lambda m: m[0].update(content=[{"type": "image_url", "image_url": {"url": "x"}}]),
-     r"messages\[0\]\.content\[0\]: only text parts"),
+     r"messages\[0\]\.content\[0\] is an image, but this model has no vision tower"),
+    (lambda m: m[0].update(content=[{"type": "input_audio", "input_audio": {}}]),
+     r"messages\[0\]\.content\[0\]: a content part must be of type 'text'"),
     (lambda m: m[0].update(content=5), r"messages\[0\]\.content must be a string"),
     (lambda m: m[0].update(content="bad \ud800"), r"messages\[0\]\.content is not valid Unicode"),
     (lambda m: m[0].update(name="bob"), r"messages\[0\]\.name is not supported"),

@@ -78,6 +78,9 @@ _SFT_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--data", "sft_data", str, "chat JSONL file or directory (conversations and k3 task trajectories)"),
     ("--skip-bad", "skip_bad", bool, "count and report bad rows instead of stopping at the first"),
     ("--include-failed", "include_failed", bool, "also train on trajectories whose verdict did not pass"),
+    ("--vision", "vision", str, "add a new vision tower of this preset (nano | tiny | small) to a text "
+     "checkpoint: its data may hold images"),
+    ("--freeze-vision", "freeze_vision", bool, "keep the vision tower's weights fixed (the projector trains)"),
 ]
 
 
@@ -174,6 +177,9 @@ def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = No
     if sft and not args.resume and not args.sft_data:
         return _run_guarded(cmd, _missing("--data FILE_OR_DIR (the conversations) is required"))
     if args.nproc is not None:
+        if getattr(args, "vision", None) or _has_vision(getattr(args, "init_from", None) or args.resume):
+            return _run_guarded(cmd, _missing(
+                "--nproc: a model with a vision tower trains in one process for now (drop --nproc)"))
         return _run_guarded(cmd, lambda: launch_torchrun(args.nproc, argv, cmd))
 
     def run() -> int:
@@ -187,6 +193,20 @@ def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = No
             return _train(args, trainer_hook)
 
     return _run_guarded(cmd, run)
+
+
+def _has_vision(path: str | None) -> bool:
+    """Whether the checkpoint (or run) at ``path`` is a vision model; False when it cannot tell
+    (the trainer then reports what is wrong with ``path``)."""
+    if not path:
+        return False
+    from k3.config import K3Config
+    from k3.errors import K3Error
+    from k3.train.config import init_model_dir
+    try:
+        return K3Config.from_json(str(init_model_dir(path).model / "config.json")).vision_config is not None
+    except (K3Error, OSError, ValueError):
+        return False
 
 
 def _missing(message: str) -> Callable[[], int]:

@@ -249,3 +249,31 @@ class ImageProcConfig:
         """Merged tokens (``<|media_pad|>`` count) of a width × height image."""
         _, h, w = self.grid_thw(width, height)
         return (h // self.merge_kernel_size[0]) * (w // self.merge_kernel_size[1])
+
+
+# The kimi_k3 wrapper's key for the <|media_pad|> id (163605 in the release).
+MEDIA_PAD_KEY = "media_placeholder_token_id"
+
+
+def image_proc_for(vc: VisionConfig) -> ImageProcConfig:
+    """The release's preprocessing (``media_proc_cfg``) with the tower's patch size and merge kernel."""
+    return ImageProcConfig(patch_size=vc.patch_size, merge_kernel_size=list(vc.merge_kernel_size))
+
+
+def with_vision(config, vc: VisionConfig, media_pad_token_id: int):
+    """A copy of the text config ``config`` with a vision tower: ``vc`` projecting into its width,
+    and the kimi_k3 wrapper naming ``media_pad_token_id`` (the tokenizer's ``<|media_pad|>``)."""
+    from k3.config.hf import DEFAULT_WRAPPER
+
+    if config.vision_config is not None:
+        raise ConfigError("the model already has a vision tower (its config has a vision_config)")
+    check_int("media_pad_token_id", media_pad_token_id, lo=0)
+    if media_pad_token_id >= config.vocab_size:
+        raise ConfigError(f"media_pad_token_id {media_pad_token_id} is outside the vocabulary "
+                          f"[0, {config.vocab_size})")
+    out = config.replace()
+    d = vc.to_dict()
+    d["text_hidden_size"] = config.hidden_size
+    out.vision_config = VisionConfig.from_dict(d).to_dict()
+    out.wrapper = {**copy.deepcopy(config.wrapper or DEFAULT_WRAPPER), MEDIA_PAD_KEY: media_pad_token_id}
+    return out

@@ -14,21 +14,36 @@ the messages, so the prompt of turn N+1 starts with the ids of turn N's prompt p
 tokens (when those are the tokenizer's own encoding of the text, which greedy BPE output is not
 always; the prefix cache then hits up to the first differing token).
 
+Images (SPEC §3.9, issue 34): a user or tool message's content may hold OpenAI image parts,
+``{"type": "image_url", "image_url": {"url": U}}`` with U a ``data:image/...;base64`` URL or a file
+path (relative paths under ``base_dir``; http(s) refused: no network). Each renders in place, as the
+release does, as ``<|media_begin|>image {W}x{H}<|media_content|>`` + N × ``<|media_pad|>`` +
+``<|media_end|>`` with the image's original W×H and N = ``ImageProcConfig.num_tokens(W, H)``; the
+vision tower's rows replace the pads in prompt order. :meth:`ChatFormat.render_chat` returns the
+ids with the decoded images in that order; ``render`` / ``render_for_training`` stay text-only and
+refuse an image part (their callers would drop it).
+
 The streaming parser (ids -> reasoning, content, tool calls) is ``k3.data.chat_parser``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from PIL import Image
+
+from k3.config.vision import ImageProcConfig
 from k3.data.chat_parser import TOOL_CALL_ID, ChatParser
+from k3.data.images import MAX_IMAGE_PIXELS, open_image
 from k3.data.tokenizer import CHAT_TOKENS, Tokenizer
 from k3.errors import K3Error
 
-__all__ = ["ChatFormat", "EFFORTS", "DEFAULT_EFFORT", "THINKING_CAPS", "thinking_budget",
-           "CHAT_TOKENS", "canonical_json"]
+__all__ = ["ChatFormat", "ChatImage", "RenderedChat", "EFFORTS", "DEFAULT_EFFORT", "THINKING_CAPS",
+           "thinking_budget", "CHAT_TOKENS", "canonical_json"]
 
 EFFORTS = ("low", "high", "max")
 DEFAULT_EFFORT = "max"  # what the server uses when a request names none (SPEC §6.4)
@@ -62,28 +77,99 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
-def _text(value: Any, where: str, optional: bool = False) -> str:
-    """A message content: a str, or a list of ``{"type": "text", "text": str}`` parts (joined)."""
-    if value is None and optional:
-        return ""
-    if isinstance(value, str):
-        out = value
-    elif isinstance(value, list):
-        parts = []
-        for j, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise K3Error(f"{where}[{j}]: only text parts are supported "
-                              f"(type 'text' with a str 'text'), got type {kind!r}")
-            parts.append(part["text"])
-        out = "".join(parts)
-    else:
-        raise K3Error(f"{where} must be a string or a list of text parts, got {type(value).__name__}")
+@dataclass
+class ChatImage:
+    """An image of a chat, in prompt order: where it came from, its original size, its pixels."""
+    where: str                  # e.g. "messages[1].content[0]"
+    source: str                 # the URL or path as sent
+    size: tuple[int, int]       # original (W, H), the prompt's "image {W}x{H}"
+    num_tokens: int             # its <|media_pad|> count
+    image: Image.Image          # decoded, in the file's own mode (k3.data.images.preprocess takes it)
+
+
+@dataclass
+class RenderedChat:
+    """``render_chat``'s result: token ids, the SFT loss mask, and the images in prompt order."""
+    ids: list[int]
+    mask: list[int]
+    images: list[ChatImage] = field(default_factory=list)
+
+
+def _check_unicode(out: str, where: str) -> str:
     try:
         out.encode("utf-8")
     except UnicodeEncodeError:
         raise K3Error(f"{where} is not valid Unicode (a lone surrogate)") from None
     return out
+
+
+def _image_url(part: Mapping, where: str) -> str:
+    """The URL of an ``image_url`` part (``{"url": U, "detail"?: "auto"}``, or U itself)."""
+    spec = part.get("image_url")
+    if isinstance(spec, str):
+        url = spec
+    elif isinstance(spec, Mapping):
+        unknown = set(spec) - {"url", "detail"}
+        if unknown:
+            raise K3Error(f"{where}.image_url has unknown fields {sorted(unknown)}")
+        if spec.get("detail", "auto") != "auto":
+            raise K3Error(f"{where}.image_url.detail {spec.get('detail')!r} is not supported: k3 sees "
+                          "every image at its own resolution (send 'auto' or leave it out)")
+        url = spec.get("url")
+    else:
+        url = None
+    if not isinstance(url, str) or not url:
+        raise K3Error(f"{where}.image_url.url must be a non-empty string (a data: URL or a file path)")
+    return url
+
+
+def _content(value: Any, where: str, images: bool = False, optional: bool = False) -> list:
+    """A message content as segments: one str (text parts joined), or, where ``images`` is allowed,
+    str runs and image URLs (``_ImageRef``) in order. A str content is one segment."""
+    if value is None and optional:
+        return [""]
+    if isinstance(value, str):
+        return [_check_unicode(value, where)]
+    if not isinstance(value, list):
+        raise K3Error(f"{where} must be a string or a list of content parts, got {type(value).__name__}")
+    segs: list = [""]
+    for j, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            if isinstance(segs[-1], str):
+                segs[-1] += part["text"]
+            else:
+                segs.append(part["text"])
+        elif kind == "image_url" and images:
+            segs.append(_ImageRef(f"{where}[{j}]", _image_url(part, f"{where}[{j}]")))
+        elif kind == "image_url":
+            raise K3Error(f"{where}[{j}]: an image part is not allowed in this message "
+                          "(images go in user and tool messages)")
+        else:
+            allowed = "'text' (with a str 'text') or 'image_url'" if images else "'text' (with a str 'text')"
+            raise K3Error(f"{where}[{j}]: a content part must be of type {allowed}, got type {kind!r}")
+    for seg in segs:
+        if isinstance(seg, str):
+            _check_unicode(seg, where)
+    return segs
+
+
+def _text(value: Any, where: str, optional: bool = False) -> str:
+    """A text-only content: a str, or a list of ``{"type": "text", "text": str}`` parts (joined)."""
+    return _content(value, where, optional=optional)[0]
+
+
+@dataclass(frozen=True)
+class _ImageRef:
+    where: str
+    url: str
+
+
+@dataclass
+class _Images:
+    """The images one render collects, and where relative paths lie."""
+    base_dir: str | os.PathLike | None
+    items: list[ChatImage] = field(default_factory=list)
 
 
 def _reasoning(m: Mapping, where: str) -> str | None:
@@ -114,16 +200,26 @@ class ChatFormat:
     """Renderer of SPEC §6.3 over a tokenizer that has the chat tokens.
 
     ``render(messages)`` -> ids; ``render_for_training(messages)`` -> (ids, loss_mask);
-    ``parser()`` -> a streaming ``ChatParser`` of the same format.
+    ``render_chat(messages)`` -> :class:`RenderedChat` (ids, mask, images); ``parser()`` -> a
+    streaming ``ChatParser`` of the same format. ``image_proc`` (the model's image preprocessing)
+    allows images: without it an image part is refused, naming it.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, image_proc: ImageProcConfig | None = None, *,
+                 max_image_pixels: int = MAX_IMAGE_PIXELS):
         if tokenizer.chat_token_ids is None:
             raise K3Error("tokenizer has no chat tokens (missing "
                           f"{', '.join(tokenizer.missing_chat_tokens)}): it was trained by an older "
                           "k3; retrain it (a new run does) to render chats")
+        if image_proc is not None and tokenizer.media_token_ids is None:
+            raise K3Error("tokenizer has no media tokens (<|media_begin|>, <|media_content|>, "
+                          "<|media_end|>, <|media_pad|>): it was trained by k3 before vision; "
+                          "retrain it to render images")
         self.tok = tokenizer
         self.ids = dict(tokenizer.chat_token_ids)
+        self.media_ids = dict(tokenizer.media_token_ids or {})
+        self.image_proc = image_proc
+        self.max_image_pixels = max_image_pixels
         self.end_id = self.ids["<|im_end|>"]
         self.think_end_id = self.ids["</think>"]
 
@@ -132,20 +228,53 @@ class ChatFormat:
                reasoning_effort: str | None = None, add_generation_prompt: bool = True,
                allow_missing_reasoning: bool = False) -> list[int]:
         """Token ids of the conversation, ending with the generation prompt unless told not to."""
-        ids, _ = self._render(messages, tools, reasoning_effort, add_generation_prompt,
-                              allow_missing_reasoning)
-        return ids
+        return self._text_only(self.render_chat(
+            messages, tools=tools, reasoning_effort=reasoning_effort,
+            add_generation_prompt=add_generation_prompt,
+            allow_missing_reasoning=allow_missing_reasoning)).ids
 
     def render_for_training(self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | None = None,
                             reasoning_effort: str | None = None,
                             allow_missing_reasoning: bool = False) -> tuple[list[int], list[int]]:
         """(ids, loss_mask): mask 1 exactly on assistant bodies after ``<think>`` (reasoning,
         ``</think>``, content, the tool-call section) and their closing ``<|im_end|>``."""
-        return self._render(messages, tools, reasoning_effort, False, allow_missing_reasoning)
+        r = self._text_only(self.render_chat(messages, tools=tools, reasoning_effort=reasoning_effort,
+                                             add_generation_prompt=False,
+                                             allow_missing_reasoning=allow_missing_reasoning))
+        return r.ids, r.mask
+
+    def render_chat(self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | None = None,
+                    reasoning_effort: str | None = None, add_generation_prompt: bool = True,
+                    allow_missing_reasoning: bool = False,
+                    base_dir: str | os.PathLike | None = None) -> RenderedChat:
+        """Ids, loss mask (as ``render_for_training``'s) and the chat's images in prompt order, each
+        decoded (a bad image is a K3Error naming its part). ``base_dir``: where relative image
+        paths lie (a JSONL file's folder)."""
+        images = _Images(base_dir)
+        ids, mask = self._render(messages, tools, reasoning_effort, add_generation_prompt,
+                                 allow_missing_reasoning, images)
+        return RenderedChat(ids, mask, images.items)
+
+    @staticmethod
+    def _text_only(r: RenderedChat) -> RenderedChat:
+        if r.images:
+            raise K3Error(f"{r.images[0].where} is an image: render this chat with render_chat, "
+                          "which returns its images for the vision tower")
+        return r
 
     def generation_prompt(self) -> list[int]:
         return [self.ids["<|im_assistant|>"], *self.tok.encode("assistant"),
                 self.ids["<|im_middle|>"], self.ids["<think>"]]
+
+    def media_block(self, size: tuple[int, int], num_tokens: int) -> list[int]:
+        """``<|media_begin|>image {W}x{H}<|media_content|>`` + N × ``<|media_pad|>`` + ``<|media_end|>``."""
+        m = self.media_ids
+        return [m["<|media_begin|>"], *self.tok.encode(f"image {size[0]}x{size[1]}"),
+                m["<|media_content|>"], *[m["<|media_pad|>"]] * num_tokens, m["<|media_end|>"]]
+
+    @property
+    def media_pad_id(self) -> int | None:
+        return self.media_ids.get("<|media_pad|>")
 
     def parser(self, in_reasoning: bool = True):
         """A streaming parser for one generated assistant message (after the generation prompt)."""
@@ -159,7 +288,8 @@ class ChatFormat:
         return p.finish(finish_reason)
 
     # ----------------------------------------------------------------------------- render
-    def _render(self, messages, tools, effort, add_generation_prompt, allow_missing_reasoning):
+    def _render(self, messages, tools, effort, add_generation_prompt, allow_missing_reasoning,
+                images: "_Images"):
         if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
             raise K3Error(f"messages must be a list of message objects, got {type(messages).__name__}")
         if effort is not None and effort not in EFFORTS:
@@ -177,11 +307,13 @@ class ChatFormat:
             if role == "assistant":
                 self._assistant(ids, mask, m, where, calls_seen, allow_missing_reasoning)
             elif role == "tool":
-                self._tool_result(ids, mask, m, where, calls_seen)
+                self._tool_result(ids, mask, m, where, calls_seen, images)
+            elif role == "user":
+                self._turn(ids, mask, role, role, _content(m.get("content"), f"{where}.content", images=True),
+                           images)
             else:
                 body = _text(m.get("content"), f"{where}.content")
-                pieces = [body, system_extra] if i == 0 and role == "system" else [body]
-                self._turn(ids, mask, role, role, pieces)
+                self._turn(ids, mask, role, role, [body, system_extra] if i == 0 else [body])
         if add_generation_prompt:
             gen = self.generation_prompt()
             ids += gen
@@ -227,14 +359,34 @@ class ChatFormat:
                 raise K3Error(f"{where}.{k} is not supported on a {role} message")
         return role
 
-    def _turn(self, ids, mask, marker_role: str, name: str, pieces: Sequence[str]) -> None:
-        body = "\n\n".join(p for p in pieces if p)
+    def _turn(self, ids, mask, marker_role: str, name: str, pieces: Sequence, images=None) -> None:
+        """One message. ``pieces``: text pieces joined by a blank line (a system body and its
+        extra), or a user / tool body's segments (text runs and image references, in order)."""
+        if any(isinstance(p, _ImageRef) for p in pieces):
+            body = []
+            for p in pieces:
+                body += self._image(p, images) if isinstance(p, _ImageRef) else self.tok.encode(p)
+        else:
+            body = self.tok.encode("\n\n".join(p for p in pieces if p))
         head = [self.ids[f"<|im_{marker_role}|>"], *self.tok.encode(name), self.ids["<|im_middle|>"]]
-        seg = head + self.tok.encode(body) + [self.end_id]
+        seg = head + body + [self.end_id]
         ids += seg
         mask += [0] * len(seg)
 
-    def _tool_result(self, ids, mask, m, where, calls_seen) -> None:
+    def _image(self, ref: _ImageRef, images: "_Images") -> list[int]:
+        """Open one image part, record it, and return its media block."""
+        if self.image_proc is None:
+            raise K3Error(f"{ref.where} is an image, but this model has no vision tower "
+                          "(a text-only model reads text parts only)")
+        try:
+            im = open_image(ref.url, max_pixels=self.max_image_pixels, base_dir=images.base_dir)
+        except K3Error as e:
+            raise K3Error(f"{ref.where}: {e}") from None
+        n = self.image_proc.num_tokens(*im.size)
+        images.items.append(ChatImage(ref.where, ref.url, im.size, n, im))
+        return self.media_block(im.size, n)
+
+    def _tool_result(self, ids, mask, m, where, calls_seen, images) -> None:
         cid = m.get("tool_call_id")
         if not isinstance(cid, str) or not cid:
             raise K3Error(f"{where}.tool_call_id is required on a tool message (a str)")
@@ -245,8 +397,12 @@ class ChatFormat:
         if name is not None and name != calls_seen.names[rid]:
             raise K3Error(f"{where}.name {name!r} is not the function of call {cid!r} "
                           f"({calls_seen.names[rid]!r})")
-        body = f"Result of {rid}\n" + _text(m.get("content"), f"{where}.content")
-        self._turn(ids, mask, "system", "tool", [body])
+        segs = _content(m.get("content"), f"{where}.content", images=True)
+        if isinstance(segs[0], str):
+            segs[0] = f"Result of {rid}\n" + segs[0]
+        else:
+            segs.insert(0, f"Result of {rid}\n")
+        self._turn(ids, mask, "system", "tool", segs, images)
 
     def _assistant(self, ids, mask, m, where, calls_seen, allow_missing_reasoning) -> None:
         calls = m.get("tool_calls") or []

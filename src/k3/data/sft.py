@@ -25,6 +25,14 @@ both lie in the same conversation and t + 1 carries loss, else ``IGNORE_INDEX``;
 the conversations, so the model runs each alone (``K3Model.forward(doc_ids=...)``). A conversation
 longer than ``seq_len`` keeps its first ``seq_len`` tokens (counted as truncated); one left with no
 trained token is dropped (counted). The batch cursor (epoch, row) is the resumable state.
+
+Images (a vision model: ``image_proc`` given): a user or tool message may hold image parts
+(``k3.data.chat``; a relative path is read under the JSONL file's folder). A conversation keeps its
+images' sources (a data URL, or the file's absolute path) and a digest of their pixels (part of the
+data fingerprint and of the split bucket); each batch then carries ``pixel_values`` and
+``grid_thws`` of its rows' images in token order (row-major across the batch), preprocessed when
+the batch is made. A truncated conversation is cut before the first media block that would not fit
+whole, so a row never holds half an image.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from k3.data.chat import EFFORTS, ChatFormat
+from k3.config.vision import ImageProcConfig
+from k3.data.chat import EFFORTS, ChatFormat, ChatImage
+from k3.data.images import preprocess
 from k3.data.packing import IGNORE_INDEX
 from k3.data.tokenizer import Tokenizer
 from k3.errors import ConfigError, K3Error
@@ -60,6 +70,8 @@ class Conversation:
     ids: list[int]
     mask: list[int]
     meta: dict = field(default_factory=dict)
+    images: list[str] = field(default_factory=list)   # sources, in token order
+    image_digest: str = ""                             # sha256 of their pixels ("" without images)
 
     @property
     def trained(self) -> int:
@@ -103,6 +115,31 @@ def read_chat_file(f: Path) -> Iterator[tuple[str, Any]]:
             yield f"{f}", SFTError(f"{f}: not UTF-8 text ({e})")
 
 
+def _base_dir(where: str) -> Path | None:
+    """The folder of the file a row came from (``where`` is ``file:line`` or ``file``)."""
+    head, _, line = where.rpartition(":")
+    path = Path(head if line.isdigit() else where)
+    return path.parent if path.parent != Path("") else None
+
+
+def _image_source(im: ChatImage, base_dir: Path | None) -> str:
+    """What the batch reopens: a data URL as sent, a file path made absolute."""
+    if im.source.startswith("data:"):
+        return im.source
+    p = Path(im.source)
+    return str(p if p.is_absolute() or base_dir is None else (base_dir / p).absolute())
+
+
+def _image_digest(images: Sequence[ChatImage]) -> str:
+    if not images:
+        return ""
+    h = hashlib.sha256()
+    for im in images:
+        h.update(f"{im.image.mode}:{im.size[0]}x{im.size[1]}:".encode())
+        h.update(im.image.tobytes())
+    return h.hexdigest()
+
+
 def _conversation(fmt: ChatFormat, where: str, row: Any) -> Conversation:
     if isinstance(row, SFTError):
         raise row
@@ -120,33 +157,59 @@ def _conversation(fmt: ChatFormat, where: str, row: Any) -> Conversation:
     meta = row.get("meta", row.get("metadata")) or {}
     if not isinstance(meta, dict):
         raise SFTError(f"{where}: meta must be an object")
+    base = _base_dir(where)
     try:
-        ids, mask = fmt.render_for_training(msgs, tools=row.get("tools"), reasoning_effort=effort)
+        r = fmt.render_chat(msgs, tools=row.get("tools"), reasoning_effort=effort,
+                            add_generation_prompt=False, base_dir=base)
     except K3Error as e:
         raise SFTError(f"{where}: {e}") from None
     if not any(m.get("role") == "assistant" for m in msgs):
         raise SFTError(f"{where}: messages has no assistant message (nothing to train on)")
-    return Conversation(where, ids, mask, dict(meta))
+    return Conversation(where, r.ids, r.mask, dict(meta), [_image_source(im, base) for im in r.images],
+                        _image_digest(r.images))
 
 
-def _val_bucket(ids: Sequence[int]) -> int:
-    return int.from_bytes(hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()[:8], "big") % 100
+def _truncate(conv: Conversation, seq_len: int, fmt: ChatFormat) -> None:
+    """Cut ``conv`` to at most ``seq_len`` tokens, before any media block that would not fit whole
+    (its images after the cut are dropped with it)."""
+    cut = seq_len
+    if conv.images:
+        begin, end = fmt.media_ids["<|media_begin|>"], fmt.media_ids["<|media_end|>"]
+        starts = [i for i, t in enumerate(conv.ids) if t == begin]
+        ends = [i for i, t in enumerate(conv.ids) if t == end]
+        kept = 0
+        for s, e in zip(starts, ends):
+            if e >= seq_len:
+                cut = min(cut, s)
+                break
+            kept += 1
+        conv.images = conv.images[:kept]
+    conv.ids, conv.mask = conv.ids[:cut], conv.mask[:cut]
+
+
+def _val_bucket(conv: Conversation) -> int:
+    h = hashlib.sha256(np.asarray(conv.ids, dtype=np.int64).tobytes())
+    h.update(conv.image_digest.encode())
+    return int.from_bytes(h.digest()[:8], "big") % 100
 
 
 class ChatData:
     """Conversations of an SFT run: rendered, split, with what the Trainer reports about its data.
 
-    ``rows``: ``(where, row)`` pairs (``read_chat_rows`` of ``path`` by default).
+    ``rows``: ``(where, row)`` pairs (``read_chat_rows`` of ``path`` by default). ``image_proc``: a
+    vision model's preprocessing (images allowed; batches carry pixels), else images are refused.
     """
 
     def __init__(self, path: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, val_percent: int = 2,
                  skip_bad: bool = False, include_failed: bool = False,
-                 read_rows: Callable[..., Iterable[tuple[str, Any]]] = read_chat_rows):
+                 read_rows: Callable[..., Iterable[tuple[str, Any]]] = read_chat_rows,
+                 image_proc: ImageProcConfig | None = None):
         self.name = f"chat:{path}"
         self.path = str(path)
         self.tokenizer = tokenizer
         self.seq_len = seq_len
-        fmt = ChatFormat(tokenizer)
+        self.image_proc = image_proc
+        fmt = ChatFormat(tokenizer, image_proc)
         self.bad: list[str] = []
         self.truncated = self.dropped = 0
         train: list[Conversation] = []
@@ -161,14 +224,15 @@ class ChatData:
                 self.bad.append(str(e))
                 continue
             if len(conv.ids) > seq_len:
-                conv.ids, conv.mask = conv.ids[:seq_len], conv.mask[:seq_len]
+                _truncate(conv, seq_len, fmt)
                 self.truncated += 1
             if sum(conv.mask[1:]) == 0:  # the first token is never a label
                 self.dropped += 1
                 continue
             h.update(np.asarray(conv.ids, dtype=np.int64).tobytes())
             h.update(np.asarray(conv.mask, dtype=np.int8).tobytes())
-            (val if _val_bucket(conv.ids) < val_percent else train).append(conv)
+            h.update(conv.image_digest.encode())
+            (val if _val_bucket(conv) < val_percent else train).append(conv)
         if not train:
             raise ConfigError(f"--data {path}: no training conversation"
                               + (f" ({len(self.bad)} bad rows skipped)" if self.bad else ""))
@@ -182,24 +246,27 @@ class ChatData:
         return 0
 
     def doc_digests(self) -> dict[str, str]:
-        return {c.where: hashlib.sha256(np.asarray(c.ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+        return {c.where: hashlib.sha256(np.asarray(c.ids, dtype=np.int64).tobytes()
+                                        + c.image_digest.encode()).hexdigest()[:16]
                 for c in self.train + self.validation}
 
     def counts(self) -> dict[str, int]:
         return {"train_conversations": len(self.train), "val_conversations": len(self.validation),
                 "train_tokens": sum(len(c.ids) for c in self.train),
                 "trained_tokens": sum(c.trained for c in self.train),
+                "train_images": sum(len(c.images) for c in self.train),
                 "bad_rows": len(self.bad), "truncated": self.truncated, "dropped": self.dropped}
 
     def summary(self) -> str:
         c = self.counts()
         extra = [f"{c[k]} {k.replace('_', ' ')}" for k in ("bad_rows", "truncated", "dropped") if c[k]]
+        images = f", {c['train_images']:,} images" if c["train_images"] else ""
         return (f"sft data {self.path}: {c['train_conversations']} training conversations "
-                f"({c['train_tokens']:,} tokens, {c['trained_tokens']:,} with loss), "
+                f"({c['train_tokens']:,} tokens, {c['trained_tokens']:,} with loss{images}), "
                 f"{c['val_conversations']} validation" + (f"; {', '.join(extra)}" if extra else ""))
 
     def batches(self, batch_size: int, seed: int) -> "SFTBatches":
-        return SFTBatches(self.train, batch_size, self.seq_len, seed)
+        return SFTBatches(self.train, batch_size, self.seq_len, seed, self.image_proc)
 
     def eval_batches(self, batch_size: int, max_batches: int | None = None):
         """Validation rows packed in corpus order, B at a time (the last batch may be short)."""
@@ -207,7 +274,7 @@ class ChatData:
         for b, r0 in enumerate(range(0, len(rows), batch_size)):
             if max_batches is not None and b >= max_batches:
                 return
-            yield _stack(rows[r0:r0 + batch_size], self.seq_len)
+            yield _stack(rows[r0:r0 + batch_size], self.seq_len, self.image_proc)
 
 
 def pack_rows(convs: Sequence[Conversation], seq_len: int) -> list[list[Conversation]]:
@@ -224,8 +291,9 @@ def pack_rows(convs: Sequence[Conversation], seq_len: int) -> list[list[Conversa
     return rows
 
 
-def _stack(rows: Sequence[Sequence[Conversation]], T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, labels, doc_ids) int64 [len(rows), T] (module docstring)."""
+def _stack(rows: Sequence[Sequence[Conversation]], T: int, image_proc: ImageProcConfig | None = None) -> tuple:
+    """(input_ids, labels, doc_ids) int64 [len(rows), T] (module docstring); with ``image_proc``
+    also (pixel_values, grid_thws) of the rows' images in token order."""
     B = len(rows)
     x = torch.zeros(B, T, dtype=torch.long)
     y = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
@@ -241,18 +309,24 @@ def _stack(rows: Sequence[Sequence[Conversation]], T: int) -> tuple[torch.Tensor
             d[r, s:s + n] = j
             s += n
         d[r, s:] = len(row)  # padding: a document of its own
-    return x, y, d
+    if image_proc is None:
+        return x, y, d
+    pixel_values, grid_thws, _ = preprocess([src for row in rows for c in row for src in c.images], image_proc)
+    return x, y, d, pixel_values, grid_thws
 
 
 class SFTBatches:
-    """Resumable batches of B packed rows: ``next_batch(seq_len) -> (input_ids, labels, doc_ids)``.
+    """Resumable batches of B packed rows: ``next_batch(seq_len) -> (input_ids, labels, doc_ids)``
+    (+ ``pixel_values, grid_thws`` with ``image_proc``).
 
     The state is (epoch, row): rows of epoch e are ``pack_rows`` of the training conversations in
     the permutation of ``default_rng([seed, e])``; an epoch with fewer than B rows left wraps.
     """
 
-    def __init__(self, convs: Sequence[Conversation], batch_size: int, seq_len: int, seed: int):
+    def __init__(self, convs: Sequence[Conversation], batch_size: int, seq_len: int, seed: int,
+                 image_proc: ImageProcConfig | None = None):
         self.convs, self.batch_size, self.seq_len, self.seed = list(convs), batch_size, seq_len, seed
+        self.image_proc = image_proc
         self.epoch = self.row = self.batches = 0
         self._rows: tuple[int, list] | None = None
         if len(self._epoch_rows()) < batch_size:
@@ -276,7 +350,7 @@ class SFTBatches:
         if self.row + self.batch_size > len(rows):
             self.epoch, self.row = self.epoch + 1, 0
             rows = self._epoch_rows()
-        batch = _stack(rows[self.row:self.row + self.batch_size], self.seq_len)
+        batch = _stack(rows[self.row:self.row + self.batch_size], self.seq_len, self.image_proc)
         self.row += self.batch_size
         self.batches += 1
         return batch

@@ -9,14 +9,17 @@ Special-token strings that occur *in data* are encoded as ordinary text (``encod
 so a corpus can never inject an EOS or a chat marker; pass ``allow_special=True`` to ``encode`` where
 a template means them (the chat renderer, ``k3.data.chat``, inserts their ids directly).
 
-The special tokens are ``<|endoftext|>`` then the chat tokens of SPEC §6.3 (``CHAT_TOKENS``, ids
-1..13 in that order, stored in the tokenizer file as its added tokens). Tokenizer files written by
-older k3 (without some chat token) still load; ``chat_token_ids`` is then ``None`` and the chat
-renderer refuses them with a K3Error.
+The special tokens are ``<|endoftext|>``, then the chat tokens of SPEC §6.3 (``CHAT_TOKENS``, ids
+1..13 in that order), then the release's media tokens (``MEDIA_TOKENS``, ids 14..17:
+``<|media_begin|>``, ``<|media_content|>``, ``<|media_end|>``, ``<|media_pad|>``; an image renders as
+``<|media_begin|>image {W}x{H}<|media_content|>`` + N × ``<|media_pad|>`` + ``<|media_end|>``), all
+stored in the tokenizer file as its added tokens. Tokenizer files written by older k3 still load:
+without some chat token ``chat_token_ids`` is ``None`` and the chat renderer refuses them; without
+the media tokens ``media_token_ids`` is ``None`` and only an image in a chat is refused.
 
 A trained tokenizer is cached at ``$K3_CACHE_DIR/tokenizers/<key>/tokenizer.json``
 (``K3_CACHE_DIR`` defaults to ``~/.cache/k3``), key = sha256 of (corpus fingerprint, vocab size,
-special tokens, format version: 2 since the chat tokens joined, so a tokenizer cached by an older
+special tokens, format version: 3 since the media tokens joined, so a tokenizer cached by an older
 k3 is never reused for a new run), and saved beside a checkpoint as ``tokenizer.json``. A cached file
 that does not parse (truncated, edited) is retrained with a warning naming it.
 """
@@ -38,7 +41,7 @@ from k3.errors import K3Error
 from k3.fsutil import atomic_write
 
 __all__ = ["Tokenizer", "train_tokenizer", "get_tokenizer", "cache_dir", "EOS_TOKEN",
-           "CHAT_TOKENS", "SPECIAL_TOKENS"]
+           "CHAT_TOKENS", "MEDIA_TOKENS", "SPECIAL_TOKENS"]
 
 EOS_TOKEN = "<|endoftext|>"
 # The chat format's markers (SPEC §6.3): roles, thinking tags, tool calls, media; order fixes ids.
@@ -46,8 +49,10 @@ CHAT_TOKENS = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|
                "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
                "<|media_placeholder|>")
-SPECIAL_TOKENS = (EOS_TOKEN, *CHAT_TOKENS)
-_FORMAT_VERSION = 2
+# The release's media markers (research/vision_moonvit.md §4.3; ids 163602..163605 there).
+MEDIA_TOKENS = ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+SPECIAL_TOKENS = (EOS_TOKEN, *CHAT_TOKENS, *MEDIA_TOKENS)
+_FORMAT_VERSION = 3
 # GPT-2's byte alphabet: printable Latin-1 bytes stand for themselves, the other 68 bytes are
 # spelled with code points 256.. in byte order. Byte-level BPE token strings use it.
 _PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -77,6 +82,10 @@ class Tokenizer:
         self.chat_token_ids: dict[str, int] | None = (
             None if any(i is None for i in ids.values()) else ids)
         self.missing_chat_tokens = tuple(t for t, i in ids.items() if i is None)
+        media = {t: hf.token_to_id(t) for t in MEDIA_TOKENS}
+        # None for a tokenizer file of k3 before vision: its chats render, images are refused
+        self.media_token_ids: dict[str, int] | None = (
+            None if any(i is None for i in media.values()) else media)
         self._bytes: list[bytes] | None = None
 
     # --------------------------------------------------------------------------------- io

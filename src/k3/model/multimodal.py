@@ -30,11 +30,10 @@ from k3.config import K3Config, check_int
 from k3.errors import ConfigError, K3Error
 from k3.model.decoder import CausalLMOutput, K3ForCausalLM
 from k3.model.vision import VisionModel
-from k3.config.vision import vision_config_of
+from k3.config.vision import MEDIA_PAD_KEY, image_proc_for, vision_config_of
 
 __all__ = ["K3VLForConditionalGeneration", "MEDIA_PAD_KEY", "RELEASE_MEDIA_PAD_TOKEN_ID", "media_pad_token_id_of"]
 
-MEDIA_PAD_KEY = "media_placeholder_token_id"  # the kimi_k3 wrapper's key for <|media_pad|>
 RELEASE_MEDIA_PAD_TOKEN_ID = 163605
 
 
@@ -114,6 +113,20 @@ class K3VLForConditionalGeneration(nn.Module):
 
     def new_cache(self, batch_size: int):
         return self.language_model.new_cache(batch_size)
+
+    @property
+    def image_proc(self):
+        """The image preprocessing this tower reads (:class:`~k3.config.vision.ImageProcConfig`)."""
+        return image_proc_for(self.vision_config)
+
+    def moe_layers(self):
+        """The text model's MoE layers (the tower has none)."""
+        return self.language_model.moe_layers()
+
+    def compile_attn_res(self, on: bool = True) -> "K3VLForConditionalGeneration":
+        """The text model's :meth:`K3ForCausalLM.compile_attn_res`. Returns self."""
+        self.language_model.compile_attn_res(on)
+        return self
 
     @torch.no_grad()
     def init_weights(self) -> "K3VLForConditionalGeneration":

@@ -62,6 +62,8 @@ class TrainConfig:
     sft_data: str | None = None              # chat JSONL file or directory (k3.data.sft): an SFT run
     skip_bad: bool = False                   # SFT: count and report bad rows instead of stopping
     include_failed: bool = False             # SFT: also train on trajectories whose verdict did not pass
+    vision: str | None = None                # SFT: add a new vision tower of this preset (nano|tiny|small) to a text model
+    freeze_vision: bool = False              # SFT of a vision model: the tower's weights stay fixed (the projector trains)
     out: str = "runs/tiny"
     # batch shape and length
     steps: int = 1000
@@ -192,7 +194,7 @@ class TrainConfig:
         from k3.threads import parse_threads
         if (threads := parse_threads(self.threads)) != "auto":
             check_int("threads", threads, lo=0, hi=max_threads())
-        for name in ("qat", "plot", "compile_attn_res", "skip_bad", "include_failed"):
+        for name in ("qat", "plot", "compile_attn_res", "skip_bad", "include_failed", "freeze_vision"):
             check_bool(name, getattr(self, name))
         check_bool("attn_res", self.attn_res, allow_none=True)
         for name in ("preset", "out"):
@@ -235,10 +237,16 @@ class TrainConfig:
                 raise ConfigError(f"model_overrides cannot be combined with init_from: the model "
                                   f"comes from the checkpoint {self.init_from}")
         if self.sft_data is None:
-            for name in ("skip_bad", "include_failed"):
+            for name in ("skip_bad", "include_failed", "vision", "freeze_vision"):
                 if getattr(self, name):
                     raise ConfigError(f"{name} applies to sft_data (an SFT run), which is not set")
             return
+        if self.vision is not None:
+            from k3.config.presets import vision_preset
+            if not isinstance(self.vision, str) or self.vision not in list_presets() \
+                    or vision_preset(self.vision) is None:
+                raise ConfigError(f"vision must name a preset with a vision tower "
+                                  f"(nano, tiny, small, k3), got {self.vision!r}")
         if self.init_from is None:
             raise ConfigError("sft_data needs init_from: fine-tuning starts from a trained checkpoint "
                               "(its tokenizer has the chat tokens)")
@@ -367,6 +375,24 @@ def init_model_dir(path: str) -> InitDir:
     return InitDir(model.resolve(), tok.resolve())
 
 
+def _add_vision(cfg: K3Config, tc: TrainConfig, init: InitDir | None) -> K3Config:
+    """``vision``: the text model ``cfg`` with a new tower of that preset, its ``<|media_pad|>`` id the
+    checkpoint tokenizer's."""
+    from k3.config.presets import vision_preset
+    from k3.config.vision import with_vision
+    from k3.data.tokenizer import Tokenizer
+
+    if cfg.vision_config is not None:
+        raise ConfigError(f"vision={tc.vision!r}: the checkpoint {tc.init_from} already has a vision tower "
+                          "(leave vision out to fine-tune it)")
+    media = Tokenizer.load(init.tokenizer).media_token_ids if init is not None else None
+    if media is None:
+        raise ConfigError(f"vision={tc.vision!r}: the checkpoint's tokenizer has no media tokens "
+                          "(<|media_begin|> ... <|media_pad|>): it was trained by k3 before vision; "
+                          "pretrain with a current k3 to add a vision tower")
+    return with_vision(cfg, vision_preset(tc.vision), media["<|media_pad|>"])
+
+
 def resolve_model_config(tc: TrainConfig, init: InitDir | None = None) -> K3Config:
     """The K3Config of the run: the init_from checkpoint's, or preset or config.json with
     model_overrides, then the ablation switches.
@@ -392,6 +418,8 @@ def resolve_model_config(tc: TrainConfig, init: InitDir | None = None) -> K3Conf
     if tc.compile_attn_res and cfg.attn_res_block_size is None:
         raise ConfigError("compile_attn_res=true needs Block AttnRes, which this model has off "
                          "(attn_res_block_size is None or attn_res=false)")
+    if tc.vision is not None:
+        cfg = _add_vision(cfg, tc, init)
     if tc.max_seq_len > cfg.max_position_embeddings:
         raise ConfigError(f"curriculum sequence length {tc.max_seq_len} exceeds the model's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")

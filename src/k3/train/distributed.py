@@ -283,6 +283,9 @@ class DistTrainer(Trainer):
 
     def _parallelize(self) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        if self.model_config.vision_config is not None:
+            raise ConfigError("a model with a vision tower trains in one process for now: drop --nproc "
+                              "(sharding the tower and splitting a batch's images by rank are not built)")
         lay = self.layout
         self.expert_params: list[nn.Parameter] = []
         for moe in self.model.moe_layers():

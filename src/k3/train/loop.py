@@ -37,7 +37,9 @@ from k3.data.packing import IGNORE_INDEX, build_token_stream, eval_batches
 from k3.data.sft import ChatData, read_chat_rows
 from k3.data.tokenizer import Tokenizer, get_tokenizer
 from k3.errors import CheckpointError, ConfigError
+from k3.config.vision import image_proc_for, vision_config_of
 from k3.model.decoder import K3ForCausalLM
+from k3.model.multimodal import K3VLForConditionalGeneration
 from k3.ops.loss import cross_entropy
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, init_model_dir, resolve_model_config
@@ -172,9 +174,13 @@ class Trainer:
             self._check_same_model(K3Config.from_dict(saved["model_config"]))
         torch.manual_seed(tc.seed)
         self._build_data(ckpt, saved)
-        self.model = K3ForCausalLM(self.model_config)
+        self.model = self._new_model()
         if saved is None and self.init_dir is not None:  # a fine-tuning run starts from these weights
-            load_model_weights(self.model, self.init_dir.model)
+            self._load_init_weights()
+        if tc.freeze_vision:
+            if not isinstance(self.model, K3VLForConditionalGeneration):
+                raise ConfigError("freeze_vision: the model has no vision tower (add one with vision=PRESET)")
+            self.model.vision_tower.requires_grad_(False)
         for moe in self.model.moe_layers():
             moe.capacity_factor = tc.capacity_factor
         if tc.qat:
@@ -205,6 +211,27 @@ class Trainer:
         check_free_space(self.run_dir, checkpoint_bytes(self))  # fail now, not after training
         self.metrics = self._make_metrics(records)
         self._write_run_info(resumed_from=self.step if saved is not None else None)
+
+    def _new_model(self) -> torch.nn.Module:
+        """K3ForCausalLM, or K3VLForConditionalGeneration for a config with a vision tower (whose
+        ``<|media_pad|>`` id must be the tokenizer's)."""
+        if self.model_config.vision_config is None:
+            return K3ForCausalLM(self.model_config)
+        model = K3VLForConditionalGeneration(self.model_config)
+        media = self.tokenizer.media_token_ids
+        if media is None or media["<|media_pad|>"] != model.media_pad_token_id:
+            have = "none" if media is None else media["<|media_pad|>"]
+            raise ConfigError(f"the model's media_placeholder_token_id is {model.media_pad_token_id} but the "
+                              f"tokenizer's <|media_pad|> id is {have}: images would land on other tokens")
+        return model
+
+    def _load_init_weights(self) -> None:
+        """The init checkpoint's weights; a text checkpoint given a new tower (``vision``) loads
+        into the text model and the tower keeps its seeded initialisation."""
+        if self.tc.vision is not None:
+            load_model_weights(self.model.language_model, self.init_dir.model)
+        else:
+            load_model_weights(self.model, self.init_dir.model)
 
     # ------------------------------------------------ seams (k3.train.distributed overrides them)
     def _parallelize(self) -> None:
@@ -294,6 +321,8 @@ class Trainer:
     def _check_same_model(self, old: K3Config) -> None:
         new_fp, old_fp = dict(self.model_config.fingerprint()), dict(old.fingerprint())
         diff = sorted(k for k in set(new_fp) | set(old_fp) if new_fp.get(k) != old_fp.get(k))
+        diff += [k for k in ("vision_config", "wrapper")
+                 if getattr(self.model_config, k) != getattr(old, k)]
         if diff:
             raise ValueError(f"cannot resume {self.run_dir}: its checkpoint was trained with a "
                              f"different model config (fields that differ: {diff})")
@@ -336,9 +365,10 @@ class Trainer:
         self.tokenizer = Tokenizer.load(tok_path)
         self.curriculum = tc.context_curriculum()
         self.schedule = tc.lr_schedule()
+        vc = vision_config_of(self.model_config)
         self.corpus = ChatData(tc.sft_data, self.tokenizer, self.curriculum.max_seq_len, tc.val_percent,
                                skip_bad=tc.skip_bad, include_failed=tc.include_failed,
-                               read_rows=self.read_rows)
+                               read_rows=self.read_rows, image_proc=None if vc is None else image_proc_for(vc))
         if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
             raise CheckpointError(f"cannot resume {self.run_dir}: "
                                   + corpus_difference(saved.get("corpus_docs"), self.corpus))
@@ -375,19 +405,22 @@ class Trainer:
         return {"step": self.step, "skips": self.skips, "tokens_seen": self.tokens_seen,
                 "data": self.data.state_dict(), "rng": rng_state(),
                 "metrics": self.metrics.records, "train_config": self.tc.to_dict(),
-                "model_config": self.model_config.to_text_dict(),
+                "model_config": self.model_config.to_dict(),
                 "corpus_fingerprint": self.corpus.fingerprint,
                 "corpus_docs": self.corpus.doc_digests()}
 
     # --------------------------------------------------------------------------------- step
     def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
-              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token CE of a batch (labels already shifted); ``doc_ids``: packed documents."""
+              doc_ids: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+              grid_thws: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token CE of a batch (labels already shifted); ``doc_ids``: packed documents;
+        ``pixel_values`` / ``grid_thws``: the batch's images (a vision model's SFT rows)."""
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                             enabled=self.autocast_dtype is not None):
-            docs = None if doc_ids is None else doc_ids.to(self.device)
-            logits = (self.model(x.to(self.device)) if docs is None
-                      else self.model(x.to(self.device), doc_ids=docs)).logits
+            kw = {} if doc_ids is None else {"doc_ids": doc_ids.to(self.device)}
+            if pixel_values is not None and pixel_values.shape[0]:
+                kw.update(pixel_values=pixel_values.to(self.device), grid_thws=grid_thws)
+            logits = self.model(x.to(self.device), **kw).logits
         return cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(), IGNORE_INDEX, reduction)
 
     def train_step(self) -> dict:
