@@ -49,3 +49,28 @@ def make_nano_checkpoint():
         tok.save(d)
         return d, model.eval(), tok
     return make
+
+
+@pytest.fixture(scope="session")
+def make_nano_vl_checkpoint():
+    """A factory: ``make(dir, text) -> (dir, model, tokenizer)`` saves a seeded ``nano`` model with the
+    ``nano`` vision tower (release layout, kimi_k3 wrapper), its <|media_pad|> the tokenizer's, and
+    the lm_head sharpened ×20 like ``make_nano_checkpoint``'s."""
+    def make(d, text: str):
+        from k3.checkpoint import save_pretrained
+        from k3.config import get_preset
+        from k3.config.presets import vision_preset
+        from k3.config.vision import with_vision
+        from k3.data.tokenizer import train_tokenizer
+        from k3.model.multimodal import K3VLForConditionalGeneration
+
+        tok = train_tokenizer([text * 30], vocab_size=400)
+        torch.manual_seed(0)
+        cfg = with_vision(get_preset("nano"), vision_preset("nano"), tok.media_token_ids["<|media_pad|>"])
+        model = K3VLForConditionalGeneration(cfg)
+        with torch.no_grad():
+            model.language_model.lm_head.weight.mul_(20)
+        save_pretrained(model, d)
+        tok.save(d)
+        return d, model.eval(), tok
+    return make

@@ -34,12 +34,14 @@ from pathlib import Path
 import torch
 
 from k3.errors import K3Error
+from k3.infer.media import PromptImages
 from k3.infer.prefill import PrefillSteps
 from k3.infer.prepared import PreparedWeights, accepts
 from k3.infer.detok import TextStream
 from k3.infer.sampling import Sampler, SamplingParams, sample_rows
 from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
 from k3.model.cache import KDAState, MLAState, cache_bytes_per_sequence
+from k3.model.multimodal import K3VLForConditionalGeneration
 from k3.threads import release_openmp_team
 
 __all__ = ["Engine"]
@@ -59,7 +61,8 @@ def _load(path, dtype, device, tokenizer):
         if dtype is not None and dtype != torch.float32:
             model = model.to(dtype)
         return model, tokenizer or tok
-    model = from_pretrained(path, dtype=dtype or torch.float32, device=device)
+    from k3.infer.run_model import model_class_of
+    model = from_pretrained(path, dtype=dtype or torch.float32, device=device, model_class=model_class_of(path))
     if tokenizer is None and (path / "tokenizer.json").is_file():
         tokenizer = Tokenizer.load(path / "tokenizer.json")
     return model, tokenizer
@@ -91,7 +94,10 @@ class Engine(PrefillSteps):
             model_or_dir, tokenizer = _load(model_or_dir, dtype, device, tokenizer)
         elif dtype is not None or device is not None:
             model_or_dir = model_or_dir.to(dtype=dtype, device=device)
-        self.model = model_or_dir.eval()
+        model_or_dir = model_or_dir.eval()
+        # a vision model: its tower embeds images at prefill, its text model does everything else
+        self.vision_model = model_or_dir if isinstance(model_or_dir, K3VLForConditionalGeneration) else None
+        self.model = model_or_dir.language_model if self.vision_model is not None else model_or_dir
         self.config = self.model.config
         self.tokenizer = tokenizer
         p = next(self.model.parameters())
@@ -123,8 +129,10 @@ class Engine(PrefillSteps):
         self._thread.start()
 
     # ------------------------------------------------------------------------------ public
-    def submit(self, prompt_ids, params: SamplingParams | dict | None = None) -> RequestHandle:
-        """Queue a request; returns at once. Bad input fails this handle only."""
+    def submit(self, prompt_ids, params: SamplingParams | dict | None = None, images=None) -> RequestHandle:
+        """Queue a request; returns at once. Bad input fails this handle only. ``images`` (a vision
+        model): the prompt's images in order (paths, bytes, data: URLs or PIL images), one per media
+        block of the prompt (``ChatFormat.render_chat`` gives both)."""
         if threading.current_thread() is not self._thread:
             release_openmp_team()   # the caller's idle OpenMP team (if it ran torch since) would
             #                         throttle the engine thread's workers (k3.threads)
@@ -132,7 +140,7 @@ class Engine(PrefillSteps):
             handle = RequestHandle(self._next_id, self)
             self._next_id += 1
         try:
-            req = self._make_request(handle, prompt_ids, params)
+            req = self._make_request(handle, prompt_ids, params, images)
         except K3Error as e:
             handle._fail(e)
             with self._cv:
@@ -201,7 +209,7 @@ class Engine(PrefillSteps):
         self.close()
 
     # --------------------------------------------------------------------------- requests
-    def _make_request(self, handle, prompt_ids, params) -> Request:
+    def _make_request(self, handle, prompt_ids, params, images=None) -> Request:
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
@@ -235,9 +243,21 @@ class Engine(PrefillSteps):
         if self.max_cache_bytes is not None and reserved > self.max_cache_bytes:
             raise K3Error(f"max_cache_bytes={self.max_cache_bytes} is smaller than this request's cache "
                           f"({reserved} bytes for {len(prompt)} prompt + {max_tokens} new tokens)")
+        media = self._prompt_images(prompt, images)
         sampler = Sampler(params, V, prompt, self.device)
         return Request(handle, prompt, params, sampler, TextStream(self.tokenizer, params.stop), reserved,
-                       max_tokens, solo=params.prompt_logprobs is not None)
+                       max_tokens, solo=params.prompt_logprobs is not None or media is not None, images=media)
+
+    def _prompt_images(self, prompt: list[int], images) -> PromptImages | None:
+        """The request's images checked against its prompt (None without images)."""
+        if images is None:
+            if self.vision_model is not None and self.vision_model.media_pad_token_id in prompt:
+                raise K3Error(f"prompt: holds <|media_pad|> tokens (id {self.vision_model.media_pad_token_id}) "
+                              "but no images were given")
+            return None
+        if self.vision_model is None:
+            raise K3Error("images: this model has no vision tower (a text-only model takes token ids only)")
+        return PromptImages.of(prompt, images, self.vision_model)
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cv:

@@ -38,7 +38,7 @@ class PrefillSteps:
         if not req.started:
             req.started = True
             scored = req.params.prompt_logprobs is not None   # every prompt position is run
-            hit = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None and not scored else None
+            hit = self.prefix_cache.match(req.cache_key) if self.prefix_cache is not None and not scored else None
             if hit is not None and 0 < hit.length < len(req.prompt) and hit.cache is not None:
                 req.cache, req.pos = hit.cache, hit.length
         return req.cache is None
@@ -106,16 +106,20 @@ class PrefillSteps:
         end = self._chunk_end(req.pos, n, budget)
         ids = torch.tensor([req.prompt[req.pos: end]], dtype=torch.long, device=self.device)
         top = req.params.prompt_logprobs
+        args, kw = (ids,), {}
+        if req.images is not None:   # the chunk's embeddings with the image rows at its pads (k3.infer.media)
+            rows = req.images.rows(self.vision_model, self.dtype, self.device)
+            args, kw = (), {"inputs_embeds": req.images.embed(self.model, req.prompt, ids, req.pos, rows)}
         if top is None:
-            logits = self.model(ids, cache=req.cache, logits_to_keep=1).logits[0, -1]
+            logits = self.model(*args, **kw, cache=req.cache, logits_to_keep=1).logits[0, -1]
         else:   # every position's logits: the logprob of each next prompt token
-            every = self.model(ids, cache=req.cache).logits[0]
+            every = self.model(*args, **kw, cache=req.cache).logits[0]
             self._score_prompt(req, every, end, top)
             logits = every[-1]
         ran, req.pos = end - req.pos, end
         self._counters["prompt_tokens"] += ran
         if self.prefix_cache is not None and (end % self.cache_block == 0 or end == n):
-            self.prefix_cache.insert(req.prompt[:end], req.cache)
+            self.prefix_cache.insert(req.cache_key[:end], req.cache)
         if end < n:
             return ran
         with self._cv:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["load_run_model", "check_prompt"]
+__all__ = ["load_run_model", "check_prompt", "model_class_of"]
 
 
 def load_run_model(path: str | Path, device: str = "cpu"):
@@ -48,12 +48,23 @@ def _load_folder(folder: Path, device: str, verify: bool = True):
     if not tok_path.is_file():
         raise CheckpointError(f"{tok_path}: no tokenizer.json beside the model")
     # a run checkpoint's manifest already covers the model files; a bare model dir has its index hashes
-    model = from_pretrained(model_dir, dtype=torch.float32, device=device, verify=verify and not by_manifest)
+    model = from_pretrained(model_dir, dtype=torch.float32, device=device, verify=verify and not by_manifest,
+                            model_class=model_class_of(model_dir))
     if qat:  # the weights were trained through MXFP4 fake quantization: sample the same way
         from k3.train.qat import enable_qat
         enable_qat(model)
     model.eval()
     return model, Tokenizer.load(tok_path)
+
+
+def model_class_of(model_dir: Path):
+    """K3VLForConditionalGeneration for a checkpoint whose config has a vision tower, else None
+    (from_pretrained's K3ForCausalLM): a vision checkpoint serves with its tower on every path."""
+    from k3.config import K3Config
+    from k3.model.multimodal import K3VLForConditionalGeneration
+
+    config = K3Config.from_json(str(Path(model_dir) / "config.json"))
+    return K3VLForConditionalGeneration if config.vision_config is not None else None
 
 
 def check_prompt(ids: list[int], max_new_tokens: int, max_positions: int) -> None:

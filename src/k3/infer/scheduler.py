@@ -148,10 +148,21 @@ class Request:
     started: bool = False  # the prefix cache was consulted (a miss leaves ``cache`` None, ``pos`` 0)
     solo: bool = False     # prefilled alone (a batched prefill that held it failed; prompt logprobs)
     prompt_lps: list | None = None   # prompt logprobs so far (SamplingParams.prompt_logprobs)
+    images: Any = None     # k3.infer.media.PromptImages of a prompt with images (prefilled solo)
+    _key: list[int] | None = None
     out: list[int] = field(default_factory=list)
     finished: bool = False  # ended (stop, length, cancel, error): its rows are dropped
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
+
+    @property
+    def cache_key(self) -> list[int]:
+        """What the prefix cache keys this prompt by: its ids, images by content (k3.infer.media)."""
+        if self.images is None:
+            return self.prompt
+        if self._key is None:
+            self._key = self.images.key(self.prompt)
+        return self._key
 
 
 def per_row_lengths(cache: K3Cache) -> bool:

@@ -48,7 +48,8 @@ class Service:
                  allow_missing_reasoning: bool = False, max_body_bytes: int = 4 << 20,
                  thinking_caps: dict | None = None):
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
-        self.fmt = ChatFormat(tokenizer)
+        vision = getattr(engine, "vision_model", None)   # images in chats when the model has a tower
+        self.fmt = ChatFormat(tokenizer, vision.image_proc if vision is not None else None)
         self.api_key, self.allow_missing_reasoning = api_key, allow_missing_reasoning
         self.max_body_bytes, self.thinking_caps = max_body_bytes, thinking_caps
         self.max_pos = engine.config.max_position_embeddings
@@ -122,18 +123,20 @@ class Service:
                               repetition_penalty=float(req.repetition_penalty), ignore_eos=req.ignore_eos,
                               **extra)
 
-    def submit(self, ids, params):
-        handle = self.engine.submit(ids, params)
+    def submit(self, ids, params, images=None):
+        handle = self.engine.submit(ids, params, images=images)
         if handle.error is not None:  # validated in submit: the request never ran
             raise ApiError(400, str(handle.error))
         return handle
 
     # ------------------------------------------------------------------------- chat prompt
-    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], SamplingParams]:
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], SamplingParams, list | None]:
+        """(prompt ids, sampling params, the prompt's images or None)."""
         tools = _check_tools(req.tools, req.tool_choice)
         effort = req.reasoning_effort or "max"
-        ids = self.fmt.render(req.messages, tools=tools, reasoning_effort=effort,
-                              allow_missing_reasoning=self.allow_missing_reasoning)
+        chat = self.fmt.render_chat(req.messages, tools=tools, reasoning_effort=effort,
+                                    allow_missing_reasoning=self.allow_missing_reasoning)
+        ids, images = chat.ids, [im.image for im in chat.images] or None
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise ApiError(400, "max_tokens and max_completion_tokens differ; send one", param="max_tokens")
@@ -141,7 +144,7 @@ class Service:
         cap = thinking_budget(effort, self.thinking_caps)
         params = self.params(req, self.max_tokens(asked, len(ids)), stop_token_ids=(self.fmt.end_id,),
                              max_thinking_tokens=cap, think_end_id=self.fmt.think_end_id)
-        return ids, params
+        return ids, params, images
 
 
 def _check_tools(tools, choice):
@@ -247,13 +250,13 @@ def create_app(engine, tokenizer, model_name: str, **options) -> FastAPI:
     async def chat(request: Request):
         svc.auth(request)
         req = await svc.body(request, ChatRequest)
-        ids, params = svc.chat_prompt(req)
+        ids, params, images = svc.chat_prompt(req)
         forced = forced_call_ids(svc.fmt, req.messages, req.tool_choice)
         if forced is None:
-            handle = svc.submit(ids, params)
+            handle = svc.submit(ids, params, images)
             evs = svc.events(handle)
         else:
-            handle, evs = None, forced_events(svc, ids, params, forced, svc.events)
+            handle, evs = None, forced_events(svc, ids, params, forced, svc.events, images)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage

@@ -32,12 +32,13 @@ def forced_call_ids(fmt, messages: list, choice) -> list[int] | None:
     return head + fmt.tok.encode(f"functions.{name}:{k}") + [ids["<|tool_call_argument_begin|>"]]
 
 
-async def forced_events(svc, prompt: list[int], params, forced: list[int], events):
-    """TokenEvents of the two phases as one stream (``events(handle)`` cancels on leaving)."""
+async def forced_events(svc, prompt: list[int], params, forced: list[int], events, images=None):
+    """TokenEvents of the two phases as one stream (``events(handle)`` cancels on leaving);
+    ``images``: the prompt's images (both phases prefill them)."""
     fmt = svc.fmt
     p1 = dataclasses.replace(params, stop_token_ids=(fmt.end_id, fmt.think_end_id))
     out: list[int] = []
-    async for ev in events(svc.submit(prompt, p1)):
+    async for ev in events(svc.submit(prompt, p1, images)):
         if ev.token_id is None:
             continue
         if ev.finish_reason is not None and ev.token_id in (fmt.end_id, fmt.think_end_id):
@@ -55,5 +56,5 @@ async def forced_events(svc, prompt: list[int], params, forced: list[int], event
     if left <= 0:
         return
     p2 = dataclasses.replace(params, max_tokens=left, stop_token_ids=(fmt.end_id,), max_thinking_tokens=None)
-    async for ev in events(svc.submit(prompt + out + written, p2)):
+    async for ev in events(svc.submit(prompt + out + written, p2, images)):
         yield ev
