@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo agent-demo test install chromium sandbox-deps vm-deps cc bench gpu-check clean
+.PHONY: demo agent-demo vision-demo test install chromium sandbox-deps vm-deps cc bench gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ demo: $(STAMP) cc
 # (docs/POSTTRAINING.md). Pretrains runs/demo first when it is missing.
 agent-demo: $(STAMP) cc sandbox-deps
 	$(BIN)/k3 agent-demo
+
+# A tiny model with a vision tower learns synthetic image questions; a text-only control gets the
+# same questions without the images (docs/VISION.md). Pretrains runs/vision-base first when missing.
+vision-demo: $(STAMP) cc
+	$(BIN)/k3 vision-demo
 
 # The chat page test drives Debian's chromium headless; install it when missing (root, or sudo).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

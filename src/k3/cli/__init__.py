@@ -95,6 +95,8 @@ _DELEGATED = [
     ("plot", "k3.cli.train:plot_main", "plot a run's losses and expert load (PNG)"),
     ("demo", "k3.cli.train:demo_main", "the main job: train tiny on the stdlib, report bits/byte, sample"),
     ("agent-demo", "k3.cli.agent_demo:agent_demo_main", "SFT the demo model on task families, evaluate it on held-out tasks"),
+    ("vision-demo", "k3.cli.vision_demo:vision_demo_main",
+     "SFT a tiny model with a vision tower on synthetic image questions, against a text-only control"),
     ("convert", "k3.cli.checkpoint:convert_main", "re-export a checkpoint in k3's layout"),
     ("inspect", "k3.cli.checkpoint:inspect_main", "summarise a checkpoint without materialising it"),
     ("quantize", "k3.cli.checkpoint:quantize_main", "write routed experts as packed MXFP4"),
