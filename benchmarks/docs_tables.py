@@ -12,6 +12,8 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``hybrid_retrieval`` (docs/EVAL.md) from ``docs/data/hybrid_retrieval.json``, the report of one
   ``benchmarks/hybrid_retrieval.py`` run (``runs/hybrid/report.json`` and its plot copied there
   by ``--save-hybrid``);
+- ``vision_demo`` (docs/VISION.md) from ``docs/data/vision_demo.json``, the report of one
+  ``k3 vision-demo`` run (``runs/vision-demo/report.json`` copied there by ``--save-vision``);
 - ``speed_infer`` (docs/INFERENCE.md, README.md) and ``speed_train`` (README.md) from
   ``docs/data/speed.jsonl``: the last run of ``benchmarks/infer.py`` and of ``benchmarks/train.py
   --what mfu`` in the JSON-line files given to ``--save-speed`` (each row stamped with its machine,
@@ -19,6 +21,7 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
+                                     [--save-vision runs/vision-demo/report.json]
                                      [--save-speed benchmarks/results/infer.jsonl benchmarks/results/train.jsonl]
 """
 
@@ -39,6 +42,8 @@ HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
 EVAL_DOC = ROOT / "docs" / "EVAL.md"
 EVAL_ROWS = ROOT / "docs" / "data" / "eval_harness.jsonl"
 SPEED = ROOT / "docs" / "data" / "speed.jsonl"
+VISION_DATA = ROOT / "docs" / "data" / "vision_demo.json"
+VISION_DOC = ROOT / "docs" / "VISION.md"
 INFER_DOC = ROOT / "docs" / "INFERENCE.md"
 README = ROOT / "README.md"
 INFER_ROWS = {   # benchmarks/infer.py metric -> the row's label
@@ -72,6 +77,23 @@ def agent_demo_table(report: dict) -> str:
         f"{s['train_conversations']:,} conversations ({s['trained_tokens']:,} trained tokens per epoch); "
         f"well-formed turns over all SFT cells: {100 * wf:.1f} %. Times: {times}.",
         "", head, *rows])
+
+
+def vision_demo_table(report: dict) -> str:
+    acc, s, t = report["accuracy"], report["sft"]["vision"], report["times"]
+    rows = []
+    for k in [*report["kinds"], "all"]:
+        v, c = acc["vision"][k], acc["control"][k]
+        rows.append(f"| {k} | {v['correct']}/{v['n']} ({100 * v['accuracy']:.0f} %) | "
+                    f"{c['correct']}/{c['n']} ({100 * c['accuracy']:.0f} %) |")
+    times = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in t.items())
+    return "\n".join([
+        f"Measured {report['date']} on {report['machine']} (`docs/data/vision_demo.json`).",
+        f"Both models: {s['steps']} SFT steps of {s['batch_size']} × {s['seq_len']} tokens, lr {s['lr']}, from "
+        f"one tiny base, on {s['train_conversations']:,} conversations ({report['train_seeds']} seeds per kind); "
+        f"the vision model with a new `{report['tower']}` tower. Held out: {report['heldout_per_kind']} items per "
+        f"kind, greedy, exact match. Times: {times}.",
+        "", "| kind | vision | text-only control |", "|---|---|---|", *rows])
 
 
 def rl_demo_table(report: dict) -> str:
@@ -232,6 +254,7 @@ def main() -> int:
                                          "record as docs/data/hybrid_retrieval.json / .png first")
     p.add_argument("--save-eval", help="a k3 eval harness run folder whose rows.jsonl to record as "
                                        "docs/data/eval_harness.jsonl first")
+    p.add_argument("--save-vision", help="a k3 vision-demo report.json to record as docs/data/vision_demo.json first")
     p.add_argument("--save-speed", nargs="+", metavar="JSONL",
                    help="benchmarks/results/infer.jsonl and/or train.jsonl: their last runs recorded as "
                         "docs/data/speed.jsonl first")
@@ -246,7 +269,7 @@ def main() -> int:
     if a.save_eval:
         EVAL_ROWS.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(a.save_eval) / "rows.jsonl", EVAL_ROWS)
-    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA)):
+    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA), (a.save_vision, VISION_DATA)):
         if src:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
@@ -267,6 +290,9 @@ def main() -> int:
         replace_block(README, "speed_infer", speed_infer_table(rows))
         replace_block(README, "speed_train", speed_train_table(rows))
         print(f"wrote the speed tables of {INFER_DOC.relative_to(ROOT)} and README.md from {SPEED.relative_to(ROOT)}")
+    if VISION_DATA.exists():
+        replace_block(VISION_DOC, "vision_demo", vision_demo_table(json.loads(VISION_DATA.read_text())))
+        print(f"wrote the vision_demo table of {VISION_DOC.relative_to(ROOT)} from {VISION_DATA.relative_to(ROOT)}")
     if HYBRID_DATA.exists():
         replace_block(EVAL_DOC, "hybrid_retrieval", hybrid_table(json.loads(HYBRID_DATA.read_text())))
         print(f"wrote the hybrid_retrieval table of {EVAL_DOC.relative_to(ROOT)} from {HYBRID_DATA.relative_to(ROOT)}")

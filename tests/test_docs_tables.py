@@ -42,6 +42,9 @@ def _blocks():
         out.append((T.RL_DOC, "rl_demo", T.RL_DATA, T.rl_demo_table(json.loads(T.RL_DATA.read_text()))))
     if T.EVAL_ROWS.exists():
         out.append((T.EVAL_DOC, "eval_harness", T.EVAL_ROWS, T.eval_harness_table(_rows(T.EVAL_ROWS))))
+    if T.VISION_DATA.exists():
+        out.append((T.VISION_DOC, "vision_demo", T.VISION_DATA,
+                    T.vision_demo_table(json.loads(T.VISION_DATA.read_text()))))
     if T.HYBRID_DATA.exists():
         out.append((T.EVAL_DOC, "hybrid_retrieval", T.HYBRID_DATA,
                     T.hybrid_table(json.loads(T.HYBRID_DATA.read_text()))))

@@ -1,7 +1,10 @@
 """The chat page served at ``GET /``: one self-contained HTML file (inline CSS and JS, nothing
 fetched from elsewhere). It streams ``/v1/chat/completions``, shows the thinking in a collapsible section and
 the answer below it, has an effort selector (low / high / max) and a temperature field, and sends each earlier reply back
-with its ``reasoning_content`` (preserved thinking)."""
+with its ``reasoning_content`` (preserved thinking). Images chosen in the file input (``#image``) go with the
+message as OpenAI content parts: one ``image_url`` part (a ``data:`` URL read by FileReader) per file, in order,
+then the text part; the history keeps those parts, so later turns send the images again. A message with no
+image is sent as plain string content, as before."""
 
 from __future__ import annotations
 
@@ -18,11 +21,13 @@ details.thinking{color:#666;font-size:.9em;margin-bottom:.4rem}
 details.thinking summary{cursor:pointer}
 form{display:flex;gap:.5rem;align-items:flex-end}textarea{flex:1;min-height:3rem}
 .err{color:#b00}
+.turn img{max-height:8rem;margin:0 .3rem .3rem 0;vertical-align:top}
 </style></head><body>
 <h1>k3 chat <small id="model"></small></h1>
 <div id="log"></div>
 <form id="f">
 <textarea id="prompt" placeholder="Message"></textarea>
+<label>images <input id="image" type="file" accept="image/png,image/jpeg,image/webp,image/gif,image/bmp" multiple></label>
 <label>effort <select id="effort"><option>low</option><option>high</option><option selected>max</option></select></label>
 <label>temperature <input id="temp" type="number" value="0.7" step="0.1" min="0" max="2"></label>
 <input id="key" type="password" placeholder="API key (optional)" size="12">
@@ -35,13 +40,30 @@ function el(tag, cls, text) { const e = document.createElement(tag); if (cls) e.
   if (text !== undefined) e.textContent = text; return e; }
 function headers() { const h = {"Content-Type": "application/json"};
   const k = document.getElementById("key").value; if (k) h["Authorization"] = "Bearer " + k; return h; }
+function readUrl(file) { return new Promise((ok, fail) => { const r = new FileReader();
+  r.onload = () => ok(r.result); r.onerror = () => fail(r.error || new Error("cannot read " + file.name));
+  r.readAsDataURL(file); }); }
 fetch("/v1/models", {headers: headers()}).then(r => r.json()).then(j => {
   if (j.data) document.getElementById("model").textContent = j.data[0].id; });
 document.getElementById("f").addEventListener("submit", async (ev) => {
   ev.preventDefault();
-  const box = document.getElementById("prompt"); const text = box.value.trim(); if (!text) return;
-  box.value = ""; history.push({role: "user", content: text});
-  log.appendChild(el("div", "turn user", text));
+  const box = document.getElementById("prompt"); const text = box.value.trim();
+  const pick = document.getElementById("image"); const files = pick && pick.files ? [...pick.files] : [];
+  if (!text && !files.length) return;
+  box.value = ""; if (files.length) pick.value = "";
+  let content = text;
+  if (files.length) {
+    let urls;
+    try { urls = await Promise.all(files.map(readUrl)); }
+    catch (e) { log.appendChild(el("div", "turn user err", "error: " + (e && e.message || e))); return; }
+    const user = el("div", "turn user");
+    content = urls.map(url => ({type: "image_url", image_url: {url}}));
+    for (let i = 0; i < urls.length; i++) { const img = el("img"); img.src = urls[i]; img.alt = files[i].name;
+      user.appendChild(img); }
+    if (text) { content.push({type: "text", text}); user.appendChild(el("div", "", text)); }
+    log.appendChild(user);
+  } else log.appendChild(el("div", "turn user", text));
+  history.push({role: "user", content});
   const turn = el("div", "turn assistant"); const det = el("details", "thinking"); det.open = true;
   det.appendChild(el("summary", "", "Thinking")); const thinking = el("div", "thinking-text"); det.appendChild(thinking);
   const answer = el("div", "answer"); turn.appendChild(det); turn.appendChild(answer); log.appendChild(turn);
