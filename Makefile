@@ -54,10 +54,8 @@ vm-deps: $(STAMP)
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q qemu-system-x86 zstd; }
 	$(BIN)/python -m k3.cli.vm_image install
 
-# Two pytest-xdist workers (a test file stays on one worker), then the tests marked serial alone.
 test: $(STAMP) cc chromium sandbox-deps vm-deps
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15 tests
-	$(BIN)/python -m pytest -q -m serial --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 bench: $(STAMP) cc
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done

@@ -20,11 +20,6 @@ settings.load_profile("explore" if os.environ.get("K3_HYPOTHESIS") == "explore" 
 # never sets this at import, tests/ops/test_denormal.py).
 torch.set_flush_denormal(True)
 
-# Under pytest-xdist (make test: two workers on two cores) each worker's own torch runs one thread,
-# so the workers never oversubscribe the cores; processes the tests start choose their own.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)
-
 
 @pytest.fixture(autouse=True)
 def _seed_everything():

@@ -15,9 +15,6 @@ import torch
 from k3.errors import ConfigError
 from k3.threads import CpuMeter, ThreadController, configure_openmp, parse_threads, threads_for_free
 
-# they measure the machine itself (free cores): run alone, never beside another worker
-pytestmark = pytest.mark.serial
-
 REPO = Path(__file__).resolve().parents[1]
 BUSY = "import time\nt = time.monotonic() + 20\nwhile time.monotonic() < t: pass\n"
 
