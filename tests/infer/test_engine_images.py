@@ -105,3 +105,22 @@ def test_bad_image_requests_fail_alone(vl, make_nano_checkpoint, tmp_path):
         with pytest.raises(K3Error, match="this model has no vision tower"):
             eng.submit([1, 2, 3], p, images=[r.images[0].image]).result()
         assert len(eng.submit([1, 2, 3], p).result().token_ids) == 2                     # control
+
+
+def test_the_local_agent_provider_sends_a_messages_images(vl):
+    """``LocalEngine`` (the harness's in-process provider) renders image parts and hands the engine
+    their pixels: its reply's tokens are the model's own greedy tokens on that prompt and image."""
+    from k3.agent.providers import LocalEngine, ProviderRequest
+    from k3.agent.randomize import HarnessConfig
+
+    _, model, tok = vl
+    url = _url((50, 40), (10, 200, 10))
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what colour?"}]}]
+    with Engine(model, tokenizer=tok) as eng:
+        p = LocalEngine(eng, name="nano-vl")
+        r = p.complete(ProviderRequest(msgs, [], HarnessConfig(), max_tokens=4, temperature=0.0, seed=0,
+                                       effort="low"))
+    chat = ChatFormat(tok, model.image_proc).render_chat(msgs, reasoning_effort="low")
+    assert r.sample["prompt_ids"] == chat.ids
+    assert r.sample["token_ids"] == _reference_greedy(model, chat.ids, [chat.images[0].image], len(r.sample["token_ids"]))

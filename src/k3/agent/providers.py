@@ -21,7 +21,7 @@ from k3.agent.randomize import HarnessConfig
 from k3.errors import K3Error
 
 __all__ = ["ProviderReply", "ProviderRequest", "OpenAICompatible", "LocalEngine", "Scripted", "ProviderError",
-           "render_prompt"]
+           "render_prompt", "render_request"]
 
 
 class ProviderError(K3Error):
@@ -110,9 +110,17 @@ class OpenAICompatible:
         self._client.close()
 
 
+def render_request(fmt, req: ProviderRequest):
+    """``req`` rendered as ``LocalEngine`` sends it: a ``RenderedChat`` (ids, and the images of its
+    image parts for the engine)."""
+    return fmt.render_chat(req.messages, tools=req.tools or None, reasoning_effort=req.effort)
+
+
 def render_prompt(fmt, req: ProviderRequest) -> list[int]:
     """The prompt ids ``LocalEngine`` generates from for ``req`` (``fmt``: a ``ChatFormat``): the
-    messages, tools and effort rendered with the generation prompt. SFT rows render the same."""
+    messages, tools and effort rendered with the generation prompt. SFT rows render the same.
+    Text only: a request with images is refused here (``LocalEngine.complete`` renders those with
+    ``render_chat`` and hands the engine their pixels)."""
     return fmt.render(req.messages, tools=req.tools or None, reasoning_effort=req.effort)
 
 
@@ -125,7 +133,8 @@ class LocalEngine:
         if engine.tokenizer is None:
             raise K3Error("LocalEngine: the engine has no tokenizer (load it with one)")
         self.engine, self.model = engine, name
-        self.fmt = ChatFormat(engine.tokenizer)
+        vision = getattr(engine, "vision_model", None)   # image parts reach a model with a tower
+        self.fmt = ChatFormat(engine.tokenizer, vision.image_proc if vision is not None else None)
         self.id = provider_id or f"local:{name}"
 
     @classmethod
@@ -143,7 +152,8 @@ class LocalEngine:
         from k3.data.chat import thinking_budget
         from k3.infer.sampling import SamplingParams
 
-        ids = render_prompt(self.fmt, req)
+        chat = render_request(self.fmt, req)
+        ids, images = chat.ids, [im.image for im in chat.images] or None
         room = self.engine.config.max_position_embeddings - len(ids)
         if room < 1:
             raise ProviderError(f"provider {self.id}: the prompt has {len(ids)} tokens, no room to answer")
@@ -151,7 +161,7 @@ class LocalEngine:
         params = SamplingParams(max_tokens=min(req.max_tokens or room, room), temperature=req.temperature,
                                 seed=req.seed, stop_token_ids=(self.fmt.end_id,), max_thinking_tokens=cap,
                                 think_end_id=self.fmt.think_end_id, logprobs=0)
-        done = self.engine.submit(ids, params).result()
+        done = self.engine.submit(ids, params, images=images).result()
         parser = self.fmt.parser()
         for t in done.token_ids:
             if parser.ended:
