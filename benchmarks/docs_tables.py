@@ -80,19 +80,19 @@ def agent_demo_table(report: dict) -> str:
 
 
 def vision_demo_table(report: dict) -> str:
-    acc, s, t = report["accuracy"], report["sft"]["vision"], report["times"]
+    acc, s = report["accuracy"], report["sft"]["vision"]
     rows = []
     for k in [*report["kinds"], "all"]:
         v, c = acc["vision"][k], acc["control"][k]
         rows.append(f"| {k} | {v['correct']}/{v['n']} ({100 * v['accuracy']:.0f} %) | "
                     f"{c['correct']}/{c['n']} ({100 * c['accuracy']:.0f} %) |")
-    times = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in t.items())
     return "\n".join([
-        f"Measured {report['date']} on {report['machine']} (`docs/data/vision_demo.json`).",
+        f"Measured {report['date']} on {report['machine']} (`docs/data/vision_demo.json`, which also holds "
+        "the run's wall times).",
         f"Both models: {s['steps']} SFT steps of {s['batch_size']} × {s['seq_len']} tokens, lr {s['lr']}, from "
         f"one tiny base, on {s['train_conversations']:,} conversations ({report['train_seeds']} seeds per kind); "
         f"the vision model with a new `{report['tower']}` tower. Held out: {report['heldout_per_kind']} items per "
-        f"kind, greedy, exact match. Times: {times}.",
+        "kind, greedy, exact match.",
         "", "| kind | vision | text-only control |", "|---|---|---|", *rows])
 
 

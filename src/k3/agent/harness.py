@@ -14,10 +14,11 @@ episode (shell timeouts are clamped to the time left; an episode past it ends wi
 (``HarnessConfig.system_prompt``); submitting the final reply is the rollout's job.
 
 Compaction (``compact``; the strategy is a harness-randomization axis): the context estimate is
-``ceil(chars / 4)`` over the messages. Over ``context_tokens``, tool outputs are dropped oldest
+``ceil(chars / 4)`` over the messages, an image part counted as ``IMAGE_TOKENS`` instead of its
+data URL's characters. Over ``context_tokens``, tool outputs are dropped oldest
 first (``drop_old_tool_outputs``), or first cut to a head and tail of 200 characters each and then
 dropped (``truncate_tool_outputs``), or dropped for every turn but the last ``keep_recent`` at once
-(``sliding_window``); the last ``keep_recent`` turns are never touched and reasoning is never
+(``sliding_window``); a dropped output's images are dropped with it; the last ``keep_recent`` turns are never touched and reasoning is never
 dropped by any strategy. Only what is sent is compacted; the trajectory keeps every output whole,
 and each turn record's ``metadata.sent_tokens`` is the estimate of what was sent for it.
 """
@@ -38,7 +39,7 @@ from k3.agent.tools import ToolBox, tool_schemas
 from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
 from k3.tasks.format import Budget
 
-__all__ = ["EpisodeResult", "Harness", "compact", "estimate_tokens"]
+__all__ = ["EpisodeResult", "Harness", "compact", "estimate_tokens", "IMAGE_TOKENS"]
 
 
 @dataclass
@@ -52,12 +53,22 @@ class EpisodeResult:
     detail: str = ""
 
 
+IMAGE_TOKENS = 1024  # the estimate of one image part (a 640x480 screenshot is a few hundred vision tokens)
+
+
 def estimate_tokens(messages: list[dict]) -> int:
-    return math.ceil(sum(len(json.dumps(m, ensure_ascii=False)) for m in messages) / 4)
+    chars, images = 0, 0
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in c):
+            images += sum(1 for p in c if isinstance(p, dict) and p.get("type") == "image_url")
+            m = {**m, "content": [p for p in c if not (isinstance(p, dict) and p.get("type") == "image_url")]}
+        chars += len(json.dumps(m, ensure_ascii=False))
+    return math.ceil(chars / 4) + images * IMAGE_TOKENS
 
 
-def _with_output(r: ToolResult, text: str) -> ToolResult:
-    return dataclasses.replace(r, output=text, dropped=True)
+def _with_output(r: ToolResult, text: str, keep_images: bool = True) -> ToolResult:
+    return dataclasses.replace(r, output=text, dropped=True, images=list(r.images) if keep_images else [])
 
 
 def compact(turns: list[AgentTurn], strategy: str, fits: Callable[[list[AgentTurn]], bool],
@@ -71,7 +82,9 @@ def compact(turns: list[AgentTurn], strategy: str, fits: Callable[[list[AgentTur
     def drop(i, j):
         r = view[i].tool_results[j]
         if not r.dropped or not r.output.startswith("[output dropped"):
-            view[i].tool_results[j] = _with_output(r, f"[output dropped to save context: {len(r.output)} chars]")
+            stub = f"[output dropped to save context: {len(r.output)} chars" + \
+                (f", {len(r.images)} image(s)]" if r.images else "]")
+            view[i].tool_results[j] = _with_output(r, stub, keep_images=False)
 
     if strategy == "sliding_window":
         for i in old:

@@ -116,10 +116,10 @@ class ParseRule:
                 return Verdict("deny", self.name, str(e))
             return None
         path = args.get("path", ".")
-        if tool in ("read", "list", "write", "edit"):
+        if tool in ("read", "list", "write", "edit", "screenshot"):
             if not isinstance(path, str):
                 return Verdict("deny", self.name, f"{tool}: 'path' must be a string")
-            risk = "read" if tool in ("read", "list") else "write"
+            risk = "read" if tool in ("read", "list", "screenshot") else "write"
             p = resolve_path(path, ctx.workdir, ctx.home, tilde=False)
             ctx.effects = [Effect(risk, p, p is None, f"{tool} {path}")]
         else:

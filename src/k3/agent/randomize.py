@@ -32,6 +32,7 @@ TOOL_ALIASES = {
     "edit": ["edit", "str_replace", "edit_file", "replace_in_file"],
     "list": ["list", "ls", "list_dir", "list_files"],
     "submit": ["submit", "finish", "submit_work", "hand_in"],
+    "screenshot": ["screenshot", "take_screenshot", "render_page", "capture_page"],
 }
 ARG_ALIASES = {
     "command": ["command", "cmd", "script"],
@@ -40,7 +41,13 @@ ARG_ALIASES = {
     "content": ["content", "text", "data"],
     "old": ["old", "old_str", "search", "find"],
     "new": ["new", "new_str", "replace", "replacement"],
+    "width": ["width", "w", "viewport_width"],
+    "height": ["height", "h", "viewport_height"],
 }
+# Axes added after the first release: drawn after all the others (so that every seed keeps the
+# draw it had), and named canonically in a recorded config that predates them.
+LATER_TOOLS = ("screenshot",)
+LATER_ARGS = ("width", "height")
 PROMPT_TEMPLATES = [
     "You are an autonomous software agent working in a sandbox. Your working directory is {workdir}.\n"
     "Use the tools to complete the task, then call {submit} to hand in your work. You may submit at "
@@ -81,10 +88,14 @@ class HarnessConfig:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"harness seed must be an int, got {seed!r}")
         rng = random.Random(seed)
-        tools = {k: rng.choice(v) for k, v in TOOL_ALIASES.items()}
-        args = {k: rng.choice(v) for k, v in ARG_ALIASES.items()}
-        return cls(seed, tools, args, rng.randrange(len(PROMPT_TEMPLATES)), rng.choice(CONTEXT_STRATEGIES),
-                   rng.random() < 0.5)
+        tools = {k: rng.choice(v) for k, v in TOOL_ALIASES.items() if k not in LATER_TOOLS}
+        args = {k: rng.choice(v) for k, v in ARG_ALIASES.items() if k not in LATER_ARGS}
+        template, strategy, memory = rng.randrange(len(PROMPT_TEMPLATES)), rng.choice(CONTEXT_STRATEGIES), \
+            rng.random() < 0.5
+        tools.update((k, rng.choice(TOOL_ALIASES[k])) for k in LATER_TOOLS)
+        args.update((k, rng.choice(ARG_ALIASES[k])) for k in LATER_ARGS)
+        return cls(seed, {k: tools[k] for k in TOOL_ALIASES}, {k: args[k] for k in ARG_ALIASES}, template, strategy,
+                   memory)
 
     def as_dict(self) -> dict:
         return {"seed": self.seed, "tool_names": dict(self.tool_names), "arg_names": dict(self.arg_names),
@@ -95,8 +106,12 @@ class HarnessConfig:
         extra = set(d) - {"seed", "tool_names", "arg_names", "template", "context_strategy", "memory"}
         if extra:
             raise ConfigError(f"harness config: unknown key(s) {sorted(extra)}")
-        cfg = cls(d["seed"], dict(d["tool_names"]), dict(d["arg_names"]), d["template"], d["context_strategy"],
-                  d["memory"])
+        tools, args = dict(d["tool_names"]), dict(d["arg_names"])
+        for k in LATER_TOOLS:
+            tools.setdefault(k, k)
+        for k in LATER_ARGS:
+            args.setdefault(k, k)
+        cfg = cls(d["seed"], tools, args, d["template"], d["context_strategy"], d["memory"])
         cfg.check()
         return cfg
 

@@ -1,4 +1,4 @@
-"""The agent's tools over a ``Sandbox`` (SPEC §7.3): shell, read, write, edit, list, submit.
+"""The agent's tools over a ``Sandbox`` (SPEC §7.3): shell, read, write, edit, list, submit, screenshot.
 
 ``k3.tasks.tool_specs.TOOL_SPECS`` is the canonical schema (names and arguments as task transcripts
 write them); ``tool_schemas(cfg, allowed)`` renders it as OpenAI ``tools`` under a harness config's renaming.
@@ -7,21 +7,62 @@ write them); ``tool_schemas(cfg, allowed)`` renders it as OpenAI ``tools`` under
 sees why), never exceptions. Paths are relative to the sandbox workdir (``/workspace``). Output
 shown to the model is capped at ``max_output`` characters per call (head and tail kept, the cut
 stated). ``submit`` is not run here: the harness collects the submission (``k3.tasks.verify``).
+
+``screenshot {path, width?, height?}`` renders a file of the workdir (a page, an SVG, an image) with
+the headless Chromium of the sandbox's image (the ``browser`` image, k3.env.images) inside the
+sandbox, with no network, at width x height (default 640x480, each within 64..1600), and returns
+the PNG as an image of the result (``ToolResult.images``, a data URL) after a one-line text. A path
+outside the workdir (also through a symlink), a missing file, a sandbox without Chromium and a
+render that fails or runs past its time are error results naming the problem.
 """
 
 from __future__ import annotations
 
+import base64
 import posixpath
+import secrets
+import shlex
+import struct
+import urllib.parse
 
 from k3.agent.randomize import HarnessConfig
 from k3.agent.turns import ToolResult
 from k3.env.sandbox import Sandbox, SandboxError
 from k3.tasks.tool_specs import TOOL_SPECS, check_arguments
 
-__all__ = ["ToolBox", "tool_schemas", "AGENT_ENV"]
+__all__ = ["ToolBox", "tool_schemas", "AGENT_ENV", "SCREENSHOT_SIZE", "SCREENSHOT_BOUNDS", "CHROMIUM_FLAGS"]
 
 AGENT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
 DEFAULT_SHELL_TIMEOUT = 60.0
+SCREENSHOT_SIZE = (640, 480)
+SCREENSHOT_BOUNDS = (64, 1600)
+SCREENSHOT_TIMEOUT = 60.0
+SCREENSHOT_MAX_BYTES = 8 << 20
+SCREENSHOT_EXTS = (".html", ".htm", ".xhtml", ".svg", ".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".txt")
+CHROMIUM = "/usr/bin/chromium"   # in the browser image: the binary itself (k3.env.images)
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                  "--disable-extensions", "--disable-background-networking", "--mute-audio", "--hide-scrollbars",
+                  "--force-device-scale-factor=1", "--force-color-profile=srgb", "--disable-crash-reporter",
+                  "--host-resolver-rules=MAP * ~NOTFOUND")
+# Run inside the sandbox as ``sh -c SCRIPT sh FILE OUT W,H URL``: resolve FILE (symlinks too), refuse
+# what is not a regular file under the workdir, render URL (FILE's) with a fresh profile, remove it.
+# ``timeout`` kills the browser's whole process group in time, so that no renderer outlives a call.
+_SHOT = """
+p=$(realpath -e -- "$1" 2>/dev/null) || exit 81
+case "$p" in {workdir}/*) ;; *) exit 82 ;; esac
+[ -f "$p" ] || exit 83
+[ -x {chromium} ] || exit 84
+ud=$(mktemp -d /tmp/k3-chromium-XXXXXX) || exit 85
+TMPDIR="$ud" timeout -k 2 {seconds} {chromium} {flags} --user-data-dir="$ud" \\
+    --screenshot="$2" --window-size="$3" "$4" </dev/null
+rc=$?
+rm -rf "$ud"
+case $rc in 124|137) exit 86 ;; esac
+exit $rc
+"""
+_SHOT_ERRORS = {81: "no such file", 82: "the path leads outside the working directory", 83: "not a regular file",
+                84: "this sandbox has no headless browser (a task needs image = \"browser\" for screenshot)",
+                85: "could not make a browser profile in /tmp"}  # 86: the browser ran out of time
 
 
 def tool_schemas(cfg: HarnessConfig, allowed: list[str] | tuple[str, ...]) -> list[dict]:
@@ -116,3 +157,54 @@ class ToolBox:
                  else f"{e.path} ({e.size} bytes)" for e in entries]
         text, cut = _cap("\n".join(lines) or "(empty)", self.max_output)
         return ToolResult("", "list", text, meta={"entries": len(entries), "truncated": cut})
+
+    def _screenshot(self, args, cap) -> ToolResult:
+        path = args["path"]
+        width, height = args.get("width", SCREENSHOT_SIZE[0]), args.get("height", SCREENSHOT_SIZE[1])
+        lo, hi = SCREENSHOT_BOUNDS
+        for k, v in (("width", width), ("height", height)):
+            if not lo <= v <= hi:
+                return ToolResult("", "screenshot", f"error: screenshot: {k} {v} is out of range ({lo} to {hi})",
+                                  error=True, meta={"bad_arguments": True})
+        full = posixpath.normpath(posixpath.join(self.workdir, path))
+        if not full.startswith(self.workdir.rstrip("/") + "/"):
+            return ToolResult("", "screenshot", f"error: {path}: outside the working directory {self.workdir}",
+                              error=True, meta={"outside": True})
+        if not full.lower().endswith(SCREENSHOT_EXTS):
+            return ToolResult("", "screenshot", f"error: {path}: not a page or image file (one of "
+                                                f"{' '.join(SCREENSHOT_EXTS)})", error=True,
+                              meta={"bad_arguments": True})
+        timeout = SCREENSHOT_TIMEOUT if cap is None else max(0.01, min(SCREENSHOT_TIMEOUT, cap))
+        out = f"/tmp/k3-screenshot-{secrets.token_hex(8)}.png"
+        script = _SHOT.format(workdir=shlex.quote(self.workdir.rstrip("/")), chromium=shlex.quote(CHROMIUM),
+                              flags=shlex.join(CHROMIUM_FLAGS), seconds=f"{max(1.0, timeout - 4):g}")
+        argv = ["sh", "-c", script, "sh", full, out, f"{width},{height}", "file://" + urllib.parse.quote(full)]
+        try:
+            r = self.sb.exec(argv, timeout=timeout, env=self.env, cwd=self.workdir)
+            if r.timed_out or r.exit_code == 86:
+                return ToolResult("", "screenshot", f"error: screenshot of {path} timed out after {timeout:g} s",
+                                  error=True, meta={"timed_out": True, "timeout": timeout})
+            if r.exit_code in _SHOT_ERRORS:
+                return ToolResult("", "screenshot", f"error: {path}: {_SHOT_ERRORS[r.exit_code]}", error=True,
+                                  meta={"exit_code": r.exit_code})
+            try:
+                png = self.sb.read_file(out, max_bytes=SCREENSHOT_MAX_BYTES + 1)
+            except SandboxError:
+                png = b""
+        finally:
+            try:
+                self.sb.exec(["rm", "-f", "--", out], timeout=30, env=self.env, cwd="/")
+            except SandboxError:
+                pass
+        if not r.ok or png[:8] != b"\x89PNG\r\n\x1a\n" or len(png) > SCREENSHOT_MAX_BYTES:
+            err = "\n".join(line for line in r.stderr.decode("utf-8", "replace").splitlines()
+                            if "dbus" not in line and line.strip())
+            why = (f"the screenshot is over {SCREENSHOT_MAX_BYTES} bytes" if len(png) > SCREENSHOT_MAX_BYTES
+                   else f"the browser failed (exit code {r.exit_code})")
+            text, _ = _cap(f"error: screenshot of {path}: {why}" + (f"\n[stderr]\n{err}" if err else ""),
+                           self.max_output)
+            return ToolResult("", "screenshot", text, error=True, meta={"exit_code": r.exit_code})
+        w, h = struct.unpack(">II", png[16:24])
+        url = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+        return ToolResult("", "screenshot", f"screenshot of {path}, {w}x{h}", images=[url],
+                          meta={"width": w, "height": h, "bytes": len(png)})

@@ -7,6 +7,11 @@ another provider are sent as one user message that lists their visible text, too
 results (no reasoning) and asks for a re-plan: a provider switch starts a re-plan instead of
 pretending the new model thought the old model's thoughts. Reasoning is never shown to a user
 unless asked (``AgentTurn.show(reasoning=True)``).
+
+A tool result may carry images (``ToolResult.images``: data URLs, e.g. the ``screenshot`` tool's
+PNG): its tool message's content is then a list of parts, the output as a ``text`` part and one
+``image_url`` part per image (``k3.data.chat`` renders them as media blocks); a result without
+images is the plain output string, as it always was.
 """
 
 from __future__ import annotations
@@ -39,10 +44,21 @@ class ToolResult:
     error: bool = False        # refused by policy, bad arguments, or a failed operation
     meta: dict = field(default_factory=dict)   # exit_code, timed_out, truncated, denied_by, ...
     dropped: bool = False      # compaction replaced the output in what is sent (kept in the trajectory)
+    images: list[str] = field(default_factory=list)   # data: URLs the model is shown after the output
 
     def as_dict(self) -> dict:
-        return {"call_id": self.call_id, "name": self.name, "output": self.output, "error": self.error,
-                "meta": self.meta}
+        d = {"call_id": self.call_id, "name": self.name, "output": self.output, "error": self.error,
+             "meta": self.meta}
+        if self.images:
+            d["images"] = list(self.images)
+        return d
+
+    def content(self) -> str | list[dict]:
+        """The tool message's content: the output, or with images a text part and the image parts."""
+        if not self.images:
+            return self.output
+        return [{"type": "text", "text": self.output}] + [{"type": "image_url", "image_url": {"url": u}}
+                                                          for u in self.images]
 
 
 @dataclass
@@ -104,7 +120,7 @@ def history_messages(system: str, user: str, turns: list[AgentTurn], provider_id
             m["tool_calls"] = calls
         msgs.append(m)
         for r in t.tool_results:
-            msgs.append({"role": "tool", "tool_call_id": r.call_id, "content": r.output})
+            msgs.append({"role": "tool", "tool_call_id": r.call_id, "content": r.content()})
     if foreign:
         msgs.append({"role": "user", "content": REPLAN_NOTE + "\n" + "\n".join(foreign)})
     return msgs + list(extra or [])
@@ -116,6 +132,7 @@ def _describe(t: AgentTurn, to_model: Namer) -> str:
     for c in t.tool_calls:
         r = results.get(c.id)
         name, args = to_model(c.name, c.arguments)
+        seen = "" if r is None or not r.images else f" [{len(r.images)} image(s) not shown]"
         lines.append(f"- called {name} {json.dumps(args, ensure_ascii=False)}"
-                     + (f" -> {r.output}" if r is not None else ""))
+                     + (f" -> {r.output}{seen}" if r is not None else ""))
     return "\n".join(lines)

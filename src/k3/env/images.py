@@ -6,6 +6,12 @@ libraries they load (from ``ldd``), and a small ``/etc`` of the sandbox's own (r
 only, no host accounts). The image id is the layer id (sha256 of the tree's manifest); a recipe
 fingerprint (paths, sizes, mtimes of every source file) maps a host state to it, so building
 again on an unchanged host costs one ``stat`` walk and no copy.
+
+``browser_image`` (``"browser"`` to ``SandboxManager.resolve_image``) is the default image plus the
+host's Chromium (Debian's ``chromium`` package: ``/usr/lib/chromium`` without setuid files, the
+shared libraries its ELF files load, fontconfig and the fonts), with ``/usr/bin/chromium`` a link
+to the binary itself (not the package's launcher script): headless page rendering inside a
+sandbox (the ``screenshot`` tool, pixel verifiers). Only tasks that ask for it pay for it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -21,7 +28,7 @@ import tempfile
 from k3.env.sandbox import SandboxError
 from k3.env.store import Store, root_store
 
-__all__ = ["default_image", "import_image", "TOOLS"]
+__all__ = ["default_image", "browser_image", "import_image", "TOOLS", "BROWSER_BIN"]
 
 TOOLS = ("sh", "bash", "env", "true", "false", "echo", "printf", "cat", "ls", "cp", "mv", "rm", "ln",
          "mkdir", "rmdir", "touch", "chmod", "stat", "head", "tail", "wc", "sort", "uniq", "cut", "tr",
@@ -36,6 +43,10 @@ _ETC = {"passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/n
         "group": "root:x:0:\nnogroup:x:65534:\n",
         "hosts": "127.0.0.1 localhost\n::1 localhost\n", "hostname": "k3-sandbox\n",
         "shadow": "root:*:19000:0:99999:7:::\n"}
+BROWSER_RECIPE = "k3-browser-image-v1"
+BROWSER_DIR = "/usr/lib/chromium"
+BROWSER_BIN = BROWSER_DIR + "/chromium"
+BROWSER_DATA = ("/etc/fonts", "/usr/share/fonts", "/usr/share/fontconfig")
 _DIRS = ("tmp", "var/tmp", "workspace", "root", "proc", "dev", "sys", ".k3", "home", "usr/local/bin", "etc")
 
 
@@ -116,8 +127,30 @@ def _add_host_path(stage: str, path: str, depth: int = 0) -> None:
                 shutil.copy2(cur, dst)
 
 
-def _fingerprint(files: list[str]) -> str:
-    h = hashlib.sha256(f"{RECIPE}\n{json.dumps([_ETC, TOOLS], sort_keys=True)}".encode())
+def _browser_sources() -> list[str]:
+    """The host's Chromium: its directory (no setuid/setgid file), fonts and fontconfig, and the
+    shared libraries of its ELF files."""
+    if not os.path.isfile(BROWSER_BIN) or not os.access(BROWSER_BIN, os.X_OK):
+        raise SandboxError(f"images: the browser image needs the host's Chromium ({BROWSER_BIN} is missing; "
+                           "apt-get install chromium)")
+    files = []
+    for top in (BROWSER_DIR, *BROWSER_DATA):
+        for dirpath, _, filenames in os.walk(top):
+            for n in filenames:
+                p = os.path.join(dirpath, n)
+                st = os.lstat(p)
+                if stat.S_ISLNK(st.st_mode):
+                    if os.path.isfile(p):  # a link to a file (fontconfig's conf.d); dangling ones are left out
+                        files.append(p)
+                elif stat.S_ISREG(st.st_mode) and not st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                    files.append(p)
+    elfs = [BROWSER_BIN] + [f for f in files if f.startswith(BROWSER_DIR + "/") and ".so" in os.path.basename(f)
+                            and not os.path.islink(f)]
+    return sorted(set(files) | _ldd(elfs))
+
+
+def _fingerprint(files: list[str], recipe: str = RECIPE) -> str:
+    h = hashlib.sha256(f"{recipe}\n{json.dumps([_ETC, TOOLS], sort_keys=True)}".encode())
     for f in files:
         st = os.stat(f)
         h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_mode}\n".encode())
@@ -157,29 +190,40 @@ def _finish_root(stage: str) -> None:
 def default_image(store: Store | str | None = None, python: str | None = None) -> str:
     """Build (once) and return the id of the default image: host Python + coreutils + own /etc.
     ``store``: a ``Store``, a manager root directory, or None for the default manager root."""
+    return _image(store, python, RECIPE, (), lambda: _sources(python), {})
+
+
+def browser_image(store: Store | str | None = None, python: str | None = None) -> str:
+    """Build (once) and return the id of the browser image: the default image + the host's
+    Chromium (module doc); SandboxError when the host has none."""
+    return _image(store, python, BROWSER_RECIPE, (BROWSER_DIR, *BROWSER_DATA),
+                  lambda: sorted(set(_sources(python)) | set(_browser_sources())), {"usr/bin/chromium": BROWSER_BIN})
+
+
+def _image(store, python, recipe: str, dirs: tuple, sources, links: dict) -> str:
     if not isinstance(store, Store):
         store = root_store(store)
-    quick = os.path.join(store.root, "images", "quick-" + _quick_key(python))
+    quick = os.path.join(store.root, "images", "quick-" + _quick_key(python, recipe, dirs))
     image_id = _read_id(store, quick)
     if image_id:
         return image_id
-    files = _sources(python)
-    recipe = os.path.join(store.root, "images", _fingerprint(files))
-    image_id = _read_id(store, recipe)
+    files = sources()
+    fingerprint = os.path.join(store.root, "images", _fingerprint(files, recipe))
+    image_id = _read_id(store, fingerprint)
     if not image_id:
-        image_id = _build(store, files, _host_python(python))
-        _write_id(recipe, image_id)
+        image_id = _build(store, files, _host_python(python), links)
+        _write_id(fingerprint, image_id)
     _write_id(quick, image_id)
     return image_id
 
 
-def _quick_key(python: str | None) -> str:
+def _quick_key(python: str | None, recipe: str = RECIPE, extra_dirs: tuple = ()) -> str:
     """Cheap key of the host state: the interpreter and the mtimes of the directories sources
     come from (installing, removing or replacing a file there changes its directory's mtime)."""
     py = _host_python(python)
     dirs = [os.path.dirname(py), "/usr/bin", "/bin", "/usr/lib", "/lib", "/lib64",
-            "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"]
-    h = hashlib.sha256(f"{RECIPE}\0{py}\0{os.stat(py).st_mtime_ns}\0{json.dumps([_ETC, TOOLS])}".encode())
+            "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", *extra_dirs]
+    h = hashlib.sha256(f"{recipe}\0{py}\0{os.stat(py).st_mtime_ns}\0{json.dumps([_ETC, TOOLS])}".encode())
     for d in dirs:
         if os.path.isdir(d):
             h.update(f"{d}\0{os.stat(d).st_mtime_ns}\n".encode())
@@ -203,7 +247,7 @@ def _write_id(path: str, image_id: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _build(store: Store, files: list[str], py: str) -> str:
+def _build(store: Store, files: list[str], py: str, links: dict | None = None) -> str:
     stage = tempfile.mkdtemp(dir=os.path.join(store.root, "tmp"), prefix="image-")
     try:
         for f in files:
@@ -215,6 +259,11 @@ def _build(store: Store, files: list[str], py: str) -> str:
         os.chmod(os.path.join(stage, "etc", "shadow"), 0o600)
         if not os.path.lexists(os.path.join(stage, "usr/bin/python3")):
             os.symlink(py, os.path.join(stage, "usr/bin/python3"))
+        for rel, target in (links or {}).items():
+            dst = os.path.join(stage, rel)
+            if os.path.lexists(dst):
+                os.unlink(dst)
+            os.symlink(target, dst)
         image_id, _ = store.commit_layer(stage)
     finally:
         shutil.rmtree(stage, ignore_errors=True)

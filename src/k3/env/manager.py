@@ -19,7 +19,7 @@ import secrets
 import shutil
 
 from k3.env.backends import get_backend
-from k3.env.images import default_image, image_names
+from k3.env.images import browser_image, default_image, image_names
 from k3.env.sandbox import Limits, Sandbox, SandboxError, SnapshotInfo
 from k3.env.store import default_root, root_store
 
@@ -58,9 +58,12 @@ class SandboxManager:
             raise SandboxError(f"unknown sandbox {sandbox_id} (manager root {self.root})") from None
 
     def resolve_image(self, image: str) -> str:
-        """"default" -> the default image (built once); otherwise an existing image/layer id."""
+        """"default" -> the default image, "browser" -> the browser image (each built once;
+        k3.env.images); otherwise an existing image/layer id."""
         if image == "default":
             return default_image(self.store)
+        if image == "browser":
+            return browser_image(self.store)
         self.store.layer_dir(image)
         return image
 

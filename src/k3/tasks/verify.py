@@ -1,7 +1,9 @@
 """Sandboxes for tasks and the clean-room verification (SPEC §7.2).
 
 ``agent_sandbox(task, sandboxes)`` makes the agent's sandbox: ``workspace/`` copied to /workspace and
-``checks/`` to /workspace/checks; nothing of ``verifier/`` and no host path of the task.
+``checks/`` to /workspace/checks; nothing of ``verifier/`` and no host path of the task. Both it and
+the verifier's sandbox start from the task's ``image`` (k3.tasks.format: the default image, or the
+browser image with a headless Chromium).
 
 ``collect_submission(sandbox, globs)`` reads a submission out of the agent's sandbox as data:
 the regular files under /workspace whose relative path matches a ``submit`` glob (``*`` and ``?``
@@ -100,15 +102,20 @@ class Sandboxes:
         self.backend = backend
         self.manager = SandboxManager(root)
         self.image = self.manager.resolve_image("default")  # built once per host state, then cached
+        self._images = {"default": self.image}   # name -> image id, each resolved on first use
 
     @property
     def isolating(self) -> bool:
         return True  # local is refused above
 
-    def create(self, network: bool = False, memory_bytes: int | None = 1 << 30, nested: bool = False) -> Sandbox:
+    def create(self, network: bool = False, memory_bytes: int | None = 1 << 30, nested: bool = False,
+               image: str = "default") -> Sandbox:
+        """A sandbox of ``image`` (``"default"`` or ``"browser"``, k3.env.images)."""
+        if image not in self._images:
+            self._images[image] = self.manager.resolve_image(image)
         limits = Limits(memory_bytes=memory_bytes, pids=512, network=network)
         name = None if self.owner is None else f"{self.owner}-{secrets.token_hex(6)}"
-        return self.manager.create(self.image, limits, backend=self.backend, nested=nested, name=name)
+        return self.manager.create(self._images[image], limits, backend=self.backend, nested=nested, name=name)
 
     def close_owned(self) -> list[str]:
         """Close every sandbox of this owner (one an earlier, killed driver left); their ids."""
@@ -139,7 +146,7 @@ def _copy_tree(sb: Sandbox, src: Path, dest: str, read_only: bool = False) -> in
 
 
 def agent_sandbox(task, sandboxes: Sandboxes) -> Sandbox:
-    sb = sandboxes.create(network=False)
+    sb = sandboxes.create(network=False, image=getattr(task, "image", "default"))
     try:
         _copy_tree(sb, task.workspace, "/workspace")
         if task.checks.is_dir():
@@ -278,7 +285,7 @@ def verify(task, submission: Submission, sandboxes: Sandboxes, layers_off=()) ->
     t0 = time.monotonic()
     timings = {}
     try:
-        sb = sandboxes.create(network=False, nested="caps" not in off)
+        sb = sandboxes.create(network=False, nested="caps" not in off, image=getattr(task, "image", "default"))
     except SandboxError as e:
         return Verdict(0.0, f"isolation unavailable: {e}", round(time.monotonic() - t0, 6), {})
     timings["create"] = time.monotonic() - t0

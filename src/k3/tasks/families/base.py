@@ -81,6 +81,7 @@ class TaskFiles:
                                                   "submissions": 1})
     scoring: str = "last"
     verifier_timeout: int = 30
+    image: str = "default"             # task.toml image (k3.tasks.format): "browser" for a headless Chromium
 
 
 class Family(ABC):
@@ -90,6 +91,7 @@ class Family(ABC):
     domain = ""
     about = ""
     solution_effort = "high"  # the effort of solution/solve.json
+    vision = False            # True: its tool results carry images (only a model with a vision tower runs it)
 
     # ------------------------------------------------------------------ each family's own
     @abstractmethod
@@ -210,6 +212,8 @@ def task_toml(task_id: str, f: TaskFiles) -> str:
     lines = [f"id = {q(task_id)}", f"kind = {q(f.kind)}", f"goal = {q(f.goal)}", f"submit = {q(f.submit)}"]
     if f.answer is not None:
         lines.append(f"answer = {q(f.answer)}")
+    if f.image != "default":
+        lines.append(f"image = {q(f.image)}")
     lines += ["", "[budget]"] + [f"{k} = {v}" for k, v in f.budget.items()]
     lines += ["", "[scoring]", f"use = {q(f.scoring)}", "", "[tools]", f"allowed = {q(f.tools)}",
               "", "[verifier]", f"timeout = {f.verifier_timeout}", "network = false", ""]
