@@ -95,8 +95,9 @@ def test_self_test_on_the_cpu_passes(gc, tmp_path):
     """--device cpu: the same code on the CPU against the CPU (one pass of every part's plumbing). With the
     C kernels on (K3_KERNELS=auto, not the script's default torch) kda_fla compares the C scan with the
     chunked form, and the engine decodes through its prepared step: quicker on 2 cores."""
-    t0 = time.monotonic()
-    p = _run(tmp_path, "--device", "cpu", K3_KERNELS="auto")
+    # no wall-time assertion: speed is the benchmarks' business; the timeout only guards a hang
+    # (this run took 24 s on a quiet 2-core machine and past 120 s beside another CPU-bound job)
+    p = _run(tmp_path, "--device", "cpu", timeout=600, K3_KERNELS="auto")
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     rows = {r["metric"]: r for r in _rows(tmp_path)}
     assert list(rows) == _metrics(gc)
@@ -109,7 +110,6 @@ def test_self_test_on_the_cpu_passes(gc, tmp_path):
         else:
             assert r["status"] == "PASS", r
     assert rows["nccl_step"]["backend"] == "gloo"
-    assert time.monotonic() - t0 < 120
 
 
 def test_compare_fails_on_a_wrong_reference(gc):

@@ -20,7 +20,7 @@ import pytest
 from k3.agent.providers import LocalEngine, OpenAICompatible, ProviderRequest
 from k3.agent.randomize import HarnessConfig
 from k3.agent.tools import tool_schemas
-from k3.tasks.tool_specs import TOOL_SPECS
+from k3.tasks.tool_specs import DEFAULT_TOOLS
 from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
 from k3.data.chat import ChatFormat
 from k3.serve.launch import launch
@@ -76,7 +76,7 @@ def test_reasoning_round_trips_to_its_own_provider_and_never_reaches_another(nan
     a = OpenAICompatible(f"http://127.0.0.1:{pa_http.server_port}/v1", "nano")
     b = OpenAICompatible(f"http://127.0.0.1:{pb_http.server_port}/v1", "nano")
     assert a.id != b.id
-    tools = tool_schemas(HarnessConfig(), list(TOOL_SPECS))
+    tools = tool_schemas(HarnessConfig(), list(DEFAULT_TOOLS))
     first = a.complete(_req(history_messages("system", "list the files", [], a.id), tools))
     assert first.reasoning  # the low-effort cap ends thinking after 3 tokens; 3 tokens of text came back
     # the harness records A's turn, with one tool call and its result, and asks A again
@@ -177,8 +177,9 @@ def test_k3_task_run_with_the_openai_provider_records_what_the_server_was_sent(n
     cond = recs[0]["conditions"]
     sent = pa.bodies[before]
     assert cond["model"] == {"kind": "openai", "base_url": url, "model": "nano", "id": f"openai:{url}#nano"}
+    names = HarnessConfig.from_seed(5).tool_names   # the task allows the default tools, renamed
     assert sent["tools"] == cond["tools"] and {t["function"]["name"] for t in sent["tools"]} == \
-        set(HarnessConfig.from_seed(5).tool_names.values())
+        {names[t] for t in DEFAULT_TOOLS}
     assert sent["messages"][0]["content"] == cond["prompt"]["system"] and sent["messages"][1]["content"] == "say hi"
     assert (sent["max_tokens"], sent["reasoning_effort"], sent["seed"]) == (8, "low", 5)
     turns = [r for r in recs if r["type"] == "turn"]

@@ -13,6 +13,7 @@ from k3.cli.task import task_main
 from k3.rl.rollout import run_episode, run_jobs
 from k3.rl.rollout import replay
 from k3.rl.trajectory import TrajectoryWriter, read_trajectory
+from k3.tasks.format import load_task
 from taskdirs import FIXED, make_task, write_transcript
 
 FIX = {"name": "write", "arguments": {"path": "calc.py", "content": FIXED}}
@@ -76,7 +77,8 @@ def test_harness_randomization_is_recorded_and_the_renamed_tools_still_solve_the
     s, recs = episode(d, turns, sandboxes, harness=7, seed=7)
     head = recs[0]
     assert head["type"] == "header" and head["conditions"]["harness"] == cfg.as_dict()
-    assert {t["function"]["name"] for t in head["conditions"]["tools"]} == set(cfg.tool_names.values())
+    allowed = load_task(d).allowed_tools
+    assert {t["function"]["name"] for t in head["conditions"]["tools"]} == {cfg.tool_names[t] for t in allowed}
     assert head["conditions"]["prompt"]["system"] == cfg.system_prompt("/workspace", 2)
     sent = [c["name"] for r in recs if r["type"] == "turn" for c in r["tool_calls"]]
     assert sent == [cfg.tool_names[c["name"]] for t in turns for c in t["tool_calls"]]
