@@ -121,13 +121,15 @@ def _check_against(reference, run_dir: Path, first: int = 0) -> tuple[float, flo
     # The ranks' gradient sums round differently from one process's. AdamW's normalised step turns
     # that into the largest drift on the vocabulary-indexed tensors (the embedding and lm_head rows of
     # rare tokens, whose small gradients it scales up to a full step): after 20 steps up to 6.0e-5
-    # there (AVX2: dp=2 1.9e-5, ep=2 6.0e-5, dp=2 x ep=2 1.6e-5; AVX-512: 1.7e-5), at most 1.3e-6 on every other
-    # tensor. A missing or mis-scaled reduction moves a tensor by its whole update (~4e-2 here).
+    # there (AVX2: dp=2 1.9e-5, ep=2 6.0e-5, dp=2 x ep=2 1.6e-5; AVX-512: 1.7e-5), and less on every other
+    # tensor: 1.3e-6 measured first, 5.1e-6 (dp=2 x ep=2, an AttnRes norm weight: AdamW again) once the
+    # tokenizer gained the media tokens and the data's ids moved. A missing or mis-scaled reduction
+    # moves a tensor by its whole update (~4e-2 here), 2000x the bound.
     vocab = ("model.embed_tokens.weight", "lm_head.weight")
     worst = max((k for k in devs if k in vocab), key=devs.get)
     assert devs[worst] < 2e-4, (worst, devs[worst])
     other = max((k for k in devs if k not in vocab), key=devs.get)
-    assert devs[other] < 5e-6, (other, devs[other])
+    assert devs[other] < 2e-5, (other, devs[other])
     dev = max(devs[worst], devs[other])
     return rel, dev
 
