@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from k3.agent.providers import Scripted, render_request
+from k3.agent.providers import render_request
 from k3.agent.randomize import HarnessConfig
 from k3.agent.tools import ToolBox
 from k3.config.vision import ImageProcConfig
@@ -24,6 +24,7 @@ from k3.tasks.families import EFFORTS, FAMILIES, HELDOUT_START, VISION_FAMILIES,
 from k3.tasks.families.page import PALETTE, SHOT_TEXT, page_html
 from k3.tasks.format import load_task, validate_task
 from k3.tasks.verify import Submission, verify
+from test_families_chat import Recording   # the Scripted provider that keeps its requests
 
 FAM = get_family("page")
 
@@ -36,16 +37,6 @@ def calls(turns) -> list[dict]:
     return [c for t in turns for c in t.get("tool_calls", [])]
 
 
-class Recording(Scripted):
-    """Scripted, keeping every request the harness sent."""
-
-    def __init__(self, turns):
-        super().__init__(turns)
-        self.requests = []
-
-    def complete(self, req):
-        self.requests.append(req)
-        return super().complete(req)
 
 
 def episode(task_dir, turns, sandboxes, effort=None, harness=None):
