@@ -14,6 +14,7 @@ from typing import Iterable
 from k3.data.chat import ChatFormat
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
+from k3.tasks.vision_synth import png_data_url
 
 __all__ = ["user_turn", "answer_items", "accuracy"]
 
@@ -22,16 +23,8 @@ def user_turn(item: dict, with_image: bool = True, url: str | None = None) -> di
     """The user message of ``item``: its image (``url``, or the PIL image itself) then its question."""
     parts = [{"type": "text", "text": item["question"]}]
     if with_image:
-        parts.insert(0, {"type": "image_url", "image_url": {"url": url if url is not None else _data_url(item)}})
+        parts.insert(0, {"type": "image_url", "image_url": {"url": url if url is not None else png_data_url(item["image"])}})
     return {"role": "user", "content": parts}
-
-
-def _data_url(item: dict) -> str:
-    import base64
-    import io
-    buf = io.BytesIO()
-    item["image"].save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def answer_items(model, tokenizer, items: Iterable[dict], with_image: bool = True,

@@ -40,7 +40,7 @@ from PIL import Image, ImageDraw, ImageFont
 from k3.errors import K3Error
 
 __all__ = ["KINDS", "PALETTE", "SHAPES", "CELLS", "make_image_item", "solve", "check_text", "verify_item",
-           "write_jsonl"]
+           "write_jsonl", "png_data_url"]
 
 KINDS = ("count", "color", "position", "text")
 PALETTE = {"red": (230, 25, 25), "green": (20, 160, 40), "blue": (30, 60, 230), "yellow": (240, 200, 0),
@@ -258,7 +258,8 @@ def verify_item(item: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------------ JSONL
-def _data_url(im: Image.Image) -> str:
+def png_data_url(im: Image.Image) -> str:
+    """``im`` as a ``data:image/png;base64`` URL."""
     buf = io.BytesIO()
     im.save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -286,7 +287,7 @@ def write_jsonl(path: str | os.PathLike, seeds: Iterable[int], kinds: Iterable[s
                 item = make_image_item(seed, kind)
                 meta = dict(item["meta"])
                 if image_dir is None:
-                    url = _data_url(item["image"])
+                    url = png_data_url(item["image"])
                 else:
                     file = Path(image_dir) / f"{kind}_{seed}.png"
                     item["image"].save(file, "PNG")
