@@ -232,7 +232,7 @@ def test_engine_greedy_tokens_same_with_the_prepared_backend_on_and_off(model):
     with Engine(model, max_batch=4) as on, Engine(model, max_batch=4, prepared_decode=False) as off:
         a = [o.token_ids for o in on.generate(prompts, params)]
         b = [o.token_ids for o in off.generate(prompts, params)]
-        assert on._prepared._plan is not None and off._prepared is None    # the backend ran / did not
+        assert on.prepared._plan is not None and off.prepared is None    # the backend ran / did not
     assert a == b
     assert a == [reference_greedy(model, p, 12) for p in prompts]
 
@@ -282,7 +282,7 @@ def test_what_the_backend_refuses_is_named_and_the_engine_runs_the_modules(k3_mo
     prompt = [3, 1, 4, 1, 5]
     with Engine(model, max_batch=1) as eng:
         out = eng.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        assert eng._prepared.current() is None and "group-limited" in eng._prepared.why
+        assert eng.prepared.current() is None and "group-limited" in eng.prepared.why
     assert out[0].token_ids == reference_greedy(model, prompt, 6)
 
 

@@ -1,45 +1,35 @@
 """The inference engine (SPEC §6.1): continuous batching over one model owned by one thread.
 
+Three parts, as vLLM splits them: ``k3.infer.scheduler.Scheduler`` decides each step's work
+(admission within ``max_batch`` and ``max_cache_bytes``, prefill chunks and batches within
+``prefill_chunk`` tokens, the decode groups) and returns a ``StepPlan`` without touching a model;
+``k3.infer.runner.ModelRunner`` executes the plan (forwards, prefix-cache lookups and snapshots,
+sampling, events); this ``Engine`` is the thin threaded shell around them.
+
 ``submit`` validates a request in the caller's thread and queues it; a bad request gets a handle
-that raises its ``K3Error`` and never reaches the model, so the others are unaffected. The
-scheduler thread repeats one *step*: apply cancels, admit waiting requests (up to ``max_batch``
-active, within ``max_cache_bytes``), run prefill chunks of the prefilling requests, oldest
-first, until ``prefill_chunk`` prompt tokens have run this step (each chunk batch 1; with the
-prefix cache also cut at every ``cache_block`` boundary so each one can be snapshotted), then one
-decode step (one token) for every running request. Requests join and leave the decode batch
-between steps; a finished or cancelled request's cache rows are dropped at once.
-
-Batched prefill: prefix-cache misses waiting together whose whole prompt is one chunk and of one
-length run as one [k, n] forward (``_fresh_batch``; no padding, which a KDA state would absorb),
-so clients arriving together do not each stall the running batch for a batch-1 forward. The
-tokens of a step are sampled for all rows at once (``sampling.sample_rows``: each row as its own
-sampler would, with its own generator). ``add_listener(fn)``: ``fn()`` after every step, so one
-consumer of many handles (the server's event loop) wakes once per step and ``poll``s them.
-
-Prefix cache (SPEC §6.2) through its API only: ``match(prompt)`` gives the request its own
-batch-1 cache at the deepest snapshotted boundary (at least one prompt token is always fed, so
-the first token's logits come from the model), and ``insert(prompt[:b], cache)`` is called after
-prefilling exactly ``b`` tokens, for every chunk end on a ``cache_block`` boundary and at the
-prompt's end.
+that raises its ``K3Error`` and never reaches the model, so the others are unaffected. The engine
+thread repeats one *step*: apply cancels, ``schedule()``, ``execute(plan)``, measure the caches,
+then close the handles of requests that ended (after their cache rows were dropped, so a caller
+that saw the end sees freed stats) and call the listeners. ``add_listener(fn)``: ``fn()`` after
+every step, so one consumer of many handles (the server's event loop) wakes once per step and
+``poll``s them.
 """
 
 from __future__ import annotations
 
-import collections
 import operator
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 from k3.errors import K3Error
 from k3.infer.media import PromptImages
-from k3.infer.prefill import PrefillSteps
-from k3.infer.prepared import PreparedWeights, accepts
+from k3.infer.prepared import PreparedWeights
 from k3.infer.detok import TextStream
-from k3.infer.sampling import Sampler, SamplingParams, sample_rows
-from k3.infer.scheduler import Completion, DecodeGroup, Request, RequestHandle, TokenEvent
+from k3.infer.runner import ModelRunner
+from k3.infer.sampling import Sampler, SamplingParams
+from k3.infer.scheduler import Completion, Request, RequestHandle, Scheduler, TokenEvent
 from k3.model.cache import KDAState, MLAState, cache_bytes_per_sequence
 from k3.model.multimodal import K3VLForConditionalGeneration
 from k3.threads import release_openmp_team
@@ -68,7 +58,7 @@ def _load(path, dtype, device, tokenizer):
     return model, tokenizer
 
 
-class Engine(PrefillSteps):
+class Engine:
     """``Engine(model_or_checkpoint_dir, max_batch=16, prefill_chunk=512, cache_block=64, ...)``.
 
     ``prepared_decode`` (default on) gives each decode step ``model(..., prepared=P)``: the model's
@@ -104,23 +94,24 @@ class Engine(PrefillSteps):
         self.device, self.dtype = p.device, p.dtype
         self.max_batch, self.prefill_chunk, self.cache_block = max_batch, prefill_chunk, cache_block
         self.max_cache_bytes = max_cache_bytes
-        # the decode backend (None: off); the groups' caches are the engine's own, so KDA states
-        # are updated in place
-        self._prepared = PreparedWeights(self.model, in_place_state=True) if prepared_decode else None
         self.prefix_cache = None
         if prefix_cache_bytes:
             from k3.infer.prefix_cache import PrefixCache
             self.prefix_cache = PrefixCache(cache_block, prefix_cache_bytes)
         self._cv = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._prefill: list[Request] = []
-        self._groups: list[DecodeGroup] = []
+        self._sched = Scheduler(max_batch, prefill_chunk, cache_block, max_cache_bytes, self.prefix_cache)
+        self._counters = dict(prompt_tokens=0, generated_tokens=0, finished=0, failed=0, decode_steps=0,
+                              max_decode_batch=0, max_prefill_batch=1)
+        # the decode backend (None: off); the groups' caches are the engine's own, so KDA states
+        # are updated in place
+        self.prepared = PreparedWeights(self.model, in_place_state=True) if prepared_decode else None
+        self._runner = ModelRunner(self.model, self._sched, self._cv, self._end, self._counters,
+                                   vision_model=self.vision_model, prefix_cache=self.prefix_cache,
+                                   prepared=self.prepared)
         self._cancels: set[int] = set()
         self._closing: list = []  # handle closures waiting for the end of the step
         self._next_id = 0
         self._stop = False
-        self._counters = dict(prompt_tokens=0, generated_tokens=0, finished=0, failed=0, decode_steps=0,
-                              max_decode_batch=0, max_prefill_batch=1)
         self._bytes = dict(kda_state_bytes=0, mla_latent_bytes=0)
         self._prefix_stats: dict = {}
         self._listeners: list = []
@@ -152,7 +143,7 @@ class Engine(PrefillSteps):
                 handle._fail(K3Error("Engine: closed"))
                 self._notify()
                 return handle
-            self._waiting.append(req)
+            self._sched.add(req)
             self._cv.notify()
         return handle
 
@@ -188,8 +179,8 @@ class Engine(PrefillSteps):
         ``max_prefill_batch``: most requests prefilled by one forward); bytes as of the end of the
         last step."""
         with self._cv:
-            out = dict(active=len(self._prefill) + sum(len(g.reqs) for g in self._groups),
-                       waiting=len(self._waiting), **self._bytes, **self._counters)
+            out = dict(active=self._sched.num_active(), waiting=len(self._sched.waiting), **self._bytes,
+                       **self._counters)
             pc = self._prefix_stats
         out.update(prefix_cache_bytes=pc.get("bytes", 0), prefix_hits=pc.get("hits", 0),
                    prefix_misses=pc.get("misses", 0), prefix_hit_tokens=pc.get("hit_tokens", 0))
@@ -261,15 +252,12 @@ class Engine(PrefillSteps):
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._cv:
-            for r in self._waiting:
-                if r.handle is handle:
-                    self._waiting.remove(r)
-                    self._end(r, TokenEvent(None, "", None, "cancelled"), now=True)
-                    break
-            else:
+            r = self._sched.remove_waiting(handle)
+            if r is None:   # admitted: cancelled at the start of the next step
                 self._cancels.add(handle.rid)
                 self._cv.notify()
                 return
+            self._end(r, TokenEvent(None, "", None, "cancelled"), now=True)
         self._notify()
 
     def _end(self, req: Request, ev: TokenEvent | None = None, err: BaseException | None = None,
@@ -295,20 +283,24 @@ class Engine(PrefillSteps):
     # ------------------------------------------------------------------------ the thread
     def _loop(self) -> None:
         why = "Engine: closed before the request finished"
+        sched = self._sched
         try:
             with torch.no_grad():
                 while True:
                     with self._cv:
-                        if not (self._stop or self._waiting or self._prefill or self._groups):
+                        if not (self._stop or sched.has_work()):
                             release_openmp_team()  # idle: no team of ours to throttle other threads'
-                        while not (self._stop or self._waiting or self._prefill or self._groups):
+                        while not (self._stop or sched.has_work()):
                             self._cv.wait()
                         if self._stop:
                             break
                         cancels, self._cancels = self._cancels, set()
-                        self._admit()
-                    self._apply_cancels(cancels)
-                    self._step()
+                        if cancels:
+                            for r in sched.cancel(cancels):
+                                self._end(r, TokenEvent(None, "", None, "cancelled"))
+                            sched.drop_finished()
+                        plan = sched.schedule()
+                    self._runner.execute(plan)
                     self._measure()
                     self._release()
                     self._notify()
@@ -318,121 +310,16 @@ class Engine(PrefillSteps):
         finally:
             with self._cv:
                 self._stop = True
-                for r in [*self._waiting, *self._prefill, *(r for g in self._groups for r in g.reqs)]:
+                for r in sched.requests():
                     if not r.finished:
                         self._end(r, err=K3Error(why))
-                self._waiting.clear(), self._prefill.clear(), self._groups.clear()
+                sched.clear()
             self._measure()
             self._release()
             self._notify()
 
-    def _admit(self) -> None:
-        active = self._prefill + [r for g in self._groups for r in g.reqs]
-        used = sum(r.reserved for r in active)
-        while self._waiting and len(active) < self.max_batch:
-            r = self._waiting[0]
-            if self.max_cache_bytes is not None and used + r.reserved > self.max_cache_bytes:
-                break
-            self._waiting.popleft()
-            self._prefill.append(r)
-            active.append(r)
-            used += r.reserved
-
-    def _apply_cancels(self, rids: set[int]) -> None:
-        if not rids:
-            return
-        ev = TokenEvent(None, "", None, "cancelled")
-        with self._cv:
-            for r in [r for r in self._prefill if r.handle.rid in rids]:
-                self._prefill.remove(r)
-                r.cache = None
-                self._end(r, ev)
-            for g in self._groups:
-                for r in g.reqs:
-                    if r.handle.rid in rids and not r.finished:
-                        self._end(r, ev)
-            self._drop_finished()
-
-    def _drop_finished(self) -> None:
-        for g in self._groups:
-            g.drop({r.handle.rid for r in g.reqs if r.finished})
-        self._groups = [g for g in self._groups if g.reqs]
-
-    def _step(self) -> None:
-        budget = self.prefill_chunk  # prompt tokens per step, over as many requests as they cover
-        while budget > 0 and self._prefill:
-            batch = self._fresh_batch(budget)
-            if len(batch) > 1:
-                budget -= self._prefill_together(batch)
-                continue
-            req = self._prefill[0]
-            try:
-                budget -= self._prefill_chunk(req, budget)
-            except Exception as e:  # noqa: BLE001 - a failure of this request's forward fails it alone
-                with self._cv:
-                    self._prefill.remove(req)
-                    req.cache = None
-                    self._end(req, err=e if isinstance(e, K3Error) else K3Error(f"prefill failed: {e!r}"))
-        for g in list(self._groups):
-            try:
-                self._decode(g)
-            except Exception as e:  # noqa: BLE001
-                with self._cv:
-                    for r in g.reqs:
-                        self._end(r, err=K3Error(f"decode failed: {e!r}"))
-        with self._cv:
-            self._drop_finished()
-
-    def _decode(self, g: DecodeGroup) -> None:
-        tokens = g.last_tokens(self.device)                                   # [B, 1]
-        prepared = self._prepared.current() if self._prepared is not None and accepts(g.cache) else None
-        logits = self.model(tokens, cache=g.cache, logits_to_keep=1, prepared=prepared).logits[:, -1]
-        c = self._counters
-        c["decode_steps"] += 1
-        c["max_decode_batch"] = max(c["max_decode_batch"], len(g.reqs))
-        self._emit_rows(g.reqs, logits)
-
-    def _emit_rows(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Sample every unfinished request's next token from its row of logits [B, V] in one
-        batched pass (``sample_rows``: the same tokens as each request sampling alone), then emit."""
-        live = [i for i, r in enumerate(reqs) if not r.finished]
-        if not live:
-            return
-        rows = logits if len(live) == len(reqs) else logits[live]
-        tokens = sample_rows(rows, [reqs[i].sampler for i in live])
-        for i, tok in zip(live, tokens):
-            self._emit(reqs[i], logits[i], tok)
-
-    def _emit(self, req: Request, logits: torch.Tensor, tok: int) -> None:
-        """Send ``req``'s next token ``tok`` (sampled by ``_emit_rows`` from its logits [V]) as its
-        event; the thinking cap may replace it; finish the request if it ends."""
-        p = req.params
-        cap = p.max_thinking_tokens
-        if cap is not None and len(req.out) >= cap and p.think_end_id not in req.out:
-            tok = p.think_end_id  # the thinking cap: close the thinking section, the answer follows
-        req.sampler.observe(tok)
-        lp, top = req.sampler.logprobs(logits, tok) if p.logprobs is not None else (None, None)
-        req.out.append(tok)
-        if req.t_first is None:
-            req.t_first = time.perf_counter()
-        self._counters["generated_tokens"] += 1
-        eos = self.config.eos_token_id
-        if tok in p.stop_token_ids or (not p.ignore_eos and eos is not None and tok == eos):
-            delta, finish = req.stream.flush(), "stop"
-        else:
-            delta, stopped = req.stream.push(req.out)
-            finish = "stop" if stopped else None
-            if finish is None and len(req.out) >= req.max_tokens:
-                delta, finish = delta + req.stream.flush(), "length"
-        ev = TokenEvent(tok, delta, lp, finish, top)
-        if finish is None:
-            req.handle._put(ev)
-        else:
-            with self._cv:
-                self._end(req, ev)
-
     def _measure(self) -> None:
-        caches = [r.cache for r in self._prefill if r.cache is not None] + [g.cache for g in self._groups]
+        caches = [r.cache for r in self._sched.prefilling if r.cache is not None] + [g.cache for g in self._sched.groups]
         kda = mla = 0
         for c in caches:
             for s in c.layers:

@@ -87,6 +87,7 @@ class PrefixCache:
       (``len(tokens)`` a multiple of ``cache_block``, or a prompt end). Copies what the tree lacks.
     * ``match(tokens) -> PrefixHit``: the deepest snapshot at depth ≤ ``len(tokens) − 1`` (a cache
       carries no logits, so at least one token is always left for the caller to feed).
+    * ``peek(tokens) -> int``: the length ``match`` would give now, without counting or copying.
     * ``stats()``: hits, misses, hit_tokens, bytes, entries (snapshots), nodes, evictions.
     """
 
@@ -132,9 +133,8 @@ class PrefixCache:
                 return child
         return None
 
-    def match(self, tokens: Sequence[int]) -> PrefixHit:
-        """Deepest snapshot covering a prefix of ``tokens`` (at most ``len(tokens) − 1`` of them)."""
-        tokens = _token_ids(tokens)
+    def _deepest(self, tokens: list[int]) -> list[_Node] | None:
+        """The root→hit path of the deepest snapshot at depth ≤ ``len(tokens) − 1`` (None: none)."""
         limit, B = len(tokens) - 1, self.cache_block
         node, path = self._root, []
         best: tuple[int, _Node | None] | None = None  # (block nodes of path used, prompt-end leaf)
@@ -150,9 +150,21 @@ class PrefixCache:
             if node.kda is not None:  # deeper than any prompt-end leaf above it
                 best = (len(path), None)
         if best is None:
+            return None
+        return path[: best[0]] + ([best[1]] if best[1] is not None else [])
+
+    def peek(self, tokens: Sequence[int]) -> int:
+        """How many tokens of ``tokens`` ``match`` would cover now (0: a miss); touches nothing,
+        counts nothing, copies nothing (the scheduler plans with it)."""
+        nodes = self._deepest(_token_ids(tokens))
+        return 0 if nodes is None else nodes[-1].depth
+
+    def match(self, tokens: Sequence[int]) -> PrefixHit:
+        """Deepest snapshot covering a prefix of ``tokens`` (at most ``len(tokens) − 1`` of them)."""
+        nodes = self._deepest(_token_ids(tokens))
+        if nodes is None:
             self._counts["misses"] += 1
             return PrefixHit(0, None)
-        nodes = path[: best[0]] + ([best[1]] if best[1] is not None else [])
         hit = nodes[-1]
         self._touch(hit)
         self._counts["hits"] += 1

@@ -1,4 +1,6 @@
-"""Scheduling state of the engine: requests, their handles, admission and decode groups.
+"""Scheduling of the engine (SPEC §6.1): requests, their handles, admission, the prefill plan of
+each step and the decode groups. Nothing here runs a model: ``Scheduler.schedule()`` returns a
+``StepPlan`` that ``k3.infer.runner.ModelRunner`` executes, and it is tested without a model.
 
 Life of a request: ``waiting`` → (admitted while fewer than ``max_batch`` are active and the byte
 budget holds its worst case) ``prefill`` (chunks of the prompt through a batch-1 cache) →
@@ -7,11 +9,23 @@ is one batched ``K3Cache`` and its requests in row order. With per-sequence cach
 (``K3Cache.seq_lens``) every running request shares one group; without them a group holds
 requests of equal length only (they stay equal: each step adds one token to every row).
 
-Everything here is touched by the engine thread only, except ``RequestHandle`` (any thread).
+One step's plan: admit waiting requests (up to ``max_batch`` active, each reserving its worst-case
+cache bytes within ``max_cache_bytes``), then spend at most ``prefill_chunk`` prompt tokens on the
+prefilling requests, oldest first: a ``PrefillBatch`` of equal-length whole prompts that miss the
+prefix cache (one [k, n] forward, no padding), or ``PrefillChunk``s of one request, cut at every
+``cache_block`` boundary when the prefix cache is on (each boundary is snapshotted). Then every
+running request decodes one token. A request that has not consulted the prefix cache yet is
+planned from ``prefix.peek`` (what its lookup would give now); one that could hit a snapshot an
+earlier item of the same plan will insert waits for the next step, so planning before running
+loses no prefix hit.
+
+Everything here is touched by the engine thread only (the waiting queue under the engine's lock),
+except ``RequestHandle`` (any thread).
 """
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -22,7 +36,8 @@ import torch
 
 from k3.model.cache import K3Cache
 
-__all__ = ["TokenEvent", "Completion", "RequestHandle", "Request", "DecodeGroup", "per_row_lengths"]
+__all__ = ["TokenEvent", "Completion", "RequestHandle", "Request", "DecodeGroup", "per_row_lengths",
+           "PrefillChunk", "PrefillBatch", "StepPlan", "Scheduler"]
 
 _END = object()
 
@@ -199,3 +214,213 @@ class DecodeGroup:
 
     def last_tokens(self, device) -> torch.Tensor:
         return torch.tensor([[r.out[-1]] for r in self.reqs], dtype=torch.long, device=device)
+
+
+@dataclass
+class PrefillChunk:
+    """Run ``req``'s prompt up to token ``end`` (from ``start``, where the plan expects it to be)."""
+    req: Request
+    start: int
+    end: int
+
+
+@dataclass
+class PrefillBatch:
+    """The whole prompts of ``reqs`` (equal length, prefix-cache misses) as one [k, n] forward."""
+    reqs: list[Request]
+
+
+@dataclass
+class StepPlan:
+    """One engine step: ``admitted`` moved from waiting to prefill, the ``prefill`` work in order,
+    then one decode step of every running group (those that finish prefilling in this step
+    included: they decode their second token in it)."""
+    admitted: list[Request]
+    prefill: list[PrefillChunk | PrefillBatch]
+
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the plan runs (as planned)."""
+        return sum(len(w.reqs) * len(w.reqs[0].prompt) if isinstance(w, PrefillBatch) else w.end - w.start
+                   for w in self.prefill)
+
+
+class Scheduler:
+    """``Scheduler(max_batch, prefill_chunk, cache_block, max_cache_bytes=None, prefix=None)``.
+
+    ``prefix``: the prefix cache (anything with ``peek(tokens) -> int``), or None. The engine
+    ``add``s requests, calls ``schedule()`` once per step, and reports back: ``prefilled`` (a
+    request's prompt is in its cache rows: it joins a decode group), ``remove_prefill`` (a failed
+    prefill) and ``drop_finished`` (finished requests leave their groups)."""
+
+    def __init__(self, max_batch: int, prefill_chunk: int, cache_block: int, max_cache_bytes: int | None = None,
+                 prefix=None):
+        self.max_batch, self.prefill_chunk, self.cache_block = max_batch, prefill_chunk, cache_block
+        self.max_cache_bytes, self.prefix = max_cache_bytes, prefix
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: list[Request] = []
+        self.groups: list[DecodeGroup] = []
+
+    # ---------------------------------------------------------------- the queues
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.groups)
+
+    def num_active(self) -> int:
+        return len(self.prefilling) + sum(len(g.reqs) for g in self.groups)
+
+    def requests(self) -> list[Request]:
+        """Every request the scheduler holds: waiting, prefilling, running."""
+        return [*self.waiting, *self.prefilling, *(r for g in self.groups for r in g.reqs)]
+
+    def clear(self) -> None:
+        self.waiting.clear(), self.prefilling.clear(), self.groups.clear()
+
+    def remove_waiting(self, handle) -> Request | None:
+        """Take the waiting request of ``handle`` out of the queue (None: it is not waiting)."""
+        for r in self.waiting:
+            if r.handle is handle:
+                self.waiting.remove(r)
+                return r
+        return None
+
+    def cancel(self, rids: set[int]) -> list[Request]:
+        """The admitted requests whose handle ids are in ``rids`` (unfinished ones); those still
+        prefilling leave the prefill list with their cache. The caller ends them, then
+        ``drop_finished()`` frees the rows of the running ones."""
+        out = [r for r in self.prefilling if r.handle.rid in rids]
+        for r in out:
+            self.prefilling.remove(r)
+            r.cache = None
+        return out + [r for g in self.groups for r in g.reqs if r.handle.rid in rids and not r.finished]
+
+    def remove_prefill(self, req: Request) -> None:
+        """``req`` leaves prefill without joining a decode group (it failed or finished at once)."""
+        self.prefilling.remove(req)
+        req.cache = None
+
+    def prefilled(self, reqs: list[Request], rows) -> None:
+        """``reqs`` (whole prompts in cache ``rows``, in order) leave prefill; the unfinished ones
+        join the first decode group that accepts their rows, or start one."""
+        for r in reqs:
+            self.prefilling.remove(r)
+        keep = [i for i, r in enumerate(reqs) if not r.finished]
+        if not keep:
+            return
+        if len(keep) < len(reqs):
+            rows = rows.select(keep)
+        reqs = [reqs[i] for i in keep]
+        group = next((g for g in self.groups if g.accepts(rows)), None)
+        if group is None:
+            self.groups.append(DecodeGroup(reqs, rows))
+        else:
+            group.join(reqs, rows)
+
+    def drop_finished(self) -> None:
+        """Finished requests leave their decode groups (their cache rows are dropped)."""
+        for g in self.groups:
+            g.drop({r.handle.rid for r in g.reqs if r.finished})
+        self.groups = [g for g in self.groups if g.reqs]
+
+    # ---------------------------------------------------------------- the plan
+    def schedule(self) -> StepPlan:
+        """Admit, then plan this step's prefill (see the module docstring)."""
+        admitted = self._admit()
+        work: list[PrefillChunk | PrefillBatch] = []
+        planned: list[Request] = []        # requests with work in this plan (their snapshots go in)
+        taken: set[int] = set()            # handle ids already in a batch
+        budget = self.prefill_chunk
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            if r.handle.rid in taken:
+                continue
+            start = self.start_of(r, planned)
+            if start is None:              # it may hit a snapshot this plan inserts: next step
+                break
+            batch = self._batch(r, start, planned, budget)
+            if len(batch) > 1:
+                work.append(PrefillBatch(batch))
+                taken.update(b.handle.rid for b in batch)
+                planned.extend(batch)
+                budget -= len(batch) * len(r.prompt)
+                continue
+            n, pos = len(r.prompt), start
+            while budget > 0 and pos < n:
+                end = self.chunk_end(pos, n, budget)
+                work.append(PrefillChunk(r, pos, end))
+                budget -= end - pos
+                pos = end
+            planned.append(r)
+        return StepPlan(admitted, work)
+
+    def _admit(self) -> list[Request]:
+        active = self.num_active()
+        used = sum(r.reserved for r in self.prefilling) + sum(r.reserved for g in self.groups for r in g.reqs)
+        admitted = []
+        while self.waiting and active < self.max_batch:
+            r = self.waiting[0]
+            if self.max_cache_bytes is not None and used + r.reserved > self.max_cache_bytes:
+                break
+            self.waiting.popleft()
+            self.prefilling.append(r)
+            admitted.append(r)
+            active += 1
+            used += r.reserved
+        return admitted
+
+    def chunk_end(self, pos: int, n: int, budget: int) -> int:
+        """End of the next prefill chunk: at most ``budget`` tokens, and with the prefix cache never
+        past the next ``cache_block`` boundary (each boundary gets its snapshot)."""
+        end = min(pos + budget, n)
+        if self.prefix is not None:
+            end = min(end, (pos // self.cache_block + 1) * self.cache_block)
+        return end
+
+    @staticmethod
+    def uses_prefix(req: Request) -> bool:
+        """Whether ``req`` looks up the prefix cache (one scoring its prompt runs every position)."""
+        return req.params.prompt_logprobs is None
+
+    def start_of(self, req: Request, planned: list[Request] = ()) -> int | None:
+        """Where ``req``'s prefill starts: its position once started; before, what its prefix-cache
+        lookup gives now (a usable hit covers 1 .. n−1 tokens), or None when a request of this
+        plan may insert a snapshot it could resume from."""
+        if req.started or req.cache is not None:
+            return req.pos
+        if self.prefix is None or not self.uses_prefix(req):
+            return 0
+        if any(self._could_hit(req, q) for q in planned):
+            return None
+        hit = self.prefix.peek(req.cache_key)
+        return hit if 0 < hit < len(req.prompt) else 0
+
+    def _could_hit(self, req: Request, q: Request) -> bool:
+        """Whether ``req`` could resume from a snapshot of ``q``'s prompt: they share at least
+        ``q``'s shallowest snapshot (a block boundary, or ``q``'s end when shorter)."""
+        a, b = req.cache_key, q.cache_key
+        first = min(self.cache_block, len(b))
+        return first <= len(a) - 1 and a[:first] == b[:first]
+
+    def _batch(self, head: Request, start: int, planned: list[Request], budget: int) -> list[Request]:
+        """``head`` and the next prefilling requests with a prompt of its length, when each is a
+        fresh prefix-cache miss (``start == 0``, not ``solo``) and its whole prompt is one chunk,
+        at most ``budget`` tokens in all. Equal lengths only, so no row is padded (a KDA state
+        would absorb the padding). Only whole short prompts: a long prompt keeps its boundary
+        snapshots, and two prompts of one length never resume from each other's end snapshot,
+        so batching them loses no hit among them."""
+        n = len(head.prompt)
+        if head.solo or head.cache is not None or start != 0 or self.chunk_end(0, n, budget) != n:
+            return [head]
+        batch, used = [head], n
+        for r in self.prefilling:
+            if r is head:
+                continue
+            if used + n > budget:
+                break
+            if (len(r.prompt) == n and not r.solo and r.cache is None
+                    and all(r is not q for q in planned) and self.start_of(r, planned) == 0):
+                batch.append(r)
+                used += n
+        return batch
