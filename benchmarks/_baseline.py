@@ -80,7 +80,6 @@ def baseline(args, results: Path) -> None:
         recs = [r for r in tr.metrics.records if r["kind"] == "train"]
         k3_tps = statistics.median(r["tokens_per_s"] for r in recs[1:])
         seq = tc.curriculum[0][1]
-        tr.balancer.recording(False)
         k3_bpb = bits_per_byte(lambda x: tr.model(x).logits, tr.val_tokens, tr.token_bytes,
                                tc.batch_size, seq, args.eval_batches)
         dense, times, losses = train_dense(tr, args.baseline_steps, args.dense_lr)

@@ -3,9 +3,10 @@ step measured against ``k3 plan``'s formula, and the fraction of step time spent
 
     .venv/bin/python benchmarks/distributed.py [--preset nano] [--steps 12] [--nprocs 1,2]
 
-Each process count runs ``DistTrainer`` under ``torchrun --standalone`` (gloo on CPU, NCCL with
-``--device cuda``) on the same global batch, with ep = the process count (so 2 processes exchange
-tokens by all-to-all) and capacity factor 1.25. Per timed step (the first ``--warmup`` excluded):
+Each process count runs the ``Trainer`` (with its ``Distributed`` parallelism) under ``torchrun
+--standalone`` (gloo on CPU, NCCL with ``--device cuda``) on the same global batch, with ep = the
+process count (so 2 processes exchange tokens by all-to-all) and capacity factor 1.25. Per timed
+step (the first ``--warmup`` excluded):
 
 - tokens/s: global tokens / step wall time (median); ratio = tokens/s at N over tokens/s at 1.
 - all-to-all bytes: what the dispatcher sent to other ranks (``CommStats``), per rank and step,
@@ -54,7 +55,8 @@ def worker(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from k3.train.config import TrainConfig
-    from k3.train.distributed import DistTrainer, destroy
+    from k3.train.distributed import destroy
+    from k3.train.loop import Trainer
 
     world = int(os.environ["WORLD_SIZE"])
     tc = TrainConfig.build(overrides=dict(
@@ -62,11 +64,11 @@ def worker(args) -> None:
         curriculum=[[0, args.seq_len]], ep=world, capacity_factor=1.25, threads=1, eval_interval=0,
         eval_batches=1, final_eval_batches=1, ckpt_interval=0, log_interval=10**6, plot=False,
         device=args.device))
-    tr = DistTrainer(tc, print_fn=lambda *a: None, tty=False, overwrite=True)
+    tr = Trainer(tc, print_fn=lambda *a: None, tty=False, overwrite=True)
     times, a2a = [], []
     prof_wall, prof_comm = 0.0, 0.0
     for s in range(args.steps):
-        tr.comm.reset()
+        tr.parallel.comm.reset()
         profiled = s >= args.steps - args.profile_steps
         t0 = time.perf_counter()
         if profiled:
@@ -81,9 +83,9 @@ def worker(args) -> None:
             wall = time.perf_counter() - t0
         if s >= args.warmup and not profiled:
             times.append(wall)
-            a2a.append(tr.comm.bytes)
+            a2a.append(tr.parallel.comm.bytes)
     tr.close()
-    if tr.layout.rank == 0:
+    if tr.rank == 0:
         tokens = tc.batch_size * args.seq_len
         Path(args.json).write_text(json.dumps({
             "world": world, "tokens_per_s": tokens / statistics.median(times),

@@ -414,7 +414,7 @@ def check_engine(ctx: Ctx) -> None:
 def check_nccl(ctx: Ctx) -> None:
     import torch.distributed as dist
 
-    from k3.train.state import find_checkpoint
+    from k3.checkpoint.training import find_checkpoint
 
     if ctx.dev.type == "cuda" and not dist.is_nccl_available():
         ctx.rep.add("nccl_step", "SKIP", "this torch is built without NCCL (torch.distributed.is_nccl_available() "
@@ -475,7 +475,6 @@ def bench_train(ctx: Ctx) -> None:
     model = K3ForCausalLM(get_preset(preset)).to(ctx.dev)
     opt = build_optimizer(model, model.config, 3e-3, 0.0)
     bal = RouterBalancer(model, "quantile")
-    bal.recording(True)
     fl = tb.model_flops_per_token(model, T)
     times = tb.step_times(model, opt, bal, B, T, steps, warmup, ctx.dev, torch.bfloat16)
     step = sorted(times)[len(times) // 2]

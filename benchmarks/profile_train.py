@@ -36,6 +36,7 @@ import k3.model.norm as norm  # noqa: E402
 from k3.ops.loss import cross_entropy  # noqa: E402
 import k3.train.optim as optim  # noqa: E402
 from k3.config import get_preset  # noqa: E402
+from k3.model.stats import ForwardStats  # noqa: E402
 from k3.train.balance import RouterBalancer  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "profile_train.jsonl"
@@ -145,18 +146,18 @@ def main() -> None:
         model = decoder.K3ForCausalLM(get_preset(a.preset))
     opt = optim.build_optimizer(model, model.config, 3e-3, 0.0)
     bal = RouterBalancer(model, "quantile")
-    bal.recording(True)
     instrument(model, opt)
     V, B, T = model.config.vocab_size, a.batch_size, a.seq_len
 
     def step():
         x = torch.randint(0, V, (B, T + 1))
         opt.zero_grad(set_to_none=True)
-        logits = model(x[:, :-1]).logits
+        out = model(x[:, :-1], stats=ForwardStats())
+        logits = out.logits
         with record_function(P + "loss (cross-entropy)"):
             loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())  # as Trainer._loss
         loss.backward()
-        bal.collect()
+        bal.collect(out.stats)
         with record_function(P + "grad clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -199,7 +199,6 @@ def score(trainer, eval_tokens: int) -> dict:
     val = trainer.val_tokens if not eval_tokens else trainer.val_tokens[:eval_tokens + 1]
     nats, ntok, nbytes = 0.0, 0, 0
     trainer.model.eval()
-    trainer.balancer.recording(False)
     with torch.no_grad():
         for x, y in eval_batches(val, 8, trainer.tc.max_seq_len):
             nats += trainer._loss(x, y, reduction="sum").item()

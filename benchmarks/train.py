@@ -47,6 +47,7 @@ from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
 from k3.model.summary import parameter_breakdown
 from k3.ops.loss import cross_entropy
+from k3.model.stats import ForwardStats
 from k3.train.balance import RouterBalancer
 from k3.train.optim import build_optimizer
 
@@ -96,10 +97,10 @@ def step_times(model, opt, bal, batch: int, seq_len: int, steps: int, warmup: in
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            logits = model(x[:, :-1]).logits
-            loss = cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())  # as Trainer._loss
+            out = model(x[:, :-1], stats=ForwardStats())
+            loss = cross_entropy(out.logits.flatten(0, 1), x[:, 1:].flatten())  # as Trainer._loss
         loss.backward()
-        bal.collect()
+        bal.collect(out.stats)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         bal.update()
@@ -147,7 +148,6 @@ def mfu(args) -> None:
     model = K3ForCausalLM(get_preset(args.preset)).to(device)
     opt = build_optimizer(model, model.config, 3e-3, 0.0)
     bal = RouterBalancer(model, "quantile")
-    bal.recording(True)
     fl = model_flops_per_token(model, args.seq_len)
     peak = peak_matmul_flops(device, args.matmul_n, 5)
     autocast = torch.bfloat16 if args.dtype == "bf16" else None

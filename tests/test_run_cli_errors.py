@@ -144,7 +144,7 @@ def test_full_filesystem_is_refused_before_writing(env, mount, capsys):
 
 def test_enospc_inside_torch_save_becomes_one_checkpoint_error(mount):
     from k3.cliutil import describe_error
-    from k3.train.state import find_checkpoint, save_checkpoint
+    from k3.checkpoint.training import find_checkpoint, save_checkpoint
 
     full = mount("full", size="1m")
 

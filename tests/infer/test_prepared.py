@@ -24,6 +24,7 @@ from k3.infer.prepared import PreparedModel, PreparedWeights, accepts, prepare_u
 from k3.infer.sampling import SamplingParams
 from k3.model.cache import K3Cache, KDAState, MLAState
 from k3.model.decoder import K3ForCausalLM
+from k3.model.stats import ForwardStats
 from k3.ops.decode_layers import kda_layer_step
 from k3.ops.decode_rows import attn_res_mix_c
 
@@ -238,7 +239,7 @@ def test_engine_greedy_tokens_same_with_the_prepared_backend_on_and_off(model):
 
 
 @torch.no_grad()
-def test_the_preparation_follows_weights_modules_and_statistics_switches(k3_model):
+def test_the_preparation_follows_weights_and_modules_and_refuses_statistics(k3_model):
     model = copy.deepcopy(k3_model)
     weights = PreparedWeights(model)
     P = weights.current()
@@ -253,17 +254,14 @@ def test_the_preparation_follows_weights_modules_and_statistics_switches(k3_mode
     P = weights.current()
     moe.experts = copy.deepcopy(moe.experts)                    # a replaced submodule (same values)
     assert weights.current() is not P
-    mla = next(l.self_attn for l in model.model.layers if not l.is_kda)
-    mla.record_max_logits = True                                # a trainer's switch: refused, named
-    assert weights.current() is None and "record_max_logits" in weights.why
-    mla.record_max_logits = False
-    moe.record_router_stats = True
-    assert weights.current() is None and "record_router_stats" in weights.why
-    moe.record_router_stats = False
     P = weights.current()
-    assert P is not None and weights.why is None                # the control: back on
+    assert P is not None and weights.why is None                # the control: unchanged, served
     c1, c2 = _prefilled(model, [6], 3), _prefilled(model, [6], 3)
     tok = torch.tensor([[5]])
+    for stats in (ForwardStats(), ForwardStats(max_logits=True)):   # a trainer's statistics: refused, named
+        with pytest.raises(ValueError, match="prepared weights measure no statistics"):
+            model(tok, cache=c1, logits_to_keep=1, prepared=P, stats=stats)
+    assert int(c1.seq_lens[0]) == int(c2.seq_lens[0])           # the refused step touched no cache
     _close(model(tok, cache=c1, logits_to_keep=1, prepared=P).logits,
            model(tok, cache=c2, logits_to_keep=1).logits)
 

@@ -7,6 +7,7 @@ import torch
 
 from k3.config import get_preset
 from k3.model.moe import LatentMoE, grouped_linear
+from k3.model.stats import ForwardStats
 from k3.ops.routing import quantile_balance_update
 from k3.train.balance import RouterBalancer
 
@@ -146,10 +147,11 @@ def test_capacity_drops_later_tokens_past_capacity():
     x = torch.randn(16, cfg.hidden_size)
     cap = m.capacity(16, 0.5)
     assert cap == math.ceil(0.5 * 16 * 2 / 4) == 4
-    m.record_router_stats = True
-    y = m(x)
-    assert int(m.last_counts.max()) > cap  # something was really dropped
-    assert int(m.last_dropped) == int((m.last_counts - cap).clamp_min(0).sum())
+    st = ForwardStats()
+    y = m(x, stats=st)
+    r = st.router[m]
+    assert int(r.counts.max()) > cap  # something was really dropped
+    assert int(r.dropped) == int((r.counts - cap).clamp_min(0).sum())
     torch.testing.assert_close(y, moe_ref(m, cfg, x, capacity=cap), rtol=1e-4, atol=1e-5)
     m.capacity_factor = None
     assert not torch.allclose(m(x), y, atol=1e-5)
@@ -169,22 +171,27 @@ def test_routing_weights_are_unbiased_and_bias_changes_selection():
     torch.testing.assert_close(w1, expect / expect.sum(-1, keepdim=True))
 
 
-def test_record_router_stats_and_quantile_step_is_causal():
+def test_router_stats_come_back_from_the_forward_and_quantile_step_is_causal():
     cfg = make_cfg(num_experts=8, num_experts_per_token=2)
     m = LatentMoE(cfg)
     with torch.no_grad():
         m.gate.weight.add_(torch.linspace(-0.5, 0.5, 8)[:, None] * 0.3)
     x = torch.randn(64, cfg.hidden_size)
-    assert m(x) is not None and m.last_scores is None  # off by default
-    m.record_router_stats = True
-    y_t = m(x)
-    counts_t, scores_t = m.last_counts.clone(), m.last_scores.clone()
-    assert m.last_scores.shape == (64, 8) and not m.last_scores.requires_grad
+    attrs = set(vars(m))
+    assert not any(a.startswith(("last_", "record_")) for a in attrs)   # no statistics switches or slots
+    assert m(x) is not None and set(vars(m)) == attrs    # no stats asked: nothing measured or kept
+    st = ForwardStats()
+    y_t = m(x, stats=st)
+    assert set(vars(m)) == attrs                         # the forward sets nothing on the layer
+    counts_t, scores_t = st.router[m].counts.clone(), st.router[m].scores.clone()
+    assert scores_t.shape == (64, 8) and not st.router[m].scores.requires_grad
+    assert st.router[m].dropped is None                  # the dropless path drops nothing
     assert int(counts_t.sum()) == 64 * 2
+    torch.testing.assert_close(counts_t, torch.bincount(m.gate(x)[1].reshape(-1), minlength=8))
     bias_before = m.gate.e_score_correction_bias.clone()
     assert not hasattr(m, "quantile_balance_step")     # the layer only exposes its stats
     bal = RouterBalancer([m], "quantile")
-    bal.collect()
+    bal.collect(st)
     stats = bal.update()
     assert set(stats) == {"load_cv", "load_max_over_mean"} and len(stats["load_cv"]) == 1
     want = quantile_balance_update(scores_t, bias_before, 2)

@@ -125,10 +125,10 @@ def _tokenizer(run):
 
 
 def _model(run):
-    from k3.train.state import load_model_weights
+    from k3.checkpoint.training import load_model_weights
     from k3.config import K3Config
     from k3.model.decoder import K3ForCausalLM
-    from k3.train.state import find_checkpoint, load_trainer_state
+    from k3.checkpoint.training import find_checkpoint, load_trainer_state
 
     ckpt = find_checkpoint(run)
     model = K3ForCausalLM(K3Config.from_dict(load_trainer_state(ckpt)["model_config"]))
@@ -372,14 +372,14 @@ def test_the_kl_penalty_is_to_the_starting_weights_kept_in_the_run(letters, tmp_
 
 def test_the_learner_under_torchrun_takes_the_one_process_step(letters, tmp_path, sandboxes):
     """--nproc 2: each process samples half of the step's episodes and trains half of its
-    micro-batches (DistTrainer, FSDP2); the episodes (tokens, logprobs, rewards), the step's loss
+    micro-batches (the distributed Trainer, FSDP2); the episodes (tokens, logprobs, rewards), the step's loss
     and the updated weights are the one-process run's (float rounding aside). Control: the same
     comparison against a run at another lr finds the weights apart."""
-    from k3.train.dist_checkpoint import read_dcp
+    from k3.checkpoint.dcp import read_dcp
 
     d, sft, task = letters
     one, two, other = tmp_path / "one", tmp_path / "two", tmp_path / "other"
-    # sign balancing: DistTrainer's quantile balancing histograms the margins (1024 bins), a
+    # sign balancing: the distributed Trainer's quantile balancing histograms the margins (1024 bins), a
     # different (documented) approximation of the one-process exact quantiles
     same = ("--balance", "sign", "--ns-dtype", "fp32")
     assert rl_main(rl_argv(sft, task, one, *same, steps=1, group=4)) == 0

@@ -37,19 +37,20 @@ def _rows(world: int, rank: int) -> slice:
 
 
 def dispatch(out: str, capacity_factor: float | None) -> None:
+    from k3.model.stats import ForwardStats
     from k3.train.expert_parallel import CommStats, ExpertParallel, shard_experts
     world, rank = dist.get_world_size(), dist.get_rank()
     moe, x = _moe_and_tokens()
     shard_experts(moe, rank, world)
     stats = CommStats()
     moe.dispatcher = ExpertParallel(dist.group.WORLD, capacity_factor, stats)
-    moe.record_router_stats = True
+    fs = ForwardStats()
     xs = x[_rows(world, rank)].clone().requires_grad_(True)
-    y = moe(xs)
+    y = moe(xs, stats=fs)
     torch.manual_seed(1)
     probe = torch.randn(N_TOKENS, y.shape[-1])[_rows(world, rank)]
     (y * probe).sum().backward()
-    torch.save({"y": y.detach(), "dropped": int(moe.last_dropped), "bytes": stats.bytes,
+    torch.save({"y": y.detach(), "dropped": int(fs.router[moe].dropped), "bytes": stats.bytes,
                 "calls": stats.calls, "w1_grad": moe.experts.w1.grad, "x_grad": xs.grad},
                os.path.join(out, f"rank{rank}.pt"))
 
@@ -64,14 +65,15 @@ def qb_moe_and_tokens():
 
 
 def qb(out: str) -> None:
+    from k3.model.stats import ForwardStats
     from k3.train.balance import RouterBalancer
     world, rank = dist.get_world_size(), dist.get_rank()
     moe, x = qb_moe_and_tokens()
     bal = RouterBalancer([moe], "quantile", bins=BINS, reduce=lambda t: dist.all_reduce(t))
-    bal.recording(True)
+    fs = ForwardStats()
     with torch.no_grad():
-        moe(x[_rows(world, rank)])
-    bal.collect()
+        moe(x[_rows(world, rank)], stats=fs)
+    bal.collect(fs)
     bal.update()
     torch.save({"bias": moe.gate.e_score_correction_bias.clone()}, os.path.join(out, f"rank{rank}.pt"))
 
@@ -128,7 +130,7 @@ def train(argv: list[str]) -> int:
     kill_rank, kill_step = os.environ.get("K3_TEST_KILL_RANK"), os.environ.get("K3_TEST_KILL_STEP")
 
     def hook(trainer):
-        if kill_rank is not None and int(kill_rank) == trainer.layout.rank:
+        if kill_rank is not None and int(kill_rank) == trainer.rank:
             def die(tr, step):
                 if step == int(kill_step):
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -9,6 +9,7 @@ import torch
 
 from k3.config import get_preset
 from k3.model.decoder import K3ForCausalLM
+from k3.model.stats import ForwardStats
 from k3.ops.routing import quantile_balance_update, sign_update
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig
@@ -30,10 +31,11 @@ def _trace_trainer(base, data, name, balance):
     for i, layer in enumerate(moe):
         layer.register_forward_pre_hook(
             lambda m, a, i=i: used[i].append((t.step, m.gate.e_score_correction_bias.clone())))
-        def record(m, args, out, i=i):
-            scores[i].append((t.step, m.last_scores))
-            counts[i].append((t.step, m.last_counts))
-        layer.register_forward_hook(record)
+        def record(m, args, kwargs, out, i=i):   # what the training forward returned to the trainer
+            st = kwargs.get("stats")
+            scores[i].append((t.step, None if st is None else st.router[m].scores))
+            counts[i].append((t.step, None if st is None else st.router[m].counts))
+        layer.register_forward_hook(record, with_kwargs=True)
     t.on_step_end.append(lambda tr, rec: after.append(
         [m.gate.e_score_correction_bias.clone() for m in moe]))
     return t, moe, used, scores, counts, after
@@ -90,13 +92,12 @@ def _load_cv_trajectory(mode: str, updates: int) -> list[list[float]]:
         for m in model.moe_layers():
             m.gate.e_score_correction_bias.copy_(torch.linspace(0.2, -0.2, m.num_experts))
     bal = RouterBalancer(model, mode)
-    bal.recording(True)
     x = torch.randint(0, model.config.vocab_size, (4, 64))
     cvs = []
     for _ in range(updates + 1):
         with torch.no_grad():
-            model(x)
-        bal.collect()
+            out = model(x, stats=ForwardStats())
+        bal.collect(out.stats)
         cvs.append(bal.update()["load_cv"])
     return cvs
 
@@ -116,6 +117,7 @@ def test_balancer_rejects_unknown_mode_and_missing_stats():
     with pytest.raises(ValueError, match="balance mode"):
         RouterBalancer(model, "median")
     bal = RouterBalancer(model, "quantile")
-    bal.recording(False)
     with pytest.raises(RuntimeError, match="router stats missing"):
-        bal.collect()
+        bal.collect(ForwardStats())               # no forward filled it
+    with pytest.raises(TypeError, match="ForwardStats"):
+        bal.collect(None)

@@ -13,7 +13,7 @@ from k3.cli.infer import sample_main
 from k3.infer.run_model import load_run_model
 from k3.cli import train as commands
 from k3.train.config import TrainConfig, resolve_model_config
-from k3.train.rundir import MARKER_NAME
+from k3.checkpoint.rundir import MARKER_NAME
 
 # nano cut to 2 layers the way the demo cuts tiny (model_overrides on the preset)
 NANO_2_LAYERS = {"num_hidden_layers": 2, "attn_res_block_size": 1,

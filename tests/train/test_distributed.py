@@ -88,7 +88,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def dcp_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    from k3.train.dist_checkpoint import read_dcp
+    from k3.checkpoint.dcp import read_dcp
     return read_dcp(run_dir)["model"]
 
 

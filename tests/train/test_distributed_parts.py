@@ -153,7 +153,7 @@ def _free_port() -> int:
 
 @pytest.fixture
 def dcp_run(env, tmp_path, monkeypatch):
-    """A 3-step run of DistTrainer as a 1-rank torchrun job (env://, free port) -> its run dir."""
+    """A 3-step run of the distributed Trainer as a 1-rank torchrun job (env://, free port) -> its run dir."""
     from k3.cli.train import train_main
     from test_distributed import _argv
     base, data = env
@@ -184,7 +184,7 @@ def test_dcp_checkpoint_of_another_model_config_is_refused(dcp_run, capsys):
 def test_convert_dcp_to_hf_and_back(dcp_run, tmp_path):
     from k3.checkpoint import from_pretrained
     from k3.cli.checkpoint import convert_main
-    from k3.train.dist_checkpoint import read_dcp
+    from k3.checkpoint.dcp import read_dcp
     data, out = dcp_run
     want = read_dcp(out)["model"]
     assert convert_main([str(out / "checkpoint"), str(tmp_path / "hf")]) == 0

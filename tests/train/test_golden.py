@@ -2,8 +2,10 @@
 
 Any change to the model math, the init, the optimizer, the router balancing or the lr schedule
 moves these numbers; the test fails and says so. The data is a synthetic token stream from a
-pure-Python LCG (identical on every machine; no corpus, no tokenizer). The loop mirrors one
-Trainer step: CE loss, backward, grad-norm clip 1.0, Per-Head Muon + AdamW, Quantile Balancing.
+pure-Python LCG (identical on every machine; no corpus, no tokenizer), given to the real Trainer
+as an in-memory batch source (``Trainer(tc, batches=...)``); each step is ``Trainer.train_step``
+itself (CE loss, backward, grad-norm clip 1.0, Per-Head Muon + AdamW, Quantile Balancing, in the
+trainer's order), built from a TrainConfig of the SETUP values.
 
 The last bits of a float32 step depend on the machine's vector unit: torch's CPU kernels, MKL and
 k3's C kernels (built with -march=native) each pick a code path by ISA, and the Per-Head Muon's
@@ -26,6 +28,7 @@ import json
 import math
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -72,39 +75,67 @@ def golden_losses_with(**changes) -> list[float]:
         SETUP = saved
 
 
+class LCGBatches:
+    """The golden data as a Trainer batch source: step s's batch holds rows s·B … s·B + B − 1 of the
+    LCG stream cut into rows of T tokens; a row's targets are its next tokens, its last position
+    trains nothing (``model(x, labels=x)``'s shift: B·(T − 1) labels per step)."""
+
+    fingerprint = "golden LCG stream"
+
+    def __init__(self, steps: int, batch_size: int, seq_len: int, vocab: int):
+        self.rows = torch.tensor(token_stream(steps * batch_size * seq_len, vocab)).view(steps, batch_size, seq_len)
+        self.step = 0
+
+    def next_batch(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from k3.data.packing import IGNORE_INDEX
+        x = self.rows[self.step]
+        assert seq_len == x.shape[1], (seq_len, x.shape)
+        self.step += 1
+        return x, torch.cat([x[:, 1:], torch.full_like(x[:, :1], IGNORE_INDEX)], 1)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def golden_config(out: str):
+    """The TrainConfig of SETUP (WSD warmup / decay given as fractions of the steps; one thread,
+    no evaluation, no checkpoint until the end)."""
+    from k3.train.config import TrainConfig
+
+    s = SETUP
+    return TrainConfig.build(overrides=dict(
+        preset=s["preset"], seed=s["seed"], steps=s["steps"], batch_size=s["batch_size"],
+        curriculum=[[0, s["seq_len"]]], lr=s["lr"], warmup_frac=s["warmup"] / s["steps"],
+        decay_frac=s["decay"] / s["steps"], min_lr_ratio=0.0, weight_decay=s["weight_decay"],
+        grad_clip=s["grad_clip"], optimizer=s["optimizer"], balance=s["balance"], dtype=s["dtype"],
+        threads=1, out=out, eval_interval=0, ckpt_interval=0, plot=False))
+
+
 def golden_losses() -> list[float]:
+    """The losses of SETUP's steps, each one ``Trainer.train_step`` (one thread)."""
     from k3.config import get_preset
-    from k3.model.decoder import K3ForCausalLM
-    from k3.train.balance import RouterBalancer
-    from k3.train.optim import build_optimizer
-    from k3.train.schedule import WSDSchedule
+    from k3.train.loop import Trainer
 
     s = SETUP
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)                 # as the trainer does
     try:
-        torch.manual_seed(s["seed"])
-        cfg = get_preset(s["preset"])
-        model = K3ForCausalLM(cfg)
-        opt = build_optimizer(model, cfg, s["lr"], s["weight_decay"], muon=s["optimizer"])
-        sched = WSDSchedule(s["steps"], s["warmup"], s["decay"], min_lr_ratio=0.0, peak_lr=s["lr"])
-        bal = RouterBalancer(model, s["balance"])
-        B, T = s["batch_size"], s["seq_len"]
-        data = torch.tensor(token_stream(s["steps"] * B * T, cfg.vocab_size)).view(s["steps"], B, T)
-        losses = []
-        bal.recording(True)
-        for step in range(s["steps"]):
-            for g in opt.param_groups:
-                g["lr"] = sched.lr_at(step)
-            opt.zero_grad(set_to_none=True)
-            loss = model(data[step], labels=data[step]).loss
-            loss.backward()
-            bal.collect()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
-            opt.step()
-            bal.update()
-            losses.append(loss.item())
+        with tempfile.TemporaryDirectory(prefix="k3-golden-") as tmp:
+            tc = golden_config(str(Path(tmp) / "run"))
+            data = LCGBatches(s["steps"], s["batch_size"], s["seq_len"], get_preset(s["preset"]).vocab_size)
+            trainer = Trainer(tc, print_fn=lambda *a: None, tty=False, batches=data)
+            try:
+                sched = trainer.schedule
+                assert (sched.warmup_steps, sched.decay_steps) == (s["warmup"], s["decay"])
+                losses = []
+                for _ in range(s["steps"]):
+                    rec = trainer.train_step()
+                    assert rec["kind"] == "train", rec
+                    losses.append(rec["loss"])
+            finally:
+                trainer.close()
         return losses
     finally:
         torch.set_num_threads(threads)

@@ -15,7 +15,7 @@ from k3.cli.train import train_main
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer, TrainingDiverged
 from k3.train.metrics import read_metrics
-from k3.train.state import find_checkpoint, load_trainer_state
+from k3.checkpoint.training import find_checkpoint, load_trainer_state
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -216,3 +216,46 @@ def test_ns_dtype_flag_sets_the_newton_schulz_precision(env, capsys):
                        "--ns-dtype", "fp16"]) == 2
     err = capsys.readouterr().err
     assert "ns_dtype" in err and len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------- one Trainer, an in-memory batch source
+def _lcg_run(out: Path, **kw) -> TrainConfig:
+    opts = dict(preset="nano", out=str(out), steps=4, batch_size=2, curriculum=[[0, 16]], threads=1,
+                eval_interval=0, ckpt_interval=0, plot=False, lr=0.01)
+    opts.update(kw)
+    return TrainConfig.build(overrides=opts)
+
+
+def test_in_memory_batches_train_and_resume_bit_exactly(tmp_path):
+    """``Trainer(tc, batches=...)`` trains on the source (no corpus, tokenizer or validation) in one
+    process (no subclass: a parallelism object); stopped after 2 steps and resumed, it continues the
+    uninterrupted run's losses exactly. A source of other data (its fingerprint) is refused on resume."""
+    from test_golden import LCGBatches
+
+    from k3.errors import CheckpointError, ConfigError
+    from k3.train.distributed import Distributed
+    from k3.train.parallel import SingleProcess
+
+    assert Trainer.__subclasses__() == [] and not issubclass(Distributed, Trainer)  # one Trainer
+    vocab = 512
+    whole = Trainer(_lcg_run(tmp_path / "whole"), print_fn=lambda *a: None, tty=False,
+                    batches=LCGBatches(4, 2, 16, vocab))
+    assert isinstance(whole.parallel, SingleProcess) and whole.tokenizer is None
+    res = whole.train()
+    assert res.status == "done" and res.val is None and len(res.losses) == 4 and None not in res.losses
+    part = Trainer(_lcg_run(tmp_path / "part"), print_fn=lambda *a: None, tty=False,
+                   batches=LCGBatches(4, 2, 16, vocab))
+    first = [part.train_step()["loss"] for _ in range(2)]
+    part.save()
+    part.close()
+    assert first == res.losses[:2]
+    resumed = Trainer(_lcg_run(tmp_path / "part"), resume=True, print_fn=lambda *a: None, tty=False,
+                      batches=LCGBatches(4, 2, 16, vocab))
+    assert resumed.step == 2
+    assert resumed.train().losses == res.losses[2:]
+    other = LCGBatches(4, 2, 16, vocab)
+    other.fingerprint = "another stream"
+    with pytest.raises(CheckpointError, match="fingerprint 'another stream'"):
+        Trainer(_lcg_run(tmp_path / "part"), resume=True, print_fn=lambda *a: None, tty=False, batches=other)
+    with pytest.raises(ConfigError, match="batches: list has no next_batch"):
+        Trainer(_lcg_run(tmp_path / "bad"), batches=[])

@@ -158,17 +158,18 @@ def _saved_bytes(model, ids, per_layer: bool = False):
     for layer in model.model.layers:
         attn_res, plain = layer.forward_attn_res, layer.forward
 
-        def wrapped_res(blocks, partial, state=None, segs=None, prepared=None, _orig=attn_res, _l=layer.layer_idx):
+        def wrapped_res(blocks, partial, state=None, segs=None, prepared=None, stats=None, _orig=attn_res,
+                        _l=layer.layer_idx):
             record([*blocks, *([] if partial is None else [partial])], _l)
             try:
-                return _orig(blocks, partial, state, segs, prepared)
+                return _orig(blocks, partial, state, segs, prepared, stats=stats)
             finally:
                 current[0] = None
 
-        def wrapped_plain(h, state=None, segs=None, prepared=None, _orig=plain, _l=layer.layer_idx):
+        def wrapped_plain(h, state=None, segs=None, prepared=None, stats=None, _orig=plain, _l=layer.layer_idx):
             record([h], _l)
             try:
-                return _orig(h, state, segs, prepared)
+                return _orig(h, state, segs, prepared, stats=stats)
             finally:
                 current[0] = None
         layer.forward_attn_res, layer.forward = wrapped_res, wrapped_plain

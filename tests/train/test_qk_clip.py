@@ -12,6 +12,7 @@ from k3.errors import ConfigError
 from k3.model.cache import MLAState
 from k3.model.decoder import K3ForCausalLM
 from k3.model.mla import GatedMLA
+from k3.model.stats import ForwardStats
 from k3.train.optim import QKClip, build_optimizer
 
 
@@ -50,23 +51,27 @@ def _mla(seed=0):
 def test_mla_reports_per_head_max_logits_only_when_asked():
     m = _mla()
     x = torch.randn(2, 7, m.hidden_size)
-    m(x)
-    assert m.last_max_logits is None                       # off by default: inference pays nothing
-    m.record_max_logits = True
-    m(x)
-    torch.testing.assert_close(m.last_max_logits.double(), torch.tensor(naive_max_logits(m, x)).double(),
+    attrs = set(vars(m))
+    y = m(x)                                               # no stats: inference pays nothing
+    st = ForwardStats()
+    torch.testing.assert_close(m(x, stats=st), y)
+    assert st.max_logits == {}                             # asked for router stats only: not measured
+    st = ForwardStats(max_logits=True)
+    torch.testing.assert_close(m(x, stats=st), y)          # measuring changes nothing of the output
+    assert set(vars(m)) == attrs                           # and sets nothing on the layer
+    torch.testing.assert_close(st.max_logits[m].double(), torch.tensor(naive_max_logits(m, x)).double(),
                                rtol=1e-5, atol=1e-6)
 
 
 def test_absorbed_decode_reports_the_same_max_as_the_naive_formula():
     m = _mla(1)
-    m.record_max_logits = True
     x = torch.randn(1, 6, m.hidden_size)
     st = MLAState(1, m.kv_lora_rank, m.qk_rope_head_dim)
-    m(x[:, :5], st)
-    m(x[:, 5:], st)                                        # 'auto': absorbed decode from the cache
+    m(x[:, :5], st, stats=ForwardStats(max_logits=True))
+    stats = ForwardStats(max_logits=True)
+    m(x[:, 5:], st, stats=stats)                           # 'auto': absorbed decode from the cache
     want = naive_max_logits(m, x, start=5)
-    torch.testing.assert_close(m.last_max_logits.double(), torch.tensor(want).double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.max_logits[m].double(), torch.tensor(want).double(), rtol=1e-5, atol=1e-6)
 
 
 def _scaled_up_nano():
@@ -95,10 +100,10 @@ def _exploding(clip_tau: float | None, steps: int = 10, lr: float = 0.02):
     x = torch.randint(0, cfg.vocab_size, (2, 64))
     seen, after = [], []
     for _ in range(steps):
-        clip.recording(True)
         clip.begin_step()
-        loss = model(x, labels=x).loss
-        clip.collect()
+        st = ForwardStats(max_logits=True)
+        loss = model(x, labels=x, stats=st).loss
+        clip.collect(st)
         seen.append(max(float(s.max()) for s in clip._max.values()))
         opt.zero_grad()
         loss.backward()
@@ -106,10 +111,9 @@ def _exploding(clip_tau: float | None, steps: int = 10, lr: float = 0.02):
         if clip_tau:
             stats = clip.apply()
             assert stats["max_logit"] == seen[-1] and stats["clipped_heads"] >= 0
-        clip.recording(True)
         with torch.no_grad():
-            model(x)
-        after.append(max(float(a.last_max_logits.max()) for a in mla))
+            st = model(x, stats=ForwardStats(max_logits=True)).stats
+        after.append(max(float(st.max_logits[a].max()) for a in mla))
     return seen, after
 
 
@@ -130,25 +134,27 @@ def test_apply_without_an_update_in_between_is_exact():
     cfg, model, mla = _scaled_up_nano()
     x = torch.randint(0, cfg.vocab_size, (2, 32))
     clip = QKClip(model, 10.0, cfg)
-    clip.recording(True)
     clip.begin_step()
     with torch.no_grad():
-        model(x)
-    clip.collect()
+        st = model(x, stats=ForwardStats(max_logits=True)).stats
+    clip.collect(st)
     before = torch.stack([clip._max[a.layer_idx] for a in mla])
     assert (before > 10).any()
     stats = clip.apply()
     assert stats["clipped_heads"] == int((before > 10).sum())
-    clip.recording(True)
     with torch.no_grad():
-        model(x)
-    now = torch.stack([a.last_max_logits for a in mla])
+        st = model(x, stats=ForwardStats(max_logits=True)).stats
+    now = torch.stack([st.max_logits[a] for a in mla])
     torch.testing.assert_close(now, torch.minimum(before, torch.tensor(10.0)), rtol=1e-4, atol=1e-4)
 
 
 def test_qk_clip_refuses_bad_tau_and_models_without_mla():
     model = K3ForCausalLM(get_preset("nano"))
     assert QKClip(model, 5.0).layers                          # positive control
+    with torch.no_grad():                                     # a forward that did not measure max logits
+        st = model(torch.randint(0, 100, (1, 8)), stats=ForwardStats()).stats
+    with pytest.raises(RuntimeError, match="max logits of MLA layer .* missing"):
+        QKClip(model, 5.0).collect(st)
     for bad in (0, -1.0, True, "5"):
         with pytest.raises(ConfigError, match="qk_clip"):
             QKClip(model, bad)

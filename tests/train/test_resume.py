@@ -17,7 +17,7 @@ from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
 from k3.train.metrics import read_metrics
 from k3.errors import CheckpointError
-from k3.train.state import CKPT_NAME, CheckpointCorrupt, find_checkpoint, load_trainer_state, verify_checkpoint
+from k3.checkpoint.training import CKPT_NAME, CheckpointCorrupt, find_checkpoint, load_trainer_state, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -213,7 +213,7 @@ def test_corrupt_checkpoint_is_reported_never_absent_and_never_deleted(env, caps
 
 
 def test_a_pinned_checkpoint_outlives_later_saves(env):
-    from k3.train.state import pinned_checkpoint
+    from k3.checkpoint.training import pinned_checkpoint
 
     base, data = env
     t = Trainer(config(base, data, "pin", steps=8, eval_interval=0))

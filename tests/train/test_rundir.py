@@ -15,8 +15,8 @@ import pytest
 
 from k3.errors import K3Error
 from k3.cli.train import build_train_parser, train_config_from_args, train_main
-from k3.train.rundir import LOCK_NAME, MARKER_NAME, RunDirBusy, RunLock, check_foreign_dir
-from k3.train.state import find_checkpoint, load_trainer_state
+from k3.checkpoint.rundir import LOCK_NAME, MARKER_NAME, RunDirBusy, RunLock, check_foreign_dir
+from k3.checkpoint.training import find_checkpoint, load_trainer_state
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = "import sys; from k3.cli.train import train_main; sys.exit(train_main(sys.argv[1:]))"
@@ -44,7 +44,7 @@ def _wait_for(cond, timeout: float) -> bool:
 def test_lock_is_exclusive_across_processes_and_released_by_exit(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from k3.train.rundir import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from k3.checkpoint.rundir import RunLock; "
                                f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               env=os.environ.copy(), stdout=subprocess.PIPE, text=True)
     try:

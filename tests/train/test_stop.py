@@ -15,7 +15,7 @@ import pytest
 from k3.train.config import TrainConfig
 from k3.train.loop import Trainer
 from k3.train.metrics import read_metrics
-from k3.train.state import find_checkpoint, load_trainer_state, verify_checkpoint
+from k3.checkpoint.training import find_checkpoint, load_trainer_state, verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = "import sys; from k3.cli import main; sys.exit(main(['train', *sys.argv[1:]]))"

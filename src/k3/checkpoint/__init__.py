@@ -9,6 +9,9 @@
                   package: these replace the former ``K3ForCausalLM`` methods)
 - ``kimi_linear``: what a Kimi-Linear-mode save writes so transformers loads it
 - ``tools``:      ``k3 convert`` and ``k3 inspect``; ``quantize``: ``k3 quantize``
+- ``training``:   a training run's checkpoint folder (versioned commit, manifest, trainer state, RNG)
+- ``rundir``:     run directories (lock, marker, claiming a folder for a fresh run)
+- ``dcp``:        a distributed run's ``torch.distributed.checkpoint`` shards, and their conversion
 
 Every k3-written checkpoint carries per-shard sha256 in its index and every load verifies it
 (``verify=False`` / ``--no-verify`` to skip).

@@ -10,7 +10,7 @@ from k3.checkpoint.pretrained import model_act_fmt
 from k3.checkpoint.quantize import ACTIVATIONS, export
 from k3.checkpoint.tools import DTYPE_ARGS, convert, inspect
 from k3.model.mx_experts import PackedMXFP4Experts
-from k3.train.dist_checkpoint import dcp_to_hf, hf_to_dcp, is_dcp_dir
+from k3.checkpoint.dcp import dcp_to_hf, hf_to_dcp, is_dcp_dir
 
 __all__ = ["convert_main", "inspect_main", "quantize_main"]
 

@@ -5,8 +5,9 @@ directory, a folder of them, or ``FAMILY:A:B`` (training seeds A..B-1 of a task 
 into ``OUT/tasks``; held-out seeds are refused: they are the evaluation's). Trainer flags (lr,
 optimizer, seed, threads, checkpoint interval, ...) are ``k3 train``'s; the lr is constant by
 default (no warmup or decay), and checkpoints are written every ``--ckpt-interval`` steps.
-``--nproc N`` (or torchrun) runs the learner in N processes (DistTrainer: FSDP2 over the ranks),
-each sampling its share of a step's episodes and training its share of the micro-batches.
+``--nproc N`` (or torchrun) runs the learner in N processes (the Trainer with its Distributed
+parallelism: FSDP2 over the ranks), each sampling its share of a step's episodes and training its
+share of the micro-batches.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ _DISTILL_FLAGS = ("teachers", "estimator", "top_k", "reward_weight")
 
 def _train_config(args):
     from k3.train.config import TrainConfig
-    from k3.train.state import find_checkpoint, load_trainer_state
+    from k3.checkpoint.training import find_checkpoint, load_trainer_state
 
     flags = {n: getattr(args, n) for n in _TRAINER_FLAGS if getattr(args, n) is not None}
     if args.resume:

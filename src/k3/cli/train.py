@@ -121,7 +121,7 @@ def train_config_from_args(args: argparse.Namespace):
     """TrainConfig from parsed flags: (checkpoint's config when resuming) < run.toml < flags."""
     from k3.errors import CheckpointError, ConfigError
     from k3.train.config import TrainConfig, load_toml, parse_curriculum
-    from k3.train.state import find_checkpoint, load_trainer_state
+    from k3.checkpoint.training import find_checkpoint, load_trainer_state
 
     flags = {name: getattr(args, name, None) for _, name, _, _ in _TRAIN_FLAGS + _SFT_FLAGS}
     curriculum = getattr(args, "curriculum", None)
@@ -177,15 +177,12 @@ def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = No
     if sft and not args.resume and not args.sft_data:
         return _run_guarded(cmd, _missing("--data FILE_OR_DIR (the conversations) is required"))
     if args.nproc is not None:
-        if getattr(args, "vision", None) or _has_vision(getattr(args, "init_from", None) or args.resume):
-            return _run_guarded(cmd, _missing(
-                "--nproc: a model with a vision tower trains in one process for now (drop --nproc)"))
         return _run_guarded(cmd, lambda: launch_torchrun(args.nproc, argv, cmd))
 
     def run() -> int:
         from contextlib import nullcontext
 
-        from k3.train.rundir import RunLock
+        from k3.checkpoint.rundir import RunLock
         import os
         # under torchrun only rank 0 locks the run dir (the others read while it holds the lock)
         held = args.resume and Path(args.resume).is_dir() and os.environ.get("RANK", "0") == "0"
@@ -193,20 +190,6 @@ def train_main(argv: list[str] | None = None, trainer_hook: Callable | None = No
             return _train(args, trainer_hook)
 
     return _run_guarded(cmd, run)
-
-
-def _has_vision(path: str | None) -> bool:
-    """Whether the checkpoint (or run) at ``path`` is a vision model; False when it cannot tell
-    (the trainer then reports what is wrong with ``path``)."""
-    if not path:
-        return False
-    from k3.config import K3Config
-    from k3.errors import K3Error
-    from k3.train.config import init_model_dir
-    try:
-        return K3Config.from_json(str(init_model_dir(path).model / "config.json")).vision_config is not None
-    except (K3Error, OSError, ValueError):
-        return False
 
 
 def _missing(message: str) -> Callable[[], int]:
@@ -241,21 +224,16 @@ def launch_torchrun(nproc: int, argv: list[str] | None, command: str = "train") 
 
 
 def make_trainer(tc, resume: str | None, overwrite: bool, command: str = "train", **extra):
-    """The one-process Trainer, or DistTrainer under torchrun / for a DCP checkpoint (``resume``:
-    the run dir, or None for a fresh run); dp·ep > 1 without torchrun is refused."""
+    """The Trainer (``resume``: the run dir, or None for a fresh run); it runs in one process, or
+    distributed under torchrun / for a DCP checkpoint (its parallelism object); dp·ep > 1 without
+    torchrun is refused."""
     from k3.errors import ConfigError
-    from k3.train.distributed import DistTrainer, is_distributed_launch
+    from k3.train.distributed import is_distributed_launch
     from k3.train.loop import Trainer
-    from k3.train.state import find_checkpoint, load_trainer_state
-    dcp = False
-    if resume:
-        ckpt = find_checkpoint(resume)
-        dcp = ckpt is not None and load_trainer_state(ckpt).get("format") == "dcp"
     if not is_distributed_launch() and (tc.dp or 1) * tc.ep > 1:
         raise ConfigError(f"dp × ep = {(tc.dp or 1) * tc.ep} processes: launch with "
                           f"k3 {command} --nproc {(tc.dp or 1) * tc.ep} ... or torchrun")
-    cls = DistTrainer if is_distributed_launch() or dcp else Trainer
-    return cls(tc, resume=bool(resume), overwrite=overwrite, **extra)
+    return Trainer(tc, resume=bool(resume), overwrite=overwrite, **extra)
 
 
 def _make_trainer(tc, args: argparse.Namespace):
@@ -271,24 +249,15 @@ def _train(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
         destroy()  # a distributed run's process group (also when setup failed)
 
 
-def _param_count(trainer) -> int:
-    """Model parameters (global: an expert-parallel rank holds 1/ep of the routed experts)."""
-    n = sum(p.numel() for p in trainer.model.parameters())
-    layout = getattr(trainer, "layout", None)
-    if layout is not None:
-        n += (layout.ep - 1) * sum(p.numel() for p in trainer.expert_params)
-    return n
-
-
 def _train_in_group(args: argparse.Namespace, trainer_hook: Callable | None) -> int:
     from k3.train.loop import TrainingDiverged
     tc = train_config_from_args(args)
     trainer = _make_trainer(tc, args)
     if trainer_hook is not None:
         trainer_hook(trainer)
-    if getattr(trainer, "layout", None) is None or trainer.layout.rank == 0:
+    if trainer.rank == 0:
         print(f"{trainer.corpus.summary()}\nmodel: {tc.init_from or tc.model_config or tc.preset}, "
-              f"{_param_count(trainer):,} parameters; run dir {tc.out}"
+              f"{trainer.param_count():,} parameters; run dir {tc.out}"
               + (f"; resuming at step {trainer.step}" if args.resume else ""), flush=True)
     try:
         res = trainer.train()
@@ -341,7 +310,7 @@ def demo_main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         from k3.train.config import TrainConfig
-        from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir
+        from k3.checkpoint.rundir import RunLock, check_foreign_dir, claim_run_dir
 
         out = Path(args.out)
         tc = TrainConfig.build(overrides={**DEMO_CONFIG, "out": str(out), "steps": args.steps,
@@ -356,6 +325,7 @@ def demo_main(argv: list[str] | None = None) -> int:
 
 
 def _demo(tc, out: Path, args: argparse.Namespace) -> int:
+    import json
     import time
 
     import torch
@@ -366,6 +336,7 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     trainer = Trainer(tc)
+    setup_s = time.perf_counter() - t0
     cfg = trainer.model_config
     print(f"{trainer.corpus.summary()}\n{tc.preset} preset at {cfg.num_hidden_layers} layers "
           f"({len(cfg.linear_attn_config.kda_layers)} KDA + {len(cfg.linear_attn_config.full_attn_layers)} MLA): "
@@ -377,6 +348,7 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
         exit_quietly_on_signals()
         return 128 + int(trainer.stop_signal)
     dt = time.perf_counter() - t0
+    train_s = dt - setup_s
     # The plotted evaluations all score the same first batches; the reported figure is the
     # whole validation split, next to gzip -9 on exactly that text.
     full = trainer.evaluate(0)
@@ -395,8 +367,61 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
                        top_k=50, seed=i, eos=tok.eos_token_id)
         text = tok.decode(ids.tolist()).replace(EOS_TOKEN, "")
         print(f"\n--- sample {i + 1} " + "-" * 50 + f"\n{text}")
-    print(f"\ncontinue sampling with: k3 sample {out} --prompt 'def '")
+    report = demo_report(trainer, full=full, plotted=res.val, gzip_bpb=gz,
+                         times={"setup_s": setup_s, "train_s": train_s, "total_s": time.perf_counter() - t0})
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nreport: {out / 'report.json'}")
+    print(f"continue sampling with: k3 sample {out} --prompt 'def '")
     return 0
+
+
+DEMO_LOAD_CV_WINDOWS = ((21, 60), (61, 120), (301, None))  # steps (inclusive; None: the last step)
+
+
+def load_cv_windows(train_recs: list[dict], windows=DEMO_LOAD_CV_WINDOWS) -> list[dict]:
+    """The mean expert-load CV (``load_cv`` of the train records) over each window of steps that
+    holds records: [{"first", "last", "mean", "records"}]."""
+    out = []
+    for first, last in windows:
+        last = last if last is not None else max((r["step"] for r in train_recs), default=0)
+        cv = [r["load_cv"] for r in train_recs if first <= r["step"] <= last and r.get("load_cv") is not None]
+        if cv:
+            out.append({"first": first, "last": last, "mean": sum(cv) / len(cv), "records": len(cv)})
+    return out
+
+
+def demo_report(trainer, *, full: dict, plotted: dict | None, gzip_bpb: float, times: dict) -> dict:
+    """What ``k3 demo`` measured, with its machine and date: the figures of the README's demo table
+    (``benchmarks/docs_tables.py --save-demo OUT/report.json``). ``times``: ``setup_s`` (corpus,
+    tokenizer, token cache and model: the first run trains the tokenizer and fills the cache),
+    ``train_s`` (the training steps with their periodic evaluations and checkpoints) and ``total_s``
+    (all of it, the whole-split evaluation and the samples included). ``threads``: the setting
+    (``auto`` may change the count between steps), ``threads_used``: the counts the steps ran with."""
+    import platform
+    import time
+
+    from k3.rl.eval_rows import machine
+
+    tc, cfg, c = trainer.tc, trainer.model_config, trainer.corpus
+    train_recs = [r for r in trainer.metrics.records if r["kind"] == "train"]
+    tps = sum(r["tokens_per_s"] for r in train_recs) / max(len(train_recs), 1)
+    return {
+        "machine": machine(), "date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
+        "threads": tc.threads, "threads_used": sorted({r["threads"] for r in train_recs if r.get("threads")}),
+        "corpus": {"name": c.name, "train_files": c.num_documents("train"), "train_bytes": c.train_bytes,
+                   "validation_files": c.num_documents("validation"), "validation_bytes": c.val_bytes},
+        "model": {"preset": tc.preset, "layers": cfg.num_hidden_layers,
+                  "kda_layers": len(cfg.linear_attn_config.kda_layers),
+                  "mla_layers": len(cfg.linear_attn_config.full_attn_layers),
+                  "params": sum(p.numel() for p in trainer.model.parameters())},
+        "steps": tc.steps, "batch_size": tc.batch_size, "seq_len": max(n for _, n in tc.curriculum),
+        "validation": {k: full[k] for k in ("val_bpb", "val_loss", "val_tokens", "val_bytes")},
+        "gzip_bpb": gzip_bpb,
+        "plotted": None if plotted is None else {k: plotted[k] for k in ("val_bpb", "val_tokens")},
+        "train_tokens_per_s": tps,
+        "load_cv": load_cv_windows(train_recs),
+        "times": {k: round(v, 1) for k, v in times.items()},
+    }
 
 
 # The demo's recipe (issue 15 sweep: benchmarks/recipe.py, docs/RECIPE.md). At a fixed 10-minute budget

@@ -135,7 +135,7 @@ class VisionDemo:
 
 
 def _has_checkpoint(path: Path) -> bool:
-    from k3.train.state import find_checkpoint
+    from k3.checkpoint.training import find_checkpoint
     return path.is_dir() and ((path / "config.json").is_file() or find_checkpoint(path) is not None)
 
 

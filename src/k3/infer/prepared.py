@@ -60,23 +60,18 @@ __all__ = ["MAX_PREPARED_BYTES", "WeightWatch", "weights_key", "prepare_unsuppor
 class WeightWatch:
     """Tells cheaply whether anything a preparation was built from changed: ``key()`` lists every
     module's parameters and buffers (``data_ptr``, ``_version``: an in-place update, a ``.data``
-    swap, a cast or ``load_state_dict``), the identity of its submodules (a replaced layer) and the
-    statistics switches a trainer sets on the attention and MoE layers (the prepared step records no
-    statistics: ``prepare_unsupported``), walking the module dicts captured once (so a step costs one
-    pass over them, not a recursion)."""
+    swap, a cast or ``load_state_dict``) and the identity of its submodules (a replaced layer),
+    walking the module dicts captured once (so a step costs one pass over them, not a recursion)."""
 
     def __init__(self, model):
         mods = list(model.modules())
         self.tensor_dicts = [d for m in mods for d in (m._parameters, m._buffers)]
         self.module_dicts = [m._modules for m in mods]
-        self.flagged = [m for m in mods if hasattr(m, "record_max_logits") or hasattr(m, "record_router_stats")]
 
     def key(self) -> tuple:
         ts = [t for d in self.tensor_dicts for t in d.values() if t is not None]
         return ([t.data_ptr() for t in ts], [t._version for t in ts],
-                [id(v) for d in self.module_dicts for v in d.values()],
-                [(getattr(m, "record_max_logits", False), getattr(m, "record_router_stats", False))
-                 for m in self.flagged])
+                [id(v) for d in self.module_dicts for v in d.values()])
 
 
 def weights_key(model) -> tuple:
@@ -95,9 +90,9 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
     """Why the prepared step cannot serve ``model`` (None when it can): fp32 weights on the CPU
     (the path this project measures and tests), at most ``max_bytes`` of them (default
     ``MAX_PREPARED_BYTES``: the preparation is a second copy), plain bias-free ``nn.Linear``
-    projections, plain dropless routed experts, no group-limited routing, no statistics recording
-    (max logits, router statistics: a trainer's switches), and the packed matmul kernel built for this
-    machine and not turned off (``k3.ops.backend.c_unavailable``)."""
+    projections, plain dropless routed experts, no group-limited routing, and the packed matmul kernel
+    built for this machine and not turned off (``k3.ops.backend.c_unavailable``). (Statistics are not
+    a model setting: a forward given ``stats`` with prepared weights is refused by ``K3Model.forward``.)"""
     cfg = model.config
     params = list(model.parameters())
     if any(p.dtype != torch.float32 for p in params):
@@ -114,8 +109,6 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
         mods = [m for m in layer.modules() if isinstance(m, nn.Linear)]
         if not _plain(*mods):
             return f"layer {i}: a projection is not a plain bias-free nn.Linear"
-        if getattr(layer.self_attn, "record_max_logits", False):
-            return f"layer {i}: MLA record_max_logits is on (the prepared step records no statistics)"
         moe = getattr(layer, "block_sparse_moe", None)
         if isinstance(moe, LatentMoE):
             if type(moe.experts) is not RoutedExperts:
@@ -124,8 +117,6 @@ def prepare_unsupported(model, max_bytes: int | None = None) -> str | None:
                 return f"layer {i}: group-limited routing or a custom dispatcher"
             if moe.capacity_factor is not None:
                 return f"layer {i}: MoE capacity_factor={moe.capacity_factor} (the prepared MoE is dropless)"
-            if moe.record_router_stats:
-                return f"layer {i}: MoE record_router_stats is on (the prepared step records no statistics)"
         elif not isinstance(getattr(layer, "mlp", None), GatedMLP):
             return f"layer {i}: the dense MLP is {type(getattr(layer, 'mlp', None)).__name__}"
     if not _plain(model.lm_head):

@@ -16,7 +16,7 @@ __all__ = ["load_run_model", "check_prompt", "model_class_of"]
 
 def load_run_model(path: str | Path, device: str = "cpu"):
     """(model, tokenizer) from a run directory, its checkpoint folder, or a model directory."""
-    from k3.train.state import read_checkpoint
+    from k3.checkpoint.training import read_checkpoint
 
     path = Path(path)
     if not path.exists():
@@ -35,7 +35,7 @@ def _load_folder(folder: Path, device: str, verify: bool = True):
     from k3.checkpoint import from_pretrained
     from k3.data.tokenizer import Tokenizer
     from k3.errors import CheckpointError
-    from k3.train.state import MANIFEST, load_trainer_state, verify_checkpoint
+    from k3.checkpoint.training import MANIFEST, load_trainer_state, verify_checkpoint
 
     by_manifest = (folder / MANIFEST).is_file()
     if verify and by_manifest:

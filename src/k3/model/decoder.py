@@ -28,6 +28,7 @@ from k3.model.mla import GatedMLA
 from k3.model.mlp import GatedMLP
 from k3.model.moe import LatentMoE
 from k3.model.norm import RMSNorm
+from k3.model.stats import ForwardStats
 from k3.ops.attn_res import attn_res_mix, compiled_attn_res_mix
 from k3.ops.loss import cross_entropy
 from k3.ops.segments import Segments, document_starts
@@ -95,42 +96,50 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def _mix_tokens(self, x: torch.Tensor, state, segs: Segments | None) -> torch.Tensor:
-        """The token mixer (KDA or MLA) on x [B,T,H]; with ``segs`` each packed document alone."""
+    def _mix_tokens(self, x: torch.Tensor, state, segs: Segments | None,
+                    stats: ForwardStats | None) -> torch.Tensor:
+        """The token mixer (KDA or MLA) on x [B,T,H]; with ``segs`` each packed document alone.
+        ``stats`` goes to MLA (its max logits); KDA measures nothing."""
+        kw = {} if stats is None or self.is_kda else {"stats": stats}
         if segs is None:
-            return self.self_attn(x, state)
-        return segs.from_docs([self.self_attn(part, state) for part in segs.to_docs(x)])
+            return self.self_attn(x, state, **kw)
+        return segs.from_docs([self.self_attn(part, state, **kw) for part in segs.to_docs(x)])
 
     # Each sublayer runs either over its modules or, given a ``prepared`` layer (the decode backend
     # of k3.infer.prepared: the same math over weights prepared once), through that backend, which
     # takes the stream as [B, H] rows.
     def _attn(self, h: torch.Tensor, res: torch.Tensor | None, state, segs: Segments | None,
-              prepared) -> torch.Tensor:
+              prepared, stats: ForwardStats | None) -> torch.Tensor:
         """res + token mixer(input_layernorm(h)); res None: the mixer's output alone."""
         if prepared is not None:
             return prepared.attn(h, res, state)
-        a = self._mix_tokens(self.input_layernorm(h), state, segs)
+        a = self._mix_tokens(self.input_layernorm(h), state, segs, stats)
         return a if res is None else res + a
 
-    def _ffn(self, h: torch.Tensor, res: torch.Tensor, prepared) -> torch.Tensor:
-        """res + ffn(post_attention_layernorm(h))."""
+    def _ffn(self, h: torch.Tensor, res: torch.Tensor, prepared, stats: ForwardStats | None) -> torch.Tensor:
+        """res + ffn(post_attention_layernorm(h)); ``stats`` goes to a MoE (its router statistics)."""
         if prepared is not None:
             return prepared.ffn(h, res)
-        return res + self.ffn(self.post_attention_layernorm(h))
+        h = self.post_attention_layernorm(h)
+        if stats is not None and hasattr(self, "block_sparse_moe"):
+            return res + self.block_sparse_moe(h, stats=stats)
+        return res + self.ffn(h)
 
-    def forward(self, h: torch.Tensor, state=None, segs: Segments | None = None, prepared=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, state=None, segs: Segments | None = None, prepared=None,
+                stats: ForwardStats | None = None) -> torch.Tensor:
         """Standard pre-norm residual layer: h [B,T,H] -> [B,T,H]."""
-        h = self._attn(h, h, state, segs, prepared)
-        return self._ffn(h, h, prepared)
+        h = self._attn(h, h, state, segs, prepared, stats)
+        return self._ffn(h, h, prepared, stats)
 
     def forward_attn_res(self, blocks: list[torch.Tensor], partial: torch.Tensor | None,
-                         state=None, segs: Segments | None = None, prepared=None) -> torch.Tensor:
+                         state=None, segs: Segments | None = None, prepared=None,
+                         stats: ForwardStats | None = None) -> torch.Tensor:
         """One AttnRes layer: returns the new partial sum (see module docstring)."""
         srcs = blocks if partial is None else blocks + [partial]
         h = AttnResPair.mix(self, "self_attention_res", srcs, prepared)
-        partial = self._attn(h, partial, state, segs, prepared)
+        partial = self._attn(h, partial, state, segs, prepared, stats)
         h = AttnResPair.mix(self, "mlp_res", blocks + [partial], prepared)
-        return self._ffn(h, partial, prepared)
+        return self._ffn(h, partial, prepared, stats)
 
 
 class K3Model(nn.Module):
@@ -181,7 +190,7 @@ class K3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, cache: K3Cache | None = None,
                 doc_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                prepared=None) -> torch.Tensor:
+                prepared=None, stats: ForwardStats | None = None) -> torch.Tensor:
         """input_ids [B,T] int64 -> final normed hidden states [B,T,H].
 
         With a cache, row b's T tokens continue its sequence at positions ``cache.seq_lens[b]`` ..
@@ -195,6 +204,8 @@ class K3Model(nn.Module):
         ``prepared`` (``k3.infer.prepared.PreparedModel``, a decode step only: one token per row of a
         prefilled cache, no gradient) runs each sublayer through its prepared-weights backend: the
         same layers and cache updates, the math within float rounding of the modules'.
+        ``stats`` (:class:`k3.model.stats.ForwardStats`): the layers add what they measure (router
+        statistics, MLA max logits) to it; None measures nothing.
         """
         cfg = self.config
         if (input_ids is None) == (inputs_embeds is None):
@@ -221,6 +232,11 @@ class K3Model(nn.Module):
             raise ValueError("prepared weights serve a decode step only: one token per row, a cache, "
                              f"no gradient (got T={T}, cache={'yes' if cache is not None else 'no'}, "
                              f"grad={'on' if torch.is_grad_enabled() else 'off'})")
+        if prepared is not None and stats is not None:
+            raise ValueError("prepared weights measure no statistics: pass stats=None with prepared "
+                             "(router statistics and max logits come from the modules' forward)")
+        if stats is not None and not isinstance(stats, ForwardStats):
+            raise TypeError(f"stats must be a k3.model.stats.ForwardStats, got {type(stats).__name__}")
         segs = None
         if doc_ids is not None:
             if cache is not None:
@@ -236,7 +252,7 @@ class K3Model(nn.Module):
             x = x[:, 0]             # the prepared backend works on [B, H] rows (one token each)
         if cfg.attn_res_block_size is None:
             for layer, st, p in zip(self.layers, states, preps):
-                x = layer(x, st, segs, p)
+                x = layer(x, st, segs, p, stats=stats)
         else:
             bs = cfg.attn_res_block_size
             blocks: list[torch.Tensor] = []
@@ -245,7 +261,7 @@ class K3Model(nn.Module):
                 if l % bs == 0:
                     blocks.append(partial)
                     partial = None
-                partial = layer.forward_attn_res(blocks, partial, st, segs, p)
+                partial = layer.forward_attn_res(blocks, partial, st, segs, p, stats=stats)
             x = AttnResPair.mix(self, "output_attn_res", blocks + [partial], prepared)
         if cache is not None:
             cache.seq_lens = cache.seq_lens + T
@@ -257,6 +273,7 @@ class CausalLMOutput:
     logits: torch.Tensor
     loss: torch.Tensor | None = None
     cache: K3Cache | None = None
+    stats: ForwardStats | None = None    # what the forward measured, when it was given one
 
 
 class K3ForCausalLM(nn.Module):
@@ -327,13 +344,14 @@ class K3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 cache: K3Cache | None = None, logits_to_keep: int = 0,
                 doc_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                prepared=None) -> CausalLMOutput:
+                prepared=None, stats: ForwardStats | None = None) -> CausalLMOutput:
         """``logits_to_keep`` > 0 computes logits for the last that many positions only (decode).
         ``doc_ids``: packed documents (``K3Model.forward``); the loss then never predicts the first
         token of a document from the end of the one before it. ``inputs_embeds`` [B,T,H] in place
         of ``input_ids`` (``K3Model.forward``). ``prepared``: a decode step through prepared
-        weights (``K3Model.forward``; the lm_head too)."""
-        h = self.model(input_ids, cache, doc_ids, inputs_embeds=inputs_embeds, prepared=prepared)
+        weights (``K3Model.forward``; the lm_head too). ``stats``: a ForwardStats the layers fill
+        (router statistics, MLA max logits; ``K3Model.forward``), returned as ``output.stats``."""
+        h = self.model(input_ids, cache, doc_ids, inputs_embeds=inputs_embeds, prepared=prepared, stats=stats)
         tokens_shape = h.shape[:2]  # [B, T] of input_ids (or inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -352,7 +370,7 @@ class K3ForCausalLM(nn.Module):
                 ends = torch.cat([document_starts(doc_ids)[:, 1:], torch.ones_like(doc_ids[:, :1], dtype=torch.bool)], 1)
                 target = target.masked_fill(ends.to(target.device), -100)
             loss = cross_entropy(logits.flatten(0, 1), target.flatten(), -100)
-        return CausalLMOutput(logits=logits, loss=loss, cache=cache)
+        return CausalLMOutput(logits=logits, loss=loss, cache=cache, stats=stats)
 
     def moe_layers(self) -> list[LatentMoE]:
         return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]

@@ -23,10 +23,11 @@ padding in one mask). The naive path runs its queries in chunks (``prefill_query
 when the key range is long: ``score_budget``), each over the decompressed keys of its causal
 range, so a long prefill never builds [T, T] scores: memory grows linearly in T.
 
-QK-Clip support: with ``record_max_logits = True`` each forward stores ``last_max_logits`` [nh] fp32,
-the largest pre-softmax score s_ij = (q_i·k_j)·scale over the causal pairs of the batch, per head
-(detached, computed under no_grad in query blocks; off by default, so inference pays nothing).
-The trainer reads it (:class:`k3.train.optim.QKClip`) and rescales the weights after the step.
+QK-Clip support: given ``stats`` (a :class:`k3.model.stats.ForwardStats` asked for max logits) the
+forward adds [nh] fp32, the largest pre-softmax score s_ij = (q_i·k_j)·scale over the causal pairs
+of the batch, per head (detached, computed under no_grad in query blocks; without ``stats`` nothing
+is measured, so inference pays nothing). The trainer takes it (:class:`k3.train.optim.QKClip`) and
+rescales the weights after the step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.cache import MLAState, check_layer_call
 from k3.model.norm import RMSNorm
+from k3.model.stats import ForwardStats
 
 __all__ = ["GatedMLA", "ATTN_IMPLS"]
 
@@ -81,8 +83,6 @@ class GatedMLA(nn.Module):
         self.initializer_range = config.initializer_range
         self.softmax_scale = self.qk_head_dim ** -0.5
         self.attn_impl = attn_impl
-        self.record_max_logits = False
-        self.last_max_logits: torch.Tensor | None = None
 
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(H, nh * self.qk_head_dim, bias=False)
@@ -150,9 +150,10 @@ class GatedMLA(nn.Module):
         return max(min(16, most), min(most, self.score_budget // max(1, B * self.num_heads * S)))
 
     def _naive(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
-               starts: torch.Tensor | None = None) -> torch.Tensor:
+               starts: torch.Tensor | None = None, stats: ForwardStats | None = None) -> torch.Tensor:
         """q [B,T,nh,n+p], c [B,S,r], k_pe [B,S,p] (the queries are the last T tokens of each row,
-        row b's at positions ``starts[b]`` .. ; ``None``: all at S−T) -> [B,T,nh,v].
+        row b's at positions ``starts[b]`` .. ; ``None``: all at S−T) -> [B,T,nh,v]; ``stats``: where
+        the max logits go (None: not measured).
 
         Keys and values are decompressed once ([B, nh, S, ·], linear in S); queries run in chunks
         of ``_query_chunk`` rows, each attending only keys 0 .. (its last position), so no [T, S]
@@ -164,8 +165,8 @@ class GatedMLA(nn.Module):
         k_nope, v = self.kv_b_proj(c).view(B, S, nh, -1).split([self.qk_nope_head_dim, self.v_head_dim], -1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, S, nh, self.qk_rope_head_dim)], -1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, nh, ·, ·]
-        if self.record_max_logits:
-            self.last_max_logits = self._max_logits(q, k, starts)
+        if stats is not None:
+            stats.add_max_logits(self, self._max_logits(q, k, starts))
         step = self._query_chunk(B, S)
         if S == T and starts is None and (T <= step or torch.is_grad_enabled()):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
@@ -181,7 +182,7 @@ class GatedMLA(nn.Module):
         return o.transpose(1, 2)
 
     def _absorb(self, q: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor,
-                starts: torch.Tensor | None = None) -> torch.Tensor:
+                starts: torch.Tensor | None = None, stats: ForwardStats | None = None) -> torch.Tensor:
         """Same contract as ``_naive``, attending over the latents (W_UK into q, W_UV onto the output).
 
         Per head h: q_lat = W_UK[h]ᵀ q_nope [r]; s_j = (q_lat·c_j + q_pe·k_pe_j)·scale;
@@ -199,16 +200,18 @@ class GatedMLA(nn.Module):
         scores = scores.view(B, nh, T, S).float() * self.softmax_scale   # [B, nh, T, S]
         if T > 1 or starts is not None:  # one query at the end of equal rows sees every key
             scores = scores.masked_fill(~_query_mask(starts, 0, T, S, S - T, q.device), float("-inf"))
-        if self.record_max_logits:
-            self.last_max_logits = scores.detach().amax(dim=(0, 2, 3))
+        if stats is not None:
+            stats.add_max_logits(self, scores.detach().amax(dim=(0, 2, 3)))
         probs = scores.softmax(-1).to(q.dtype).view(B, nh * T, S)
         o_lat = torch.bmm(probs, c).view(B, nh, T, r).transpose(0, 1).reshape(nh, B * T, r)
         o = torch.bmm(o_lat, w_uv.transpose(1, 2))                       # [nh, B·T, v]
         return o.view(nh, B, T, self.v_head_dim).permute(1, 2, 0, 3)      # [B, T, nh, v]
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, state: MLAState | None = None) -> torch.Tensor:
-        """x [B,T,H] -> [B,T,H]; ``state`` (this layer's cache entry) gets the new c, k_pe appended."""
+    def forward(self, x: torch.Tensor, state: MLAState | None = None,
+                stats: ForwardStats | None = None) -> torch.Tensor:
+        """x [B,T,H] -> [B,T,H]; ``state`` (this layer's cache entry) gets the new c, k_pe appended;
+        ``stats``: where the per-head max logits go when it asks for them (module docstring)."""
         self._check(x, state)
         B, T, _ = x.shape
         q = self._query(x)
@@ -222,7 +225,8 @@ class GatedMLA(nn.Module):
         impl = self.attn_impl
         if impl == "auto":
             impl = "absorb" if cached and T <= self.absorb_max_tokens else "naive"
-        o = (self._absorb if impl == "absorb" else self._naive)(q, c, k_pe, starts)  # [B,T,nh,v]
+        measure = stats if stats is not None and stats.measure_max_logits else None
+        o = (self._absorb if impl == "absorb" else self._naive)(q, c, k_pe, starts, measure)  # [B,T,nh,v]
         if self.use_output_gate:
             o = o * torch.sigmoid(self.g_proj(x)).view(B, T, self.num_heads, self.v_head_dim)
         return self.o_proj(o.reshape(B, T, self.num_heads * self.v_head_dim))

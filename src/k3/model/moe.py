@@ -31,6 +31,7 @@ from torch import nn
 
 from k3.model.mlp import GatedMLP
 from k3.model.norm import RMSNorm
+from k3.model.stats import ForwardStats
 from k3.ops.routing import route_topk
 from k3.ops.situ import glu_act
 
@@ -168,10 +169,11 @@ class LatentMoE(nn.Module):
 
     capacity_factor None → dropless sort + grouped_mm dispatch; a float → static [E, C, ℓ] buffers
     with C = ceil(capacity_factor · N·k / E) (see module docstring for dropped slots).
-    With `record_router_stats = True` the forward stores detached `last_scores` [N, E] and
-    `last_counts` [E] (slots routed per expert, before any capacity drop). The layer never changes
-    its own bias: the trainer reads these and writes `gate.e_score_correction_bias`
-    (Quantile Balancing / sign update, :class:`k3.train.balance.RouterBalancer`).
+    Given ``stats`` (:class:`k3.model.stats.ForwardStats`) the forward adds its router statistics:
+    detached scores [N, E], slots routed per expert [E] (before any capacity drop) and, on the
+    capacity path, the dropped slots. The layer never changes its own bias: the trainer reads the
+    statistics and writes `gate.e_score_correction_bias` (Quantile Balancing / sign update,
+    :class:`k3.train.balance.RouterBalancer`).
     """
 
     def __init__(self, config, capacity_factor: float | None = None):
@@ -184,12 +186,9 @@ class LatentMoE(nn.Module):
         self.latent = config.uses_latent_moe
         self.expert_dim = config.expert_dim
         self.capacity_factor = capacity_factor
-        self.record_router_stats = False
-        self.last_scores: torch.Tensor | None = None
-        self.last_counts: torch.Tensor | None = None
-        self.last_dropped: torch.Tensor | None = None  # capacity path: slots dropped (0-d tensor)
-        # Pluggable dispatch: ``dispatcher(moe, z, weights, indices) -> u [N, ℓ] fp32`` replaces the
-        # local paths (expert parallelism, k3.train.distributed); None: the paths below.
+        # Pluggable dispatch: ``dispatcher(moe, z, weights, indices) -> (u [N, ℓ] fp32, dropped slots
+        # int | None)`` replaces the local paths (expert parallelism, k3.train.distributed); None:
+        # the paths below.
         self.dispatcher = None
         std = config.initializer_range
         self.gate = MoEGate(config)
@@ -216,23 +215,24 @@ class LatentMoE(nn.Module):
             nn.init.normal_(self.routed_expert_up_proj.weight, 0.0, self.init_std)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, stats: ForwardStats | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]; ``stats``: where the router statistics go (None: not measured)."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"LatentMoE expected hidden size {self.hidden_size} in the last dimension, "
                              f"got input shape {tuple(x.shape)}")
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         weights, indices, scores = self.gate(x2)
-        if self.record_router_stats:
-            self.last_scores = scores.detach()
-            self.last_counts = torch.bincount(indices.reshape(-1), minlength=self.num_experts)
         z = self.routed_expert_down_proj(x2) if self.latent else x2
         if self.dispatcher is not None:
-            u = self.dispatcher(self, z, weights, indices)
+            u, dropped = self.dispatcher(self, z, weights, indices)
         elif self.capacity_factor is None:
-            u = self._dispatch_sorted(z, weights, indices)
+            u, dropped = self._dispatch_sorted(z, weights, indices), None
         else:
-            u = self._dispatch_capacity(z, weights, indices, self.capacity_factor)
+            u, dropped = self._dispatch_capacity(z, weights, indices, self.capacity_factor)
+        if stats is not None:
+            stats.add_router(self, scores.detach(),
+                             torch.bincount(indices.reshape(-1), minlength=self.num_experts), dropped)
         y = self._routed_output(u, z, x2)
         if hasattr(self, "shared_experts"):
             y = y + self.shared_experts(x2)
@@ -267,27 +267,26 @@ class LatentMoE(nn.Module):
         return max(1, math.ceil(capacity_factor * num_tokens * self.top_k / self.num_experts))
 
     def _dispatch_capacity(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-                           capacity_factor: float) -> torch.Tensor:
-        """Static-shape dispatch through an [E, C, ℓ] buffer; slots past capacity are dropped."""
+                           capacity_factor: float) -> tuple[torch.Tensor, int]:
+        """Static-shape dispatch through an [E, C, ℓ] buffer; slots past capacity are dropped.
+        Returns (u [N, ℓ] fp32, dropped slots)."""
         n, d = z.shape
         e = self.num_experts
         cap = self.capacity(n, capacity_factor)
         buf, slot, token_k, p = self._capacity_pack(z, weights, indices, cap)
         rows = self.experts.forward_capacity(buf.view(e, cap, d)).reshape(e * cap, d)
-        return self._capacity_combine(rows, slot, token_k, p, n)
+        return self._capacity_combine(rows, slot, token_k, p, n), indices.numel() - slot.numel()
 
     def _capacity_pack(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, cap: int):
         """Slots -> a zero-padded [E·C, ℓ] buffer (expert e's slots in rows e·C …, in token order; slots
-        past capacity C dropped and, with router stats on, counted). Returns (buffer, slot rows [S'],
-        their tokens [S'], their routing weights [S']) — also the expert-parallel send buffer."""
+        past capacity C dropped: ``indices.numel() - slot.numel()`` of them). Returns (buffer, slot rows
+        [S'], their tokens [S'], their routing weights [S']) — also the expert-parallel send buffer."""
         e = self.num_experts
         order, token, counts = self._sort_slots(indices, e)
         expert = indices.reshape(-1).index_select(0, order)                  # [S] sorted expert ids
         starts = counts.cumsum(0) - counts
         pos = torch.arange(order.numel(), device=z.device) - starts.index_select(0, expert)
         keep = pos < cap
-        if self.record_router_stats:
-            self.last_dropped = (~keep).sum()
         slot = (expert * cap + pos)[keep]                                    # row in the [E·C] buffer
         token_k = token[keep]
         buf = torch.zeros(e * cap, z.shape[1], dtype=z.dtype, device=z.device)

@@ -32,7 +32,8 @@ from k3.model.decoder import CausalLMOutput, K3ForCausalLM
 from k3.model.vision import VisionModel
 from k3.config.vision import MEDIA_PAD_KEY, image_proc_for, vision_config_of
 
-__all__ = ["K3VLForConditionalGeneration", "MEDIA_PAD_KEY", "RELEASE_MEDIA_PAD_TOKEN_ID", "media_pad_token_id_of"]
+__all__ = ["K3VLForConditionalGeneration", "MEDIA_PAD_KEY", "RELEASE_MEDIA_PAD_TOKEN_ID", "media_pad_token_id_of",
+           "images_of_rows"]
 
 RELEASE_MEDIA_PAD_TOKEN_ID = 163605
 
@@ -43,6 +44,36 @@ def media_pad_token_id_of(config: K3Config) -> int:
     v = (config.wrapper or {}).get(MEDIA_PAD_KEY, RELEASE_MEDIA_PAD_TOKEN_ID)
     check_int(MEDIA_PAD_KEY, v, lo=0)
     return v
+
+
+def images_of_rows(input_ids: torch.Tensor, pixel_values: torch.Tensor, grid_thws: torch.Tensor, rows: slice,
+                   media_pad_token_id: int, merge_kernel_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images of ``input_ids[rows]``: their ``pixel_values`` rows and ``grid_thws`` rows.
+
+    Images are packed in token order, row-major across the batch (``embed``); an item of grid
+    (t, h, w) holds t·h·w patch rows and fills (h/kh)(w/kw) ``<|media_pad|>`` positions. Each
+    row's pads are matched to whole items in order, so a batch whose pads do not add up to its
+    items, or an item split across two rows, is a :class:`~k3.errors.K3Error`."""
+    kh, kw = merge_kernel_size
+    grid = grid_thws.tolist()
+    tokens = [(h // kh) * (w // kw) for _, h, w in grid]
+    pads = (input_ids == media_pad_token_id).sum(1).tolist()
+    bounds, item = [], 0
+    for r, n in enumerate(pads):
+        first = item
+        while n > 0 and item < len(tokens):
+            n -= tokens[item]
+            item += 1
+        if n != 0:
+            raise K3Error(f"row {r} holds {pads[r]} <|media_pad|> position(s), which are not whole images of "
+                          f"the batch's grid_thws (images {first}..{item - 1})")
+        bounds.append((first, item))
+    if item != len(tokens):
+        raise K3Error(f"the batch has {len(tokens)} image(s) but its <|media_pad|> positions hold {item}")
+    lo, hi = bounds[rows.start][0], bounds[rows.stop - 1][1]
+    patches = [t * h * w for t, h, w in grid]
+    p0, p1 = sum(patches[:lo]), sum(patches[:hi])
+    return pixel_values[p0:p1], grid_thws[lo:hi]
 
 
 class K3VLForConditionalGeneration(nn.Module):

@@ -46,7 +46,7 @@ from k3.tasks.families.chain import Chain, chain_values, result_file
 from k3.tasks.format import load_task
 from k3.tasks.verify import Sandboxes
 from k3.train.loop import token_byte_lengths
-from k3.train.state import find_checkpoint, load_trainer_state
+from k3.checkpoint.training import find_checkpoint, load_trainer_state
 
 __all__ = ["run_bpb", "run_agent", "run_accept", "run_retrieve", "run_sustain", "agent_conditions",
            "progress_curve"]

@@ -303,7 +303,7 @@ class GRPOObjective:
         elif self.rl is None:
             raise ConfigError(f"k3 {self.KIND}: a fresh run needs its options")
         else:   # generated tasks go into the run dir, which the Trainer has claimed by now; under
-            # torchrun rank 0 writes them before the other ranks get here (DistTrainer._build_data)
+            # torchrun rank 0 writes them before the other ranks get here (Trainer._build_data)
             self.rl.tasks = resolve_tasks(self.rl.tasks, trainer.run_dir, generate=trainer.rank == 0)
         tok_path = (ckpt / "tokenizer.json") if saved is not None else trainer.init_dir.tokenizer
         trainer.tokenizer = Tokenizer.load(tok_path)
@@ -354,7 +354,7 @@ class GRPOObjective:
         dev = trainer.device
         with torch.autocast(dev.type, dtype=trainer.autocast_dtype or torch.bfloat16,
                             enabled=trainer.autocast_dtype is not None):
-            logits = trainer.model(x).logits.float()
+            logits = trainer.forward(x).logits.float()
         logp_all = torch.log_softmax(logits, -1)
         mask = y != IGNORE_INDEX
         tgt = y.clamp_min(0).unsqueeze(-1)
@@ -392,7 +392,7 @@ class GRPOObjective:
         """The frozen starting weights (``state``: the policy's at this step, every process), kept
         whole in the run dir at the first step, so a resumed run needs no other folder."""
         from k3.model.decoder import K3ForCausalLM
-        from k3.train.state import load_model_weights, save_model_weights
+        from k3.checkpoint.training import load_model_weights, save_model_weights
 
         where = trainer.run_dir / "reference"
         ref = K3ForCausalLM(trainer.model_config)
@@ -484,7 +484,7 @@ class GRPOObjective:
         if world > 1:   # every process gets every episode, in plan order, and whether any was stopped
             parts = trainer.gather_objects((episodes, trainer.stop_requested()))
             stops = [sig for _, sig in parts if sig is not None]
-            if stops:   # DistTrainer acts on a signal at a step boundary; this drops the step on every rank
+            if stops:   # a distributed Trainer acts on a signal at a step boundary; this drops the step on every rank
                 trainer.stop_signal = stops[0]
             episodes = [None] * len(plan)
             for r, (eps, _) in enumerate(parts):

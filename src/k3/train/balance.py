@@ -2,12 +2,14 @@
 
 Timeline of one optimizer step t (with grad accumulation over micro-batches)::
 
-    forward(s) of step t route with bias b_{t-1}       -> collect() after each micro forward
+    forward(s) of step t route with bias b_{t-1}       -> collect(stats) after each micro forward
     backward, optimizer step
     update(): b_t = QB(scores of step t, b_{t-1})      -> written into gate.e_score_correction_bias
 
 so a step never routes with a bias computed from its own scores (causal routing), and the bias is
-a pure function of the previous step's statistics. ``sign`` is DeepSeek-V3's aux-loss-free update
+a pure function of the previous step's statistics. The statistics are what each forward returned
+(``model(x, stats=ForwardStats())``, :mod:`k3.model.stats`): the balancer never sets anything on
+the layers but their biases. ``sign`` is DeepSeek-V3's aux-loss-free update
 ``b + rate·sign(mean load − load)``; ``off`` keeps the bias and only reports load statistics.
 The biases are persistent buffers of the model, so they travel with the model weights.
 
@@ -20,11 +22,12 @@ in ONE int32 buffer, so all ranks install the same bias and report the same glob
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-from typing import Callable
-
+from k3.model.stats import ForwardStats
 from k3.ops.routing import (load_stats, qb_bias_from_histogram, qb_margin_histogram, qb_margins,
                             quantile_balance_update, sign_update)
 
@@ -63,43 +66,36 @@ class RouterBalancer:
         self._hists: list[torch.Tensor | None] = [None for _ in self.layers]
         self._dropped: list[int | None] = [None for _ in self.layers]
 
-    def recording(self, on: bool) -> None:
-        """Turn the layers' stat recording on (training forwards) or off (eval, sampling)."""
-        for layer in self.layers:
-            layer.record_router_stats = on
-            if not on:
-                layer.last_scores = layer.last_counts = None
-
     def begin_step(self) -> None:
         self._scores = [[] for _ in self.layers]
         self._counts = [None for _ in self.layers]
         self._hists = [None for _ in self.layers]
         self._dropped = [None for _ in self.layers]
 
-    def collect(self, keep: bool = True) -> None:
-        """Take the stats of the forward just run (call once after each micro-batch forward);
-        ``keep`` False: the forward only kept this process in step with the others (padding), and
-        adds zeros (every process still has every buffer of the step's one all-reduce)."""
+    def collect(self, stats: ForwardStats, keep: bool = True) -> None:
+        """Take the router statistics of one micro-batch's forward (call once per micro-batch, with
+        the ForwardStats that forward filled); ``keep`` False: the forward only kept this process in
+        step with the others (padding), and adds zeros (every process still has every buffer of the
+        step's one all-reduce)."""
+        if not isinstance(stats, ForwardStats):
+            raise TypeError(f"collect: stats must be the ForwardStats of a forward, got {type(stats).__name__}")
         for i, layer in enumerate(self.layers):
-            if layer.last_scores is None or layer.last_counts is None:
-                raise RuntimeError("router stats missing: call recording(True) before the forward")
+            r = stats.router.get(layer)
+            if r is None:
+                raise RuntimeError(f"router stats missing for MoE layer {i}: run the forward with "
+                                   "stats=ForwardStats() (Trainer.forward does)")
+            scores, counts, dropped = r.scores, r.counts, r.dropped
             if not keep:
-                layer.last_scores = layer.last_scores[:0]
-                layer.last_counts = torch.zeros_like(layer.last_counts)
-                layer.last_dropped = None
+                scores, counts, dropped = scores[:0], torch.zeros_like(counts), None
             if self.mode == "quantile" and self.bins:
                 bias = layer.gate.e_score_correction_bias
-                h = qb_margin_histogram(qb_margins(layer.last_scores, bias, layer.top_k), self.bins,
-                                        *qb_grid(bias))
+                h = qb_margin_histogram(qb_margins(scores, bias, layer.top_k), self.bins, *qb_grid(bias))
                 self._hists[i] = h if self._hists[i] is None else self._hists[i] + h
             elif self.mode == "quantile":
-                self._scores[i].append(layer.last_scores)
-            if getattr(layer, "last_dropped", None) is not None:
-                self._dropped[i] = (self._dropped[i] or 0) + int(layer.last_dropped)
-                layer.last_dropped = None
-            c = layer.last_counts
-            self._counts[i] = c if self._counts[i] is None else self._counts[i] + c
-            layer.last_scores = layer.last_counts = None
+                self._scores[i].append(scores)
+            if dropped is not None:
+                self._dropped[i] = (self._dropped[i] or 0) + int(dropped)
+            self._counts[i] = counts if self._counts[i] is None else self._counts[i] + counts
 
     def counts(self) -> list[torch.Tensor]:
         return [c for c in self._counts if c is not None]

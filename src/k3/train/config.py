@@ -353,7 +353,7 @@ def init_model_dir(path: str) -> InitDir:
     folder, or a model directory with ``tokenizer.json`` beside ``config.json``."""
     from pathlib import Path
 
-    from k3.train.state import find_checkpoint, verify_checkpoint
+    from k3.checkpoint.training import find_checkpoint, verify_checkpoint
 
     p = Path(path)
     if not p.is_dir():

@@ -10,6 +10,9 @@ Layout of W = dp · ep ranks (rank = dp_index · ep + ep_index):
   state is one global object that resumes on any W.
 - dense and attention parameters (everything but routed experts): FSDP2 ``fully_shard`` over all
   W ranks (per decoder layer, then the root); gradients are averaged over W by FSDP.
+- a vision model's tower and projector: whole on every rank (not sharded); a rank embeds the
+  images of its own rows (``k3.model.multimodal.images_of_rows``); their gradients are summed
+  over W (zeros on a rank without images) and divided by W.
 - routed experts: rank holds experts ep_index·E/ep …, replicated over dp; tokens reach them by
   all-to-all (``k3.train.expert_parallel``); their gradients are summed over dp and divided by W.
 - the loss of a rank is the mean over its tokens; equal token counts per rank make the average of
@@ -19,8 +22,11 @@ Layout of W = dp · ep ranks (rank = dp_index · ep + ep_index):
 - Muon: a sharded [A, B] matrix is all-gathered, orthogonalized and re-sliced (each rank keeps its
   rows); a per-head matrix whose shard holds whole heads is orthogonalized locally (no traffic);
   expert stacks are local. The result equals the single-process update.
-- checkpoints: ``torch.distributed.checkpoint`` (``k3.train.dist_checkpoint``), reloadable on
+- checkpoints: ``torch.distributed.checkpoint`` (:mod:`k3.checkpoint.dcp`), reloadable on
   another W; ``k3 convert`` turns one into the HF safetensors layout.
+
+:class:`Distributed` is this layout as the one Trainer's parallelism object (``k3.train.parallel``);
+``Trainer(tc)`` picks it under torchrun (``parallel_for``).
 """
 
 from __future__ import annotations
@@ -35,14 +41,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from k3.checkpoint.dcp import expert_dtensor, load_sharded, reshard, save_sharded
+from k3.checkpoint.training import find_checkpoint, load_trainer_state
+from k3.config import K3Config
+from k3.data.packing import IGNORE_INDEX
 from k3.errors import ConfigError
+from k3.model.multimodal import K3VLForConditionalGeneration, images_of_rows
+from k3.train.config import resolve_model_config
 from k3.train.expert_parallel import CommStats, ExpertParallel, shard_experts
-from k3.train.loop import Trainer
-from k3.train.optim import Muon, build_param_groups, orthogonalize
+from k3.train.optim import Muon, orthogonalize
+from k3.train.parallel import Parallelism, SingleProcess, check_reduce_op
 
-__all__ = ["Layout", "resolve_layout", "init_distributed", "DistTrainer", "ShardedMuon",
-           "is_distributed_launch", "DEFAULT_DIST_QB_BINS"]
+__all__ = ["Layout", "resolve_layout", "init_distributed", "Distributed", "parallel_for", "ShardedMuon",
+           "is_distributed_launch", "destroy", "DEFAULT_DIST_QB_BINS"]
 
 DEFAULT_DIST_QB_BINS = 1024
 
@@ -108,8 +123,6 @@ def init_distributed(tc, num_experts: int, rows: bool = True) -> Layout:
     layout, build the meshes. The backend follows the device: cuda -> nccl, cpu -> gloo. ``rows``
     False: the run's data is not a batch of ``batch_size`` rows split over the ranks (an objective
     shares its own micro-batches out), so its divisibility is not checked."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dp, ep = resolve_layout(world, tc.dp, tc.ep, num_experts, tc.batch_size if rows else world)
@@ -165,7 +178,6 @@ class ShardedMuon(Muon):
                     st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     def _orthogonalize(self, u, group):
-        from torch.distributed.tensor import DTensor, distribute_tensor
         if not isinstance(u, DTensor):
             return super()._orthogonalize(u, group)
         rows, steps = group["block_rows"], group["ns_steps"]
@@ -182,33 +194,16 @@ class ShardedMuon(Muon):
         return distribute_tensor(o, mesh, placements, src_data_rank=None), shape
 
 
-# ---------------------------------------------------------------------------------- trainer
-class _QuietMetrics:
-    """Metrics of a rank other than 0: kept in memory (rank 0 writes metrics.jsonl)."""
-
-    def __init__(self, records):
-        self.records = list(records)
-
-    def log(self, kind: str, **fields) -> dict:
-        from k3.train.metrics import _json_safe
-        rec = {"kind": kind, **{k: _json_safe(v) for k, v in fields.items()}}
-        self.records.append(rec)
-        return rec
-
-
-class _NoLock:
-    def release(self) -> None:
-        pass
-
-
+# ------------------------------------------------------------------------------ parallelism
 class _RankRows:
-    """The global StridedBatches (all B cursors, the resumable state) cut to this rank's rows."""
+    """The global batches (all B cursors, the resumable state) cut to this rank's rows (and, for a
+    vision model's batch, to those rows' images: ``Distributed.rows_of``)."""
 
-    def __init__(self, batches, rows: slice):
-        self.batches, self.rows = batches, rows
+    def __init__(self, batches, rows: slice, parallel: "Distributed"):
+        self.batches, self.rows, self.parallel = batches, rows, parallel
 
     def next_batch(self, seq_len: int):
-        return tuple(t[self.rows] for t in self.batches.next_batch(seq_len))
+        return self.parallel.rows_of(self.batches.next_batch(seq_len), self.rows)
 
     def state_dict(self):
         return self.batches.state_dict()
@@ -217,20 +212,33 @@ class _RankRows:
         self.batches.load_state_dict(state)
 
 
-def _layout_config(tc, resume: bool, resolve):
+def _layout_config(tc, resume: bool) -> K3Config:
     """The model config the mesh is laid out for: a resumed fine-tuning run's own (its ``init_from``
-    checkpoint may be gone), else ``resolve(tc)``."""
+    checkpoint may be gone), else the run's (``resolve_model_config``)."""
     if resume and tc.init_from:
-        from k3.config import K3Config
-        from k3.train.state import find_checkpoint, load_trainer_state
         ckpt = find_checkpoint(tc.out)
         if ckpt is not None:
             return K3Config.from_dict(load_trainer_state(ckpt)["model_config"])
-    return resolve(tc)
+    return resolve_model_config(tc)
 
 
-class DistTrainer(Trainer):
-    """The Trainer on a dp × ep mesh; same records, same checkpoints semantics (module docstring).
+def _is_dcp_run(run_dir) -> bool:
+    ckpt = find_checkpoint(run_dir)
+    return ckpt is not None and load_trainer_state(ckpt).get("format") == "dcp"
+
+
+def parallel_for(tc, resume: bool = False, rows: bool = True) -> Parallelism:
+    """The layout a run trains with: :class:`Distributed` under torchrun, or to resume a run whose
+    checkpoint is distributed (DCP; a 1-rank group without torchrun), else one process. ``rows``
+    False: an objective shares its own micro-batches out (``init_distributed``)."""
+    if is_distributed_launch() or (resume and _is_dcp_run(tc.out)):
+        return Distributed.launch(tc, resume, rows)
+    return SingleProcess()
+
+
+class Distributed:
+    """The dp × ep layout of the module docstring, as the Trainer's parallelism object
+    (:class:`k3.train.parallel.Parallelism`): same records, same checkpoint semantics as one process.
 
     Collective calls per step besides FSDP's all-gathers / reduce-scatters and the all-to-alls: one
     all-reduce of the stop flag, one of the label count per step, one of the loss per micro-batch,
@@ -238,101 +246,20 @@ class DistTrainer(Trainer):
     the router statistics.
     """
 
-    def __init__(self, tc, resume: bool = False, print_fn=print, tty: bool | None = None,
-                 overwrite: bool = False, **kwargs):
-        from k3.train.config import resolve_model_config
-        from k3.train.runinfo import absolute_paths
+    stops_at_step_boundary = True   # every rank acts on a stop signal at the same step boundary
+    optimizer_class = ShardedMuon
 
-        tc = absolute_paths(tc)
-        self.layout = init_distributed(tc, _layout_config(tc, resume, resolve_model_config).num_experts,
-                                       rows=kwargs.get("objective") is None)
-        self.comm = CommStats()
-        self._pending_signal: int | None = None
-        rank0 = self.layout.rank == 0
-        if not rank0:
-            self.progress_stream = open(os.devnull, "w")
-            tc = tc.replace(plot=False)
-        if tc.qb_bins is None and tc.balance == "quantile":
-            tc = tc.replace(qb_bins=DEFAULT_DIST_QB_BINS)
-        super().__init__(tc, resume, print_fn if rank0 else (lambda *a, **k: None),
-                         tty if rank0 else False, overwrite, **kwargs)
-
-    # ------------------------------------------------------------------ seams of Trainer
-    def _open_run_dir(self, resume: bool):
-        lock = super()._open_run_dir(resume) if self.layout.rank == 0 else _NoLock()
-        dist.barrier()
-        return lock
-
-    def _checkpoint_to_resume(self, resume: bool, overwrite: bool):
-        from k3.train.state import find_checkpoint, load_trainer_state
-        out = super()._checkpoint_to_resume(resume, overwrite) if self.layout.rank == 0 else (None, None)
-        dist.barrier()  # rank 0 has claimed / marked the folder
-        if self.layout.rank == 0 or not resume:
-            return out
-        ckpt = find_checkpoint(self.run_dir)
-        return ckpt, load_trainer_state(ckpt)
-
-    def _build_data(self, ckpt, saved) -> None:
-        if self.layout.rank != 0:
-            dist.barrier()  # rank 0 fills the tokenizer / token caches first
-        super()._build_data(ckpt, saved)
-        if self.layout.rank == 0:
-            dist.barrier()
-        if self.objective is None:   # an objective shares its micro-batches out itself (rank, world)
-            self.data = _RankRows(self.data, self.layout.rows(self.tc.batch_size))
-
-    def _parallelize(self) -> None:
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-        if self.model_config.vision_config is not None:
-            raise ConfigError("a model with a vision tower trains in one process for now: drop --nproc "
-                              "(sharding the tower and splitting a batch's images by rank are not built)")
-        lay = self.layout
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.comm = CommStats()     # the all-to-all traffic of expert parallelism
         self.expert_params: list[nn.Parameter] = []
-        for moe in self.model.moe_layers():
-            if lay.ep > 1:
-                shard_experts(moe, lay.ep_rank, lay.ep)
-                moe.dispatcher = ExpertParallel(lay.ep_group, self.tc.capacity_factor, self.comm)
-            self.expert_params += [moe.experts.w1, moe.experts.w2, moe.experts.w3]
-        ignored = set(self.expert_params)
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=lay.flat, ignored_params=ignored)
-            register_fsdp_forward_method(layer, "forward_attn_res")  # AttnRes calls it, not forward
-        fully_shard(self.model, mesh=lay.flat, ignored_params=ignored)
-        self.expert_names = {id(p): n for n, p in self.model.named_parameters() if p in ignored}
+        self.replicated_params: list[nn.Parameter] = []   # a vision tower and projector: whole on every rank
+        self._media: tuple[int, list[int]] | None = None  # (<|media_pad|> id, merge kernel) of a vision model
 
-    def _make_optimizer(self):
-        tc = self.tc
-        from k3.train.loop import _NS_DTYPES, _OPTIMIZER_MODES
-        groups = build_param_groups(self.model, self.model_config, tc.lr, tc.weight_decay,
-                                    _OPTIMIZER_MODES[tc.optimizer])
-        return ShardedMuon(groups, lr=tc.lr, weight_decay=tc.weight_decay, ns_dtype=_NS_DTYPES[tc.ns_dtype])
-
-    def _make_balancer(self):
-        from k3.train.balance import RouterBalancer
-        return RouterBalancer(self.model, self.tc.balance, self.tc.balance_rate, bins=self.tc.qb_bins,
-                              reduce=lambda t: dist.all_reduce(t))
-
-    def _make_metrics(self, records):
-        return super()._make_metrics(records) if self.layout.rank == 0 else _QuietMetrics(records)
-
-    def _write_run_info(self, resumed_from):
-        if self.layout.rank == 0:
-            super()._write_run_info(resumed_from)
-
-    def _load_weights_and_optimizer(self, ckpt: Path, saved: dict) -> None:
-        from k3.train.dist_checkpoint import load_sharded
-        load_sharded(self, ckpt, saved)
-
-    def save(self) -> Path:
-        from k3.train.dist_checkpoint import save_sharded
-        path = save_sharded(self)
-        self.last_saved_step = self.step
-        return path
-
-    def _sum_over_ranks(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.layout.device)
-        dist.all_reduce(t)
-        return float(t)
+    @classmethod
+    def launch(cls, tc, resume: bool = False, rows: bool = True) -> "Distributed":
+        """Start the process group and lay out the mesh for ``tc`` (``init_distributed``)."""
+        return cls(init_distributed(tc, _layout_config(tc, resume).num_experts, rows=rows))
 
     @property
     def rank(self) -> int:
@@ -342,67 +269,94 @@ class DistTrainer(Trainer):
     def world(self) -> int:
         return self.layout.world
 
-    def gather_objects(self, obj):
+    @property
+    def grad_scale(self) -> float:
+        """FSDP and the expert sync average gradients over the W processes: scale by W."""
+        return float(self.layout.world)
+
+    @property
+    def balancer_reduce(self):
+        return lambda t: dist.all_reduce(t)
+
+    def configure(self, tc):
+        """Only rank 0 plots; Quantile Balancing pools histograms (``qb_bins``, default 1024)."""
+        if self.rank != 0:
+            tc = tc.replace(plot=False)
+        if tc.qb_bins is None and tc.balance == "quantile":
+            tc = tc.replace(qb_bins=DEFAULT_DIST_QB_BINS)
+        return tc
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def sum(self, values) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.layout.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        check_reduce_op(op)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        return t
+
+    def gather_objects(self, obj) -> list:
         out = [None] * self.layout.world
         dist.all_gather_object(out, obj)
         return out
 
-    def reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-        if op not in ops:
-            raise ValueError(f"reduce_: op must be 'sum' or 'max', got {op!r}")
-        dist.all_reduce(t, op=ops[op])
-        return t
+    def shard_batches(self, data, batch_size: int):
+        return _RankRows(data, self.layout.rows(batch_size), self)
 
-    def stop_requested(self):
-        return self.stop_signal if self.stop_signal is not None else self._pending_signal
+    def rows_of(self, batch, rows: slice) -> tuple[torch.Tensor, ...]:
+        """``rows`` of a batch; a vision batch (input_ids, labels, doc_ids, pixel_values, grid_thws)
+        keeps the images of those rows only (``images_of_rows``)."""
+        if len(batch) == 5 and self._media is not None:
+            x, y, d, pixels, grid = batch
+            pixels, grid = images_of_rows(x, pixels, grid, rows, *self._media)
+            return x[rows], y[rows], d[rows], pixels, grid
+        return tuple(t[rows] for t in batch)
 
-    @torch.no_grad()
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """Collective: FSDP shards all-gathered, expert shards gathered over ep (replicated over dp)."""
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-
-        from k3.train.dist_checkpoint import _wrap_expert
-        for m in self.model.modules():  # an eval forward leaves the root's parameters gathered
-            if isinstance(m, FSDPModule):
-                m.reshard()
-        experts = {n for n, p in self.model.named_parameters() if any(p is e for e in self.expert_params)}
-        out = {}
-        for name, t in self.model.state_dict().items():   # the same order on every rank
-            if name in experts and self.layout.ep > 1:
-                t = _wrap_expert(self, t.detach()).full_tensor()
-            elif isinstance(t, DTensor):
-                t = t.full_tensor()
-            out[name] = t.detach().clone()
-        return out
-
-    def _grad_scale(self) -> float:
-        """FSDP and the expert sync average gradients over the W processes: scale by W."""
-        return float(self.layout.world)
-
-    def _eval_part(self, x, y, *rest):
+    def eval_rows(self, batch, batch_size: int):
         """Rank's rows of a validation batch; a short last batch is padded to B rows (inputs 0,
         labels ignored, packed documents 0) so every rank runs the same shapes through the
         collectives."""
-        from k3.data.packing import IGNORE_INDEX
-        b = self.tc.batch_size
-        if x.shape[0] < b:
-            pad = b - x.shape[0]
+        x, y, *rest = batch
+        images = rest[1:] if len(rest) == 3 else []   # a vision batch: pixel_values, grid_thws
+        rest = rest[:1] if images else rest
+        if x.shape[0] < batch_size:
+            pad = batch_size - x.shape[0]
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
             y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
-            rest = tuple(torch.cat([d, d.new_zeros(pad, d.shape[1])]) for d in rest)
-        rows = self.layout.rows(b)
-        return (x[rows], y[rows], *(d[rows] for d in rest))
+            rest = [torch.cat([d, d.new_zeros(pad, d.shape[1])]) for d in rest]
+        return self.rows_of((x, y, *rest, *images), self.layout.rows(batch_size))
 
-    def _sum_eval(self, nats: float, ntok: int, nbytes: int):
-        t = torch.tensor([nats, ntok, nbytes], dtype=torch.float64, device=self.layout.device)
-        dist.all_reduce(t)
-        return float(t[0]), int(t[1]), int(t[2])
+    def parallelize(self, model: nn.Module, tc, model_config) -> None:
+        """Routed experts spread over ep (all-to-all dispatch), everything else of the text model
+        FSDP2-sharded over W. A vision tower and its projector stay whole on every rank (each rank
+        embeds its own rows' images, and a rank whose rows hold none does not run the tower, which
+        FSDP's per-module collectives would not allow); ``sync_grads`` averages their gradients."""
+        lay = self.layout
+        text = model
+        if isinstance(model, K3VLForConditionalGeneration):
+            text = model.language_model
+            self.replicated_params = [*model.vision_tower.parameters(), *model.mm_projector.parameters()]
+            self._media = (model.media_pad_token_id, list(model.vision_config.merge_kernel_size))
+        self.expert_params = []
+        for moe in model.moe_layers():
+            if lay.ep > 1:
+                shard_experts(moe, lay.ep_rank, lay.ep)
+                moe.dispatcher = ExpertParallel(lay.ep_group, tc.capacity_factor, self.comm)
+            self.expert_params += [moe.experts.w1, moe.experts.w2, moe.experts.w3]
+        ignored = set(self.expert_params) | set(self.replicated_params)
+        for layer in text.model.layers:
+            fully_shard(layer, mesh=lay.flat, ignored_params=ignored)
+            register_fsdp_forward_method(layer, "forward_attn_res")  # AttnRes calls it, not forward
+        fully_shard(model, mesh=lay.flat, ignored_params=ignored)
 
     @torch.no_grad()
-    def _sync_grads(self) -> None:
+    def sync_grads(self, model: nn.Module) -> None:
         """Expert gradients: sum over dp (one flat buffer), divide by W (module docstring)."""
+        self._sync_replicated()
         grads = [p.grad for p in self.expert_params if p.grad is not None]
         if not grads:
             return
@@ -415,20 +369,37 @@ class DistTrainer(Trainer):
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
 
+    def _sync_replicated(self) -> None:
+        """The vision tower's gradients: summed over all W ranks (zeros where a rank's rows held no
+        image), divided by W, as FSDP averages the sharded ones."""
+        params = [p for p in self.replicated_params if p.requires_grad]   # --freeze-vision: none
+        if not params:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat.div_(self.layout.world)
+        off = 0
+        for p in params:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+            off += p.numel()
+
     @torch.no_grad()
-    def _clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float) -> float:
         """Global L2 norm: shard squares (experts / dp: they are replicated dp times), one all-reduce."""
-        from torch.distributed.tensor import DTensor
         sq = torch.zeros((), dtype=torch.float64, device=self.layout.device)
         experts = set(id(p) for p in self.expert_params)
+        whole = set(id(p) for p in self.replicated_params)   # the same gradient on every rank
         grads = []
-        for p in self.model.parameters():
+        for p in model.parameters():
             if p.grad is None:
                 continue
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             grads.append(g)
             s = g.double().pow(2).sum()
-            sq += s / self.layout.dp if id(p) in experts else s
+            sq += s / self.layout.dp if id(p) in experts else s / self.layout.world if id(p) in whole else s
         dist.all_reduce(sq)
         total = math.sqrt(float(sq))
         coef = max_norm / (total + 1e-6)
@@ -437,19 +408,43 @@ class DistTrainer(Trainer):
                 g.mul_(coef)
         return total
 
-    # ------------------------------------------------------------------ signals and steps
-    def _handle_signal(self, signum, frame) -> None:
-        if self.stop_signal is not None:
-            raise KeyboardInterrupt
-        self._pending_signal = signum  # acted on at the next step boundary, on every rank at once
+    def save_checkpoint(self, run_dir: Path, step: int, model: nn.Module, optimizer, tokenizer,
+                        trainer_state, need_bytes) -> Path:
+        """Collective: DCP shards of every rank; rank 0 commits them with the tokenizer and the
+        trainer state (+ ``"format": "dcp"`` and the layout; :mod:`k3.checkpoint.dcp`)."""
+        lay = self.layout
 
-    def train_step(self) -> dict:
-        flag = torch.tensor([self._pending_signal or 0], device=self.layout.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if int(flag) and self.stop_signal is None:
-            self.stop_signal = int(flag)
-            return {"kind": "stopped", "step": self.step}
-        return super().train_step()
+        def write_rest(folder: Path) -> None:
+            info = {**trainer_state(), "format": "dcp", "world_size": lay.world, "dp": lay.dp, "ep": lay.ep}
+            if tokenizer is not None:
+                tokenizer.save(folder / "tokenizer.json")
+            torch.save(info, folder / "trainer_state.pt")
+
+        return save_sharded(run_dir, step, model, optimizer, self.expert_params, lay.mesh, lay.rank,
+                            write_rest, need_bytes)
+
+    def load_checkpoint(self, ckpt: Path, saved: dict, model: nn.Module, optimizer, model_config,
+                        device: torch.device) -> None:
+        load_sharded(ckpt, saved, model, optimizer, self.expert_params, self.layout.mesh, model_config)
+
+    @torch.no_grad()
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Collective: FSDP shards all-gathered, expert shards gathered over ep (replicated over dp)."""
+        reshard(model)   # an eval forward leaves the root's parameters gathered
+        experts = {n for n, p in model.named_parameters() if any(p is e for e in self.expert_params)}
+        out = {}
+        for name, t in model.state_dict().items():   # the same order on every rank
+            if name in experts and self.layout.ep > 1:
+                t = expert_dtensor(self.layout.mesh, t.detach()).full_tensor()
+            elif isinstance(t, DTensor):
+                t = t.full_tensor()
+            out[name] = t.detach().clone()
+        return out
+
+    def param_count(self, model: nn.Module) -> int:
+        """Model parameters (global: an expert-parallel rank holds 1/ep of the routed experts)."""
+        n = sum(p.numel() for p in model.parameters())
+        return n + (self.layout.ep - 1) * sum(p.numel() for p in self.expert_params)
 
 
 def destroy() -> None:

@@ -89,8 +89,8 @@ class ExpertParallel:
     """The dispatcher a LatentMoE calls (``moe.dispatcher``) when its experts are spread over ``group``.
 
     ``moe.experts`` must hold this rank's E/P experts (``shard_experts``). Call:
-    ``(moe, z [N, ℓ], weights [N, k] fp32, indices [N, k]) -> u [N, ℓ] fp32``; with
-    ``moe.record_router_stats`` the dropped slots go to ``moe.last_dropped`` (0-d tensor).
+    ``(moe, z [N, ℓ], weights [N, k] fp32, indices [N, k]) -> (u [N, ℓ] fp32, dropped slots)``
+    (the MoE puts the dropped count into its router statistics when the forward measures them).
     """
 
     def __init__(self, group, capacity_factor: float | None, stats: CommStats | None = None):
@@ -111,7 +111,7 @@ class ExpertParallel:
         y = moe.experts.forward_capacity(x)                                 # [E_l, P·C, ℓ]
         y = y.view(el, p, cap, d).transpose(0, 1).reshape(e * cap, d)
         back = all_to_all(y, self.group, self.stats)
-        return moe._capacity_combine(back, slot, token_k, w, n)
+        return moe._capacity_combine(back, slot, token_k, w, n), indices.numel() - slot.numel()
 
 
 @torch.no_grad()

@@ -1,10 +1,15 @@
-"""The training loop (SPEC §5): one process, CPU or one GPU.
+"""The training loop (SPEC §5): ONE Trainer for one process (CPU or one GPU) and for a torchrun job.
+
+What differs between the two is the Trainer's parallelism object (``k3.train.parallel``):
+``SingleProcess`` (every reduction the identity) or ``k3.train.distributed.Distributed`` (dp × ep
+mesh, FSDP2, expert parallelism, DCP checkpoints); ``Trainer(tc)`` picks it.
 
 Per optimizer step s (0-based; records and checkpoints count completed steps, s + 1)::
 
     seq_len = curriculum(s); lr = WSD(s); N = labels (≠ IGNORE) in the step's micro-batches, all processes
     for each of grad_accum micro-batches:          (routing uses the bias from step s − 1)
-        loss = ΣCE(model(x), y) / N; loss.backward(); collect router stats (+ MLA max logits)
+        loss = ΣCE(model(x, stats), y) / N; loss.backward(); collect the forward's router stats
+        (+ MLA max logits: the ForwardStats the forward filled, k3.model.stats)
     g = clip_grad_norm_(params, grad_clip)
     if loss or g is not finite: skip the step (no update, reason logged); stop after max_skips in a row
     else: optimizer.step(); QK-Clip (if qk_clip); router biases ← balance(stats of step s)
@@ -22,6 +27,7 @@ restored, and everything else (lr, seq_len) is a function of the step.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -30,6 +36,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from k3.checkpoint.rundir import RunLock, check_foreign_dir, claim_run_dir, mark_resumed_run
+from k3.checkpoint.training import (check_free_space, find_checkpoint, load_model_weights, load_trainer_state,
+                                    rng_state, set_rng_state)
 from k3.config import K3Config
 from k3.data.batches import StridedBatches
 from k3.data.corpus import Corpus, load_corpus
@@ -40,24 +49,16 @@ from k3.errors import CheckpointError, ConfigError
 from k3.config.vision import image_proc_for, vision_config_of
 from k3.model.decoder import K3ForCausalLM
 from k3.model.multimodal import K3VLForConditionalGeneration
+from k3.model.stats import ForwardStats
 from k3.ops.loss import cross_entropy
+from k3.threads import thread_control
 from k3.train.balance import RouterBalancer
 from k3.train.config import TrainConfig, init_model_dir, resolve_model_config
-from k3.train.metrics import MetricsLog, Progress, plot_run
-from k3.train.optim import QKClip, build_optimizer, cpu_bf16_matmul_is_native
-from k3.train.rundir import RunLock, check_foreign_dir, claim_run_dir, mark_resumed_run
+from k3.train.distributed import parallel_for
+from k3.train.metrics import MemoryMetrics, MetricsLog, Progress, plot_run
+from k3.train.optim import QKClip, build_param_groups, cpu_bf16_matmul_is_native
+from k3.train.parallel import Parallelism
 from k3.train.runinfo import absolute_paths, checkpoint_bytes, corpus_difference, write_run_info
-from k3.threads import thread_control
-from k3.train.state import (
-    check_free_space,
-    find_checkpoint,
-    load_model_weights,
-    load_trainer_state,
-    rng_state,
-    save_checkpoint,
-    save_model_weights,
-    set_rng_state,
-)
 
 __all__ = ["Trainer", "TrainResult", "TrainingDiverged", "token_byte_lengths"]
 
@@ -72,6 +73,35 @@ def _autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"dtype=bf16: device {device} does not support bfloat16")
     return torch.bfloat16
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """The print of a process other than rank 0."""
+
+
+class _NoLock:
+    """What a process other than rank 0 holds instead of the run lock."""
+
+    def release(self) -> None:
+        pass
+
+
+class _InMemoryData:
+    """What run.json and the checkpoints say about an in-memory batch source (``Trainer(batches=)``)."""
+
+    name = "in-memory batches"
+
+    def __init__(self, source: Any):
+        self.fingerprint = str(getattr(source, "fingerprint", None) or type(source).__qualname__)
+
+    def doc_digests(self) -> dict[str, str]:
+        return {}
+
+    def counts(self) -> dict[str, int]:
+        return {}
+
+    def summary(self) -> str:
+        return f"data: {self.name} ({self.fingerprint})"
 
 
 class TrainingDiverged(RuntimeError):
@@ -114,33 +144,62 @@ class Trainer:
     micro-batch's second tensor holds the targets, ``IGNORE_INDEX`` where nothing is trained, so
     every trained token of the step weighs the same), and whether micro-batch i only keeps this
     process in step with the others (``is_padding(trainer, i)``: it trains nothing and its routing
-    is not counted by the balancer). An objective's run has no validation loss.
+    is not counted by the balancer); its loss runs the model through :meth:`forward`, which hands
+    the forward's router statistics to the balancer. An objective's run has no validation loss.
+
+    ``batches`` (a pretraining run on in-memory data, e.g. a synthetic token stream) replaces the
+    corpus: an object with ``next_batch(seq_len) -> (inputs [B, T], targets [B, T], *packed
+    documents)`` (targets already shifted, ``IGNORE_INDEX`` where nothing is trained),
+    ``state_dict()`` and ``load_state_dict(state)`` (the resumable cursor) and optionally a
+    ``fingerprint`` string (checked on resume). Such a run has no tokenizer and no validation split.
+
+    ``parallel`` (:class:`k3.train.parallel.Parallelism`): how the run is spread over processes;
+    None picks it (``k3.train.distributed.parallel_for``: ``Distributed`` under torchrun or to
+    resume a distributed checkpoint, else ``SingleProcess``). Only rank 0 prints, plots, writes
+    metrics and run.json and holds the run directory's lock.
     """
 
     def __init__(self, tc: TrainConfig, resume: bool = False, print_fn: Callable[[str], None] = print,
                  tty: bool | None = None, overwrite: bool = False,
                  read_rows: Callable[[str], Iterable[tuple[str, Any]]] = read_chat_rows,
-                 objective: Any = None):
+                 objective: Any = None, parallel: Parallelism | None = None, batches: Any = None):
         tc = absolute_paths(tc)
-        self.tc, self.print = tc, print_fn
-        self.objective = objective
+        if batches is not None and (objective is not None or tc.sft_data is not None):
+            raise ConfigError("batches (an in-memory batch source) replaces a pretraining run's corpus; it "
+                              "cannot be combined with " + ("an objective" if objective is not None else "sft_data"))
+        for name in ("next_batch", "state_dict", "load_state_dict"):
+            if batches is not None and not callable(getattr(batches, name, None)):
+                raise ConfigError(f"batches: {type(batches).__name__} has no {name}() (a batch source needs "
+                                  "next_batch(seq_len), state_dict() and load_state_dict(state))")
+        self.parallel: Parallelism = parallel if parallel is not None else \
+            parallel_for(tc, resume, rows=objective is None)
+        tc = self.parallel.configure(tc)
+        main = self.parallel.rank == 0
+        self.progress_stream = None if main else open(os.devnull, "w")
+        self.tc, self.print = tc, (print_fn if main else _quiet)
+        self.objective, self.batches = objective, batches
         self.read_rows = read_rows  # SFT rows from tc.sft_data (k3.rl.sft adds trajectories)
         self.run_dir = Path(tc.out)
         self.lock = self._open_run_dir(resume)  # held until train() returns (or close())
         try:
-            self._setup(resume, tty, overwrite)
+            self._setup(resume, tty if main else False, overwrite)
         except BaseException:
             self.lock.release()
             raise
 
-    def _open_run_dir(self, resume: bool) -> RunLock:
-        """Check (fresh: not someone else's folder) or find (resume) the run dir; lock it."""
-        if not resume:
-            check_foreign_dir(self.run_dir)  # before the lock file goes into someone else's folder
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        elif not self.run_dir.is_dir():
-            raise CheckpointError(f"nothing to resume: {self.run_dir} does not exist")
-        return RunLock(self.run_dir).acquire()
+    def _open_run_dir(self, resume: bool):
+        """Check (fresh: not someone else's folder) or find (resume) the run dir; lock it (rank 0;
+        the other processes wait for it and hold no lock)."""
+        lock = _NoLock()
+        if self.parallel.rank == 0:
+            if not resume:
+                check_foreign_dir(self.run_dir)  # before the lock file goes into someone else's folder
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            elif not self.run_dir.is_dir():
+                raise CheckpointError(f"nothing to resume: {self.run_dir} does not exist")
+            lock = RunLock(self.run_dir).acquire()
+        self.parallel.barrier()
+        return lock
 
     def close(self) -> None:
         """Release the run directory's lock (train() does so when it returns)."""
@@ -160,6 +219,8 @@ class Trainer:
         self.on_step_start: list[Callable[["Trainer", int], None]] = []
         self.on_step_end: list[Callable[["Trainer", dict], None]] = []
         self.stop_signal: int | None = None
+        self._pending_signal: int | None = None   # a distributed run acts on it at the next step
+        self._micro_stats: ForwardStats | None = None  # the running micro-batch's (Trainer.forward)
         self.device = torch.device(tc.device)
         self.threads = thread_control(tc.threads, self.device.type)  # None: a fixed count
         torch.set_flush_denormal(True)
@@ -189,9 +250,13 @@ class Trainer:
         if tc.compile_attn_res:   # resolve_model_config refused it for a model without AttnRes
             self.model.compile_attn_res()
         self.model.to(self.device)
-        self._parallelize()
-        self.optimizer = self._make_optimizer()
-        self.balancer = self._make_balancer()
+        self.parallel.parallelize(self.model, tc, self.model_config)
+        groups = build_param_groups(self.model, self.model_config, tc.lr, tc.weight_decay,
+                                    _OPTIMIZER_MODES[tc.optimizer])
+        self.optimizer = self.parallel.optimizer_class(groups, lr=tc.lr, weight_decay=tc.weight_decay,
+                                                       ns_dtype=_NS_DTYPES[tc.ns_dtype])
+        self.balancer = RouterBalancer(self.model, tc.balance, tc.balance_rate, bins=tc.qb_bins,
+                                       reduce=self.parallel.balancer_reduce)
         self.qk_clip = QKClip(self.model, tc.qk_clip, self.model_config) if tc.qk_clip else None
         self.autocast_dtype = _autocast_dtype(tc.dtype, self.device)
         if self.autocast_dtype is not None and self.device.type == "cpu" and not cpu_bf16_matmul_is_native():
@@ -201,7 +266,7 @@ class Trainer:
         self.last_saved_step: int | None = None
         records: list[dict] = []
         if saved is not None:
-            self._load_weights_and_optimizer(ckpt, saved)
+            self.parallel.load_checkpoint(ckpt, saved, self.model, self.optimizer, self.model_config, self.device)
             self.data.load_state_dict(saved["data"])
             self.step, self.skips = saved["step"], saved["skips"]
             self.tokens_seen = saved["tokens_seen"]
@@ -209,8 +274,10 @@ class Trainer:
             self.last_saved_step = self.step
             set_rng_state(saved["rng"])  # last: building the model above consumed random numbers
         check_free_space(self.run_dir, checkpoint_bytes(self))  # fail now, not after training
-        self.metrics = self._make_metrics(records)
-        self._write_run_info(resumed_from=self.step if saved is not None else None)
+        main = self.parallel.rank == 0
+        self.metrics = MetricsLog(self.run_dir, records) if main else MemoryMetrics(records)
+        if main:
+            write_run_info(self, resumed_from=self.step if saved is not None else None)
 
     def _new_model(self) -> torch.nn.Module:
         """K3ForCausalLM, or K3VLForConditionalGeneration for a config with a vision tower (whose
@@ -233,89 +300,57 @@ class Trainer:
         else:
             load_model_weights(self.model, self.init_dir.model)
 
-    # ------------------------------------------------ seams (k3.train.distributed overrides them)
-    def _parallelize(self) -> None:
-        """Shard the model across processes (one process: nothing to do)."""
-
-    def _make_optimizer(self):
-        return build_optimizer(self.model, self.model_config, self.tc.lr, self.tc.weight_decay,
-                               muon=_OPTIMIZER_MODES[self.tc.optimizer], ns_dtype=_NS_DTYPES[self.tc.ns_dtype])
-
-    def _make_balancer(self) -> RouterBalancer:
-        return RouterBalancer(self.model, self.tc.balance, self.tc.balance_rate, bins=self.tc.qb_bins)
-
-    def _make_metrics(self, records: list[dict]) -> MetricsLog:
-        return MetricsLog(self.run_dir, records)
-
-    def _load_weights_and_optimizer(self, ckpt: Path, saved: dict) -> None:
-        load_model_weights(self.model, ckpt / "model")
-        self.optimizer.load_state_dict(
-            torch.load(ckpt / "optimizer.pt", map_location=self.device, weights_only=True))
-
-    def _sum_over_ranks(self, value: float) -> float:
-        """``value`` summed over the processes (one process: itself)."""
-        return value
-
-    def _grad_scale(self) -> float:
-        """What each process's summed loss is multiplied by (before ÷ labels) so the reduced
-        gradient is the gradient of the step's loss (one process: 1)."""
-        return 1.0
-
-    def _sync_grads(self) -> None:
-        """Finish gradients after the micro-batches (one process: nothing to do)."""
-
-    def _eval_part(self, x: torch.Tensor, y: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This process's rows of a validation batch (one process: all of them)."""
-        return (x, y, *rest)
-
-    def _sum_eval(self, nats: float, ntok: int, nbytes: int) -> tuple[float, int, int]:
-        """Validation sums over the processes (one process: these)."""
-        return nats, ntok, nbytes
-
-    def _clip_grad_norm(self, max_norm: float) -> float:
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
-
     # ------------------------------------- for objectives (post-training): the run's processes
     @property
     def rank(self) -> int:
         """This process's index among the run's processes (one process: 0)."""
-        return 0
+        return self.parallel.rank
 
     @property
     def world(self) -> int:
         """How many processes train this run (one process: 1)."""
-        return 1
+        return self.parallel.world
 
     def gather_objects(self, obj: Any) -> list:
         """Collective: every process's ``obj`` (picklable), in rank order (one process: [obj])."""
-        return [obj]
+        return self.parallel.gather_objects(obj)
 
     def reduce_(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Collective: ``t`` reduced in place over the processes, ``op`` sum or max (one process: t)."""
-        if op not in ("sum", "max"):
-            raise ValueError(f"reduce_: op must be 'sum' or 'max', got {op!r}")
-        return t
+        return self.parallel.reduce_(t, op)
 
     def stop_requested(self) -> int | None:
         """The stop signal this process has received (acted on where the trainer decides), or None."""
-        return self.stop_signal
+        return self.stop_signal if self.stop_signal is not None else self._pending_signal
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model's state dict as plain tensors, the same on every process
         (what a ``K3ForCausalLM`` of ``model_config`` loads; one process: the model's own)."""
-        return self.model.state_dict()
+        return self.parallel.full_state_dict(self.model)
+
+    def param_count(self) -> int:
+        """The model's parameters, all processes together (expert parallelism splits the experts)."""
+        return self.parallel.param_count(self.model)
 
     # -------------------------------------------------------------------------------- setup
     def _checkpoint_to_resume(self, resume: bool, overwrite: bool) -> tuple[Path | None, dict | None]:
         """Resume: the verified checkpoint (corrupt -> CheckpointCorrupt naming the file). Fresh:
-        claim the folder (refuses foreign folders and existing checkpoints without overwrite)."""
-        if not resume:
+        claim the folder (refuses foreign folders and existing checkpoints without overwrite).
+        Rank 0 claims or marks the folder; the other processes then read the checkpoint."""
+        main = self.parallel.rank == 0
+        out: tuple[Path | None, dict | None] = (None, None)
+        if main and not resume:
             claim_run_dir(self.run_dir, "k3 train", overwrite=overwrite)
-            return None, None
+        elif main:
+            ckpt = find_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise CheckpointError(f"nothing to resume: {self.run_dir} holds no checkpoint")
+            mark_resumed_run(self.run_dir)  # a run from before markers: resuming it shows it is k3's
+            out = ckpt, load_trainer_state(ckpt)
+        self.parallel.barrier()  # rank 0 has claimed / marked the folder
+        if main or not resume:
+            return out
         ckpt = find_checkpoint(self.run_dir)
-        if ckpt is None:
-            raise CheckpointError(f"nothing to resume: {self.run_dir} holds no checkpoint")
-        mark_resumed_run(self.run_dir)  # a run from before markers: resuming it shows it is k3's
         return ckpt, load_trainer_state(ckpt)
 
     def _check_same_model(self, old: K3Config) -> None:
@@ -328,11 +363,38 @@ class Trainer:
                              f"different model config (fields that differ: {diff})")
 
     def _build_data(self, ckpt: Path | None, saved: dict | None) -> None:
-        """Corpus, tokenizer (the checkpoint's when resuming), token streams, batches, schedules."""
+        """The run's data (rank 0 first: it fills the tokenizer and token caches the others read),
+        then this process's rows of each batch (an objective shares its micro-batches out itself)."""
+        main = self.parallel.rank == 0
+        if not main:
+            self.parallel.barrier()
         if self.objective is not None:
-            return self.objective.build_data(self, ckpt, saved)
-        if self.tc.sft_data is not None:
-            return self._build_chat_data(ckpt, saved)
+            self.objective.build_data(self, ckpt, saved)
+        elif self.batches is not None:
+            self._use_batches(saved)
+        elif self.tc.sft_data is not None:
+            self._build_chat_data(ckpt, saved)
+        else:
+            self._build_corpus_data(ckpt, saved)
+        if main:
+            self.parallel.barrier()
+        if self.objective is None:
+            self.data = self.parallel.shard_batches(self.data, self.tc.batch_size)
+
+    def _use_batches(self, saved: dict | None) -> None:
+        """An in-memory batch source (``batches``): no corpus, tokenizer or validation split."""
+        self.corpus = _InMemoryData(self.batches)
+        if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
+            raise CheckpointError(f"cannot resume {self.run_dir}: the batch source's fingerprint "
+                                  f"{self.corpus.fingerprint!r} is not the checkpoint's "
+                                  f"{saved['corpus_fingerprint']!r}")
+        self.tokenizer, self.token_bytes = None, None
+        self.curriculum = self.tc.context_curriculum()
+        self.schedule = self.tc.lr_schedule()
+        self.data = self.batches
+
+    def _build_corpus_data(self, ckpt: Path | None, saved: dict | None) -> None:
+        """Corpus, tokenizer (the checkpoint's when resuming), token streams, batches, schedules."""
         tc = self.tc
         self.corpus: Corpus = load_corpus(tc.data, tc.val_percent)
         if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
@@ -385,18 +447,11 @@ class Trainer:
         return eval_batches(self.val_tokens, self.tc.batch_size, self.curriculum.max_seq_len, max_batches or None)
 
     # ---------------------------------------------------------------------------- bookkeeping
-    def _write_run_info(self, resumed_from: int | None) -> None:
-        write_run_info(self, resumed_from)
-
     def save(self) -> Path:
-        """Checkpoint the current state (atomically; see k3.train.state)."""
-        def write(folder: Path) -> None:
-            save_model_weights(self.model, folder / "model")
-            self.tokenizer.save(folder / "tokenizer.json")
-            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
-            torch.save(self._trainer_state(), folder / "trainer_state.pt")
-        with RunLock(self.run_dir):  # re-entrant: a no-op while this trainer holds it
-            path = save_checkpoint(self.run_dir, self.step, write, need_bytes=checkpoint_bytes(self))
+        """Checkpoint the current state (atomically, in the parallelism's format: k3.checkpoint.training
+        for one process, k3.checkpoint.dcp for a distributed run; collective there)."""
+        path = self.parallel.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.tokenizer,
+                                             self._trainer_state, lambda: checkpoint_bytes(self))
         self.last_saved_step = self.step
         return path
 
@@ -410,6 +465,12 @@ class Trainer:
                 "corpus_docs": self.corpus.doc_digests()}
 
     # --------------------------------------------------------------------------------- step
+    def forward(self, x: torch.Tensor, **kw: Any):
+        """The model on ``x`` (moved to the device; ``kw``: the model's other arguments): objectives
+        run their micro-batches through this, not ``model(x)``, so that in a training step the
+        forward's router statistics (and MLA max logits, for QK-Clip) reach the step's balancer."""
+        return self.model(x.to(self.device), stats=self._micro_stats, **kw)
+
     def _loss(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
               doc_ids: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
               grid_thws: torch.Tensor | None = None) -> torch.Tensor:
@@ -420,11 +481,17 @@ class Trainer:
             kw = {} if doc_ids is None else {"doc_ids": doc_ids.to(self.device)}
             if pixel_values is not None and pixel_values.shape[0]:
                 kw.update(pixel_values=pixel_values.to(self.device), grid_thws=grid_thws)
-            logits = self.model(x.to(self.device), **kw).logits
+            logits = self.forward(x, **kw).logits
         return cross_entropy(logits.flatten(0, 1), y.to(self.device).flatten(), IGNORE_INDEX, reduction)
 
     def train_step(self) -> dict:
-        """One optimizer step; returns its metrics record (kind 'train' or 'skip')."""
+        """One optimizer step; returns its metrics record (kind 'train' or 'skip'; 'stopped': a stop
+        signal dropped it)."""
+        if self.parallel.stops_at_step_boundary:   # every process stops at the same step
+            flag = self.parallel.reduce_(torch.tensor([self._pending_signal or 0], device=self.device), "max")
+            if int(flag) and self.stop_signal is None:
+                self.stop_signal = int(flag)
+                return {"kind": "stopped", "step": self.step}
         tc, s = self.tc, self.step
         for cb in self.on_step_start:
             cb(self, s)
@@ -433,10 +500,8 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()
-        self.balancer.recording(True)
         self.balancer.begin_step()
         if self.qk_clip is not None:
-            self.qk_clip.recording(True)
             self.qk_clip.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
         threads = self.threads.before_step() if self.threads else torch.get_num_threads()
@@ -452,29 +517,33 @@ class Trainer:
                 self._abandon_step(*start)
                 return {"kind": "stopped", "step": self.step}
             micros.append(self.data.next_batch(seq_len))
-        labels = self._sum_over_ranks(float(sum(int((b[1] != IGNORE_INDEX).sum()) for b in micros)))
-        scale = self._grad_scale() / max(labels, 1.0)
+        labels = self.parallel.sum([float(sum(int((b[1] != IGNORE_INDEX).sum()) for b in micros))])[0]
+        scale = self.parallel.grad_scale / max(labels, 1.0)
         for micro, (x, y, *docs) in enumerate(micros):
             if self.stop_signal is not None:  # stop within one micro-batch: undo this step's part
                 self._abandon_step(*start)
                 return {"kind": "stopped", "step": self.step}
-            loss = (self._loss(x, y, "sum", *docs) if self.objective is None
-                    else self.objective.loss(self, x, y, *docs))
-            lv = self._sum_over_ranks(loss.item())
+            stats = self._micro_stats = ForwardStats(max_logits=self.qk_clip is not None)
+            try:
+                loss = (self._loss(x, y, "sum", *docs) if self.objective is None
+                        else self.objective.loss(self, x, y, *docs))
+            finally:
+                self._micro_stats = None
+            lv = self.parallel.sum([loss.item()])[0]
             if not math.isfinite(lv):
                 reason = f"non-finite loss ({lv}) in micro-batch {micro}"
                 break
             (loss * scale).backward()
             padding = self.objective is not None and self.objective.is_padding(self, micro)
-            self.balancer.collect(keep=not padding)
+            self.balancer.collect(stats, keep=not padding)
             if self.qk_clip is not None:
-                self.qk_clip.collect()
+                self.qk_clip.collect(stats)
             loss_sum += lv / max(labels, 1.0)
         grad_norm = float("nan")
         if reason is None:
             max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-            self._sync_grads()
-            grad_norm = self._clip_grad_norm(max_norm)
+            self.parallel.sync_grads(self.model)
+            grad_norm = self.parallel.clip_grad_norm_(self.model, max_norm)
             if not math.isfinite(grad_norm):
                 reason = f"non-finite gradient norm ({grad_norm})"
         tokens = tc.batch_size * seq_len * tc.grad_accum if self.objective is None else int(labels)
@@ -525,26 +594,24 @@ class Trainer:
         """Validation loss (nats/token) and bits per byte over the first ``max_batches`` batches
         (0: the whole validation split), at the curriculum's longest sequence length; None when a
         stop signal arrived meanwhile (checked per batch), or for an objective's run (nothing to
-        validate on: post-training is evaluated on held-out tasks)."""
-        if self.objective is not None:
+        validate on: post-training is evaluated on held-out tasks) and a run on in-memory batches."""
+        if self.objective is not None or self.batches is not None:
             return None
         self.model.eval()
-        self.balancer.recording(False)
-        if self.qk_clip is not None:
-            self.qk_clip.recording(False)
         nats, ntok, nbytes = 0.0, 0, 0
         try:
             for batch in self._val_batches(max_batches):
                 if self.stop_signal is not None:
                     return None
-                x, y, *docs = self._eval_part(*batch)
+                x, y, *docs = self.parallel.eval_rows(batch, self.tc.batch_size)
                 nats += self._loss(x, y, "sum", *docs).item()
                 keep = y[y != IGNORE_INDEX]
                 ntok += keep.numel()
                 nbytes += int(self.token_bytes[keep].sum())
         finally:
             self.model.train()
-        nats, ntok, nbytes = self._sum_eval(nats, ntok, nbytes)
+        nats, ntok, nbytes = self.parallel.sum([nats, ntok, nbytes])
+        ntok, nbytes = int(ntok), int(nbytes)
         if ntok == 0 and self.tc.sft_data is not None:
             return None  # no validation conversation (val_percent 0 or too few rows): nothing to report
         if ntok == 0:
@@ -563,7 +630,10 @@ class Trainer:
     def _handle_signal(self, signum, frame) -> None:
         if self.stop_signal is not None:
             raise KeyboardInterrupt
-        self.stop_signal = signum
+        if self.parallel.stops_at_step_boundary:
+            self._pending_signal = signum   # acted on at the next step boundary, on every rank at once
+        else:
+            self.stop_signal = signum
 
     def train(self) -> TrainResult:
         """Train to ``tc.steps``; checkpoint on the interval, at the end and at SIGINT/SIGTERM."""
@@ -573,8 +643,7 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, self._handle_signal)
-        prog = Progress(tc.steps, self.step, tc.log_interval, tty=self.tty,
-                        stream=getattr(self, "progress_stream", None))
+        prog = Progress(tc.steps, self.step, tc.log_interval, tty=self.tty, stream=self.progress_stream)
         losses: list[float | None] = []
         val = None
         try:

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from k3.fsutil import ensure_dir
 
-__all__ = ["MetricsLog", "Progress", "read_metrics", "plot_run", "METRICS_NAME", "PLOT_NAME"]
+__all__ = ["MetricsLog", "MemoryMetrics", "Progress", "read_metrics", "plot_run", "METRICS_NAME", "PLOT_NAME"]
 
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
@@ -52,6 +52,19 @@ class MetricsLog:
         self.records.append(rec)
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
+        return rec
+
+
+class MemoryMetrics:
+    """The records of a process that writes no file (a distributed run's ranks other than 0: rank 0
+    writes metrics.jsonl); the same ``log`` and ``records``."""
+
+    def __init__(self, records: Iterable[dict] = ()):
+        self.records: list[dict] = list(records)
+
+    def log(self, kind: str, **fields: Any) -> dict:
+        rec = {"kind": kind, **{k: _json_safe(v) for k, v in fields.items()}}
+        self.records.append(rec)
         return rec
 
 

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from k3.errors import ConfigError
 from k3.model.mla import GatedMLA
+from k3.model.stats import ForwardStats
 
 __all__ = ["NS_COEFFS", "cpu_bf16_matmul_is_native", "zeropower_via_newtonschulz5", "orthogonalize", "Muon",
            "classify_param", "build_param_groups", "build_optimizer", "describe_param_groups",
@@ -356,8 +357,9 @@ def qk_clip_(model: nn.Module, tau: float, max_logits_per_layer: Mapping[int, An
 class QKClip:
     """QK-Clip in the training loop (SPEC §5): cap every MLA head's max logit at τ.
 
-    Per optimizer step: ``begin_step()``; after each micro-batch forward ``collect()`` takes each
-    MLA layer's ``last_max_logits`` [nh] (max over the micro-batches); after ``optimizer.step()``
+    Per optimizer step: ``begin_step()``; after each micro-batch forward ``collect(stats)`` takes
+    each MLA layer's max logits [nh] from the ForwardStats that forward filled (asked with
+    ``ForwardStats(max_logits=True)``; max over the micro-batches); after ``optimizer.step()``
     ``apply()`` rescales the q/k weights with :func:`qk_clip_` (η = min(1, τ / S_max) per head,
     measured in this step's forward, applied to the updated weights as MuonClip does) and returns
     {"max_logit": largest S_max before the clip, "clipped_heads": heads with η < 1}.
@@ -373,22 +375,18 @@ class QKClip:
             raise ConfigError("qk_clip: the model has no MLA layers to clip")
         self._max: dict[int, Tensor] = {}
 
-    def recording(self, on: bool) -> None:
-        for m in self.layers:
-            m.record_max_logits = on
-            m.last_max_logits = None
-
     def begin_step(self) -> None:
         self._max = {}
 
-    def collect(self) -> None:
+    def collect(self, stats: ForwardStats) -> None:
+        """Take the per-head max logits of one micro-batch's forward (its ForwardStats)."""
         for m in self.layers:
-            s = m.last_max_logits
+            s = stats.max_logits.get(m)
             if s is None:
-                raise RuntimeError("QKClip: MLA max logits missing; call recording(True) before the forward")
+                raise RuntimeError(f"QKClip: max logits of MLA layer {m.layer_idx} missing; run the forward "
+                                   "with stats=ForwardStats(max_logits=True)")
             old = self._max.get(m.layer_idx)
             self._max[m.layer_idx] = s if old is None else torch.maximum(old, s)
-            m.last_max_logits = None
 
     def apply(self) -> dict[str, float]:
         etas = qk_clip_(self.model, self.tau, self._max, self.config)

@@ -20,7 +20,9 @@ import shutil
 import time
 from pathlib import Path
 
+from k3.checkpoint.training import find_checkpoint, has_checkpoint, load_trainer_state
 from k3.errors import K3Error
+from k3.fsutil import atomic_write
 
 __all__ = ["RunLock", "RunDirBusy", "claim_run_dir", "check_foreign_dir", "read_marker", "mark_resumed_run",
            "LOCK_NAME", "MARKER_NAME"]
@@ -120,7 +122,6 @@ def check_foreign_dir(run_dir: str | os.PathLike, flag: str = "--out") -> None:
 
 
 def _write_marker(run_dir: Path, info: dict) -> None:
-    from k3.fsutil import atomic_write
     atomic_write(run_dir / MARKER_NAME, lambda f: f.write(json.dumps(info) + "\n"))
 
 
@@ -150,8 +151,6 @@ def claim_run_dir(run_dir: str | os.PathLike, created_by: str, overwrite: bool =
     unless ``overwrite`` (or ``replace_same_kind`` and the marker was written by ``created_by``).
     A marked folder is emptied (the marker kept) before the run starts; nothing else is deleted.
     """
-    from k3.train.state import find_checkpoint, has_checkpoint, load_trainer_state
-
     run_dir = Path(run_dir)
     check_foreign_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,7 @@
-"""Training checkpoints: everything a resumed run needs to continue bit-exactly (SPEC §5).
+"""The training-checkpoint format: everything a resumed run needs to continue bit-exactly (SPEC §5).
+
+A run directory's checkpoint folder, as one process writes it (``k3.train.loop``; a distributed run
+writes ``dcp/`` instead of ``model/`` + ``optimizer.pt``: :mod:`k3.checkpoint.dcp`).
 
 Layout of a checkpoint folder (``<run>/checkpoint`` points to the current one)::
 
@@ -18,7 +21,7 @@ checkpoint. Old versions are deleted by later saves, except one a reader has pin
 (``pinned_checkpoint`` / ``read_checkpoint``) hold a shared flock on the version's manifest while
 they load, and the saver deletes a version only under an exclusive non-blocking flock, so a load
 sees either the previous complete checkpoint or the new one, never a folder being removed.
-Only the process holding the run lock (``k3.train.rundir``) saves, so cleaning up leftovers of an
+Only the process holding the run lock (``k3.checkpoint.rundir``) saves, so cleaning up leftovers of an
 interrupted save never touches another writer's files.
 
 ``find_checkpoint`` verifies the manifest; a checkpoint that fails verification is an error
@@ -41,12 +44,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from k3.checkpoint.pretrained import load_checkpoint, save_pretrained
+from k3.cliutil import describe_error
 from k3.errors import CheckpointError
 from k3.fsutil import fsync_path
 
 __all__ = ["save_checkpoint", "find_checkpoint", "read_checkpoint", "has_checkpoint", "verify_checkpoint",
            "check_free_space", "pinned_checkpoint", "load_trainer_state", "rng_state", "set_rng_state", "save_model_weights",
-           "load_model_weights", "CheckpointCorrupt", "CKPT_NAME"]
+           "load_model_weights", "CheckpointCorrupt", "CKPT_NAME", "MANIFEST"]
 
 CKPT_NAME = "checkpoint"
 _PREV = CKPT_NAME + ".prev"
@@ -63,13 +68,11 @@ class CheckpointCorrupt(CheckpointError):
 # ------------------------------------------------------------------------------ model weights
 def save_model_weights(model: torch.nn.Module, directory: Path) -> None:
     """config.json + HF-named safetensors (k3.checkpoint; fp32 kept as is, so reloading is exact)."""
-    from k3.checkpoint import save_pretrained
     save_pretrained(model, directory)
 
 
 def load_model_weights(model: torch.nn.Module, directory: Path) -> None:
     """Load weights saved by ``save_model_weights`` in place (validated before any copy)."""
-    from k3.checkpoint import load_checkpoint
     load_checkpoint(model, directory, strict=True)
 
 
@@ -225,8 +228,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, write: Callable[[Path
     previous checkpoint stays current; an OS-level failure (read-only filesystem, no space) is
     re-raised as CheckpointError naming the run directory and the cause.
     """
-    from k3.cliutil import describe_error
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _migrate_legacy(run_dir)
