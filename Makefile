@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo agent-demo vision-demo test install chromium sandbox-deps vm-deps cc bench gpu-check clean
+.PHONY: demo agent-demo vision-demo test install chromium sandbox-deps vm-deps cc bench docs-figures gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -59,6 +59,13 @@ test: $(STAMP) cc chromium sandbox-deps vm-deps
 
 bench: $(STAMP) cc
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+
+# Rerun the benchmarks and `k3 demo` behind README.md's figures and regenerate the docs' tables from
+# their rows, each naming its machine and date (benchmarks/refresh_docs.sh: about 25 min on 2 idle
+# cores; refuses to start beside a test run or above a 0.5 load average). DOCS_FIGURES_ARGS="kda mx"
+# reruns some steps only; "--quick --root /tmp/k3-docs" checks the pipeline on a copy of the docs.
+docs-figures: $(STAMP) cc
+	PY=$(BIN)/python K3=$(BIN)/k3 bash benchmarks/refresh_docs.sh $(DOCS_FIGURES_ARGS)
 
 # The CUDA checks and GPU benchmarks for a session lent a GPU (docs/GPU.md): one SKIP line each without CUDA.
 # No install step (the device machine has its own CUDA torch and no network): there, pass BIN=<folder of its

@@ -2,6 +2,7 @@
 lines), each stamped with the machine, the date and the commit it was measured on."""
 
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -41,16 +42,24 @@ def stamp(row: dict, common: dict | None = None) -> dict:
 
 
 def measured_on() -> dict:
-    """The machine, date and commit of this run."""
+    """The machine, date and commit of this run, and ``run``: one id shared by the rows written
+    together (the time and the process id; ``benchmarks/docs_tables.py`` takes a file's last run by it)."""
     from k3.rl.eval_rows import machine
 
-    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "commit": _commit()}
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "commit": _commit(),
+            "run": f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{os.getpid()}"}
 
 
-def append_results(path, rows) -> None:
-    """Append each row, stamped (``stamp``), as one JSON line to ``path`` (its folder is made when missing)."""
+def append_results(path, rows) -> Path:
+    """Append each row, stamped (``stamp``), as one JSON line to ``path`` (its folder is made when missing);
+    with ``K3_RESULTS_DIR`` set, to the file of that name in that folder instead (``refresh_docs.sh --quick``
+    keeps a pipeline check's rows out of benchmarks/results). Returns the file written."""
+    path = Path(path)
+    if os.environ.get("K3_RESULTS_DIR"):
+        path = Path(os.environ["K3_RESULTS_DIR"]) / path.name
     common = measured_on()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         for r in rows:
             fh.write(json.dumps(stamp(r, common)) + "\n")
+    return path

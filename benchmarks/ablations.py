@@ -9,7 +9,8 @@ steps, batch, sequence length, data and seed; only the named switch differs.
 Reports final validation loss and bits per byte (whole validation split), the mean train loss of
 the last 10% of steps and the final mean expert-load CV. The baseline of each group is its first
 variant (the K3 recipe); ratio = variant / baseline. Runs go two at a time, one thread each.
-Appends JSON lines to benchmarks/results/ablations.jsonl.
+Appends JSON lines to benchmarks/results/ablations.jsonl, stamped with the machine, date and commit
+(``_timing.append_results``); each names its group, variant and settings.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _timing import append_results  # benchmarks/ is on sys.path when run as a script
 
 RESULTS = Path(__file__).parent / "results" / "ablations.jsonl"
 
@@ -82,20 +85,23 @@ def main() -> None:
     config = f"{a.preset} steps={a.steps} T={a.seq_len} B={a.batch_size} lr={a.lr}"
     print(f"\nablations ({config}); ratio = variant / first variant of its group")
     print(f"{'group':<12}{'variant':<10}{'val loss':>10}{'val bpb':>9}{'ratio':>8}{'tail train':>12}{'load CV':>9}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    with open(RESULTS, "a") as f:
-        for g, vs in groups.items():
-            base = results[(g, vs[0][0])]
-            for name, _ in vs:
-                r = results[(g, name)]
-                metric = "load_cv" if g == "balance" else "val_bpb"
-                ratio = (r[metric] / base[metric]) if base[metric] else None
-                cv = f"{r['load_cv']:.3f}" if r["load_cv"] is not None else "-"
-                print(f"{g:<12}{name:<10}{r['val_loss']:>10.4f}{r['val_bpb']:>9.4f}{ratio:>8.3f}"
-                      f"{r['train_loss_tail']:>12.4f}{cv:>9}")
-                f.write(json.dumps({"bench": "ablations", "config": f"{config} {g}={name}", "metric": metric,
-                                    "value": r[metric], "baseline": base[metric], "ratio": ratio,
-                                    "val_loss": r["val_loss"], "load_cv": r["load_cv"]}) + "\n")
+    settings = {"preset": a.preset, "steps": a.steps, "seq_len": a.seq_len, "batch_size": a.batch_size, "lr": a.lr}
+    rows = []
+    for g, vs in groups.items():
+        base = results[(g, vs[0][0])]
+        for name, _ in vs:
+            r = results[(g, name)]
+            metric = "load_cv" if g == "balance" else "val_bpb"
+            ratio = (r[metric] / base[metric]) if base[metric] else None
+            cv = f"{r['load_cv']:.3f}" if r["load_cv"] is not None else "-"
+            print(f"{g:<12}{name:<10}{r['val_loss']:>10.4f}{r['val_bpb']:>9.4f}{ratio:>8.3f}"
+                  f"{r['train_loss_tail']:>12.4f}{cv:>9}")
+            rows.append({"bench": "ablations", "config": f"{config} {g}={name}", "metric": metric,
+                         "value": r[metric], "baseline": base[metric], "ratio": ratio,
+                         "val_loss": r["val_loss"], "val_bpb": r["val_bpb"], "load_cv": r["load_cv"],
+                         "train_loss_tail": r["train_loss_tail"], "group": g, "variant": name,
+                         "settings": settings})
+    append_results(RESULTS, rows)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def main() -> None:
                                ("build_and_load_MBps", t_new_k3, t_new_pt)):
         rows.append({"bench": "checkpoint", "config": config, "metric": metric, "value": round(mb / k3_t, 1),
                      "baseline": round(mb / pt_t, 1), "baseline_name": "torch.save/torch.load",
-                     "ratio": round(pt_t / k3_t, 3), "size_MB": round(mb, 1), "repeats": args.repeats})
+                     "ratio": round(pt_t / k3_t, 3), "size_MB": round(mb, 1), "repeats": args.repeats,
+                     "preset": args.preset, "dtype": args.dtype, "threads": torch.get_num_threads()})
     print(f"checkpoint throughput, {config}, {mb:.1f} MB, median of {args.repeats}")
     print(f"{'metric':<22}{'k3 MB/s':>10}{'torch MB/s':>12}{'ratio':>8}")
     for r in rows:

@@ -17,12 +17,28 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``speed_infer`` (docs/INFERENCE.md, README.md) and ``speed_train`` (README.md) from
   ``docs/data/speed.jsonl``: the last run of ``benchmarks/infer.py`` and of ``benchmarks/train.py
   --what mfu`` in the JSON-line files given to ``--save-speed`` (each row stamped with its machine,
-  date and commit by ``benchmarks/_timing.py``).
+  date and commit by ``benchmarks/_timing.py``);
+- ``micro`` (README.md, "Measured") from ``docs/data/micro.jsonl``: the last run in each of the
+  JSON-line files given to ``--save-micro`` (``benchmarks/results/{kda,model,moe,checkpoint,mx}.jsonl``),
+  one table row per figure, each naming the machine, date and commit of its rows;
+- ``demo`` (README.md, "What `make demo` does") from ``docs/data/demo.json``, the report of one
+  ``k3 demo`` run (``runs/demo/report.json`` copied there by ``--save-demo``);
+- ``ablations`` (README.md) from ``docs/data/ablations.jsonl``: the last run of
+  ``benchmarks/ablations.py`` in the file given to ``--save-ablations``.
+
+A row or report without its machine and date is refused (``Unstamped``): figures that do not say
+where and when they were measured do not go into the docs. ``benchmarks/refresh_docs.sh`` reruns
+the benchmarks and the demo and calls this with every ``--save-*``. ``--root DIR`` reads and writes
+``DIR/docs/data``, ``DIR/README.md`` and ``DIR/docs/*.md`` instead of the repository's (a dry run on
+a copy, e.g. of a short pipeline check whose figures must not reach the docs).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
                                      [--save-vision runs/vision-demo/report.json]
                                      [--save-speed benchmarks/results/infer.jsonl benchmarks/results/train.jsonl]
+                                     [--save-micro benchmarks/results/{kda,model,moe,checkpoint,mx}.jsonl]
+                                     [--save-demo runs/demo/report.json]
+                                     [--save-ablations benchmarks/results/ablations.jsonl] [--root DIR]
 """
 
 from __future__ import annotations
@@ -46,6 +62,16 @@ VISION_DATA = ROOT / "docs" / "data" / "vision_demo.json"
 VISION_DOC = ROOT / "docs" / "VISION.md"
 INFER_DOC = ROOT / "docs" / "INFERENCE.md"
 README = ROOT / "README.md"
+MICRO = ROOT / "docs" / "data" / "micro.jsonl"
+DEMO_DATA = ROOT / "docs" / "data" / "demo.json"
+ABLATIONS = ROOT / "docs" / "data" / "ablations.jsonl"
+MX_LABELS = {"fp4_e2m1": "MXFP4", "fp8_e4m3": "MXFP8"}   # k3.ops.mx.MX_FORMATS keys -> OCP names
+ABLATION_LABELS = {   # benchmarks/ablations.py group / variant -> the table's words
+    "optimizer": "optimizer", "per_head": "Per-Head Muon", "muon": "full-matrix Muon", "adamw": "AdamW",
+    "residual": "residual", "attn_res": "Block AttnRes", "standard": "standard residual",
+    "activation": "activation", "situ": "SiTU", "swiglu": "SwiGLU",
+    "balance": "router balance", "quantile": "Quantile Balancing", "sign": "DeepSeek-V3 sign update (rate 1e-3)",
+}
 INFER_ROWS = {   # benchmarks/infer.py metric -> the row's label
     "decode_step_b1_prepared": "decode step b1, prepared weights vs the modules (steps/s)",
     "ops_per_step_b1": "ops per step b1 (profiler events)",
@@ -211,6 +237,11 @@ def _stamp(r: dict) -> str:
     return f"{r['machine']}, {r['date']}, commit {r.get('commit') or '?'}"
 
 
+def _measured(r: dict) -> str:
+    """"Measured DATE on MACHINE[, commit C]"."""
+    return f"Measured {r['date']} on {r['machine']}" + (f", commit {r['commit']}" if r.get("commit") else "")
+
+
 def speed_infer_table(rows: list[dict]) -> str:
     infer = [r for r in rows if r["bench"] == "infer"]
     if not infer:
@@ -238,12 +269,243 @@ def speed_train_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+class Unstamped(ValueError):
+    """A row or report without the machine and date it was measured on."""
+
+
+def require_stamp(rows: list[dict], where: str) -> None:
+    """Refuse (``Unstamped``) any row without a ``machine`` and a ``date``."""
+    for i, r in enumerate(rows):
+        missing = [k for k in ("machine", "date") if not r.get(k)]
+        if missing:
+            what = " ".join(str(r[k]) for k in ("bench", "metric") if r.get(k)) or "report"
+            raise Unstamped(f"{where}: row {i + 1} ({what}) has no {' / '.join(missing)}: figures that do not say "
+                            "where and when they were measured are not rendered (rerun the benchmark: "
+                            "benchmarks/_timing.append_results stamps its rows)")
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def last_runs(path: Path) -> list[dict]:
+    """The rows of the last run in a benchmark's JSON-line file: those sharing its last row's ``run``
+    id (``benchmarks/_timing.measured_on``); refused (``Unstamped``) when that run is not stamped."""
+    rows = read_rows(path)
+    if not rows:
+        raise SystemExit(f"{path}: no rows")
+    last = rows[-1]
+    require_stamp([last], str(path))
+    if last.get("run") is None:
+        raise Unstamped(f"{path}: the last row has no run id (written before benchmarks/_timing.py stamped "
+                        "runs): rerun the benchmark")
+    run = [r for r in rows if r.get("run") == last["run"]]
+    require_stamp(run, str(path))
+    return run
+
+
+def _stamps(rows: list[dict]) -> str:
+    return "; ".join(dict.fromkeys(_stamp(r) for r in rows))
+
+
+def _g3(v: float) -> str:
+    """Three significant digits, no exponent below 1000 (14.9, 42.3, 215, 1,416)."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _x(r: float | None) -> str:
+    if r is None:
+        return "—"
+    return f"{r:,.0f}×" if r >= 10 else f"{r:.3g}×"
+
+
+def _e(v: float) -> str:
+    """1.8e7."""
+    m, e = f"{v:.1e}".split("e")
+    return f"{m}e{int(e)}"
+
+
+def _threads(rows: list[dict]) -> str:
+    """", 2 threads": the thread counts of the rows (a row's own ``threads``, else its config's)."""
+    ts = set()
+    for r in rows:
+        cfg = r["config"] if isinstance(r.get("config"), dict) else {}
+        ts.add(r.get("threads", cfg.get("threads")))
+    ts = sorted(ts - {None})
+    return f", {'/'.join(map(str, ts))} thread{'s' if ts != [1] else ''}" if ts else ""
+
+
+def _model_case(r: dict) -> dict:
+    """benchmarks/model.py's config string ``PRESET B=b T=t threads=n case=C`` as fields."""
+    m = re.match(r"(\S+) B=(\d+) T=(\d+) threads=(\d+) case=(\S+)", r["config"])
+    return {} if m is None else {"preset": m[1], "batch": int(m[2]), "seq": int(m[3]), "threads": int(m[4]),
+                                 "case": m[5]}
+
+
+def micro_table(rows: list[dict]) -> str:
+    """The README's "Measured" table: one row per figure of kda.py, model.py, moe.py, checkpoint.py and
+    mx.py, each with the machine, date and commit of the rows it comes from."""
+    require_stamp(rows, "micro")
+    out = ["| benchmark | figure | baseline | ratio | measured on |", "|---|---|---|---|---|"]
+
+    def line(bench, figure, baseline, ratio, rs):
+        out.append(f"| {bench} | {figure} | {baseline} | {ratio} | {_stamps(rs)} |")
+
+    kda = [r for r in rows if r["bench"] == "kda"]
+    T = lambda r: r["config"]["T"]  # noqa: E731
+    for metric, what in (("chunk_fwd", "fwd"), ("chunk_fwd_bwd", "fwd+bwd")):
+        rs = sorted((r for r in kda if r["metric"] == metric and r.get("baseline_name", "").startswith("recurrent")),
+                    key=T)
+        if rs:
+            c = rs[0]["config"]
+            ext = sorted({r["config"]["extrapolated_from"] for r in rs if "extrapolated_from" in r["config"]})
+            base = "recurrent_kda" + (f" (timed on the first {ext[0]} tokens, × T/{ext[0]})" if ext else "")
+            line(f"`kda.py` chunk_kda {what}, B={c['B']} H={c['H']} D={c['D']}{_threads(rs)}, "
+                 f"T={' / '.join(str(T(r)) for r in rs)}",
+                 " / ".join(_g3(r["value"] * 1e3) for r in rs) + " ms", base, " / ".join(_x(r["ratio"]) for r in rs), rs)
+    for t in sorted({T(r) for r in kda if r["metric"].endswith("_scaling")}):
+        rs = [r for r in kda if r["metric"].endswith("_scaling") and T(r) == t]
+        vs = rs[0]["config"]["vs_T"]
+        figs = ", ".join(f"{'fwd+bwd' if r['metric'].startswith('chunk_fwd_bwd') else 'fwd'} {_x(r['ratio'])}"
+                         for r in sorted(rs, key=lambda r: r["metric"].startswith("chunk_fwd_bwd")))
+        line(f"`kda.py` growth T={t} vs {vs}", figs, f"linear = {t / vs:g}×", "", rs)
+
+    model = [{**_model_case(r), **r} for r in rows if r["bench"] == "model"]
+    by = {(r.get("case"), r["metric"]): r for r in model}
+    f, b, rss = (by.get(("k3", m)) for m in ("forward_tokens_per_s", "forward_backward_tokens_per_s", "peak_rss_mb"))
+    if f and b:
+        n = f.get("params")
+        params = "" if not n else f" ({n / 1e6:.0f}M params)" if n >= 1e7 else f" ({_g3(n / 1e6)}M params)"
+        mem = f", peak RSS {rss['value'] / 1024:.1f} GiB" if rss else ""
+        line(f"`model.py` `{f['preset']}`{params}, B={f['batch']} T={f['seq']}{_threads([f])}",
+             f"fwd {f['value']:,.0f} tok/s, fwd+bwd {b['value']:,.0f} tok/s{mem}", "—", "—",
+             [r for r in (f, b, rss) if r])
+    f, b = by.get(("k3-kl", "forward_tokens_per_s")), by.get(("k3-kl", "forward_backward_tokens_per_s"))
+    if f and b:
+        line(f"`model.py` Kimi-Linear mode of `{f['preset']}` vs transformers `kimi_linear` (same math)",
+             f"fwd {f['value']:,.0f}, fwd+bwd {b['value']:,.0f} tok/s",
+             f"{f['baseline']:,.0f} / {b['baseline']:,.0f} tok/s", f"{_x(f['ratio'])} / {_x(b['ratio'])}", [f, b])
+
+    for r in (r for r in rows if r["bench"] == "moe" and r["config"].endswith("sorted grouped_mm")):
+        preset, n = r["config"].split()[:2]
+        line(f"`moe.py` `{preset}` MoE fwd+bwd, {n}{_threads([r])}", f"sort + `grouped_mm` {r['value']:.2g} s",
+             f"per-expert loop {r['baseline']:.2g} s", _x(r["ratio"]), [r])
+
+    ck = {r["metric"]: r for r in rows if r["bench"] == "checkpoint"}
+    names = (("save_MBps", "save"), ("load_MBps", "load into a model"), ("build_and_load_MBps", "build + load"))
+    rs = [ck[m] for m, _ in names if m in ck]
+    if rs:
+        preset, dtype = rs[0]["config"].split("/")
+        line(f"`checkpoint.py` `{preset}` {dtype} ({_g3(rs[0]['size_MB'])} MB): "
+             + " / ".join(w for m, w in names if m in ck),
+             " / ".join(f"{r['value']:,.0f}" for r in rs) + " MB/s", "`torch.save` / `torch.load`",
+             " / ".join(_x(r["ratio"]) for r in rs), rs)
+
+    mx = [r for r in rows if r["bench"] == "mx"]
+    rs = [r for r in mx if r["metric"] == "elements_per_s"]
+    if rs:
+        fmts = [MX_LABELS.get(f, f) for f in (r.get("fmt") or r["config"].split()[1] for r in rs)]
+        line(f"`mx.py` quantize {' / '.join(fmts)}{_threads(rs)}", " / ".join(_e(r["value"]) for r in rs)
+             + " elements/s", "per-block Python loop", " / ".join(_x(r["ratio"]) for r in rs), rs)
+    for r in (r for r in mx if r["metric"] == "bytes packed_mxfp4 vs bf16"):
+        line(f"`mx.py` `{r['config'].split()[0]}` routed experts packed MXFP4", f"{r['value'] / 1e6:.1f} MB",
+             f"bf16 {r['baseline'] / 1e6:.1f} MB", f"{r['ratio']:.3f} (= 4.25/16)", [r])
+    for r in (r for r in mx if r["metric"] == "tokens_per_s packed vs unpacked"):
+        line(f"`mx.py` `{r['config'].split()[0]}` decode, batch 1{_threads([r])}", f"packed {r['value']:.2g} tok/s",
+             f"unpacked {r['baseline']:.3g} tok/s", _x(r["ratio"]), [r])
+    return "\n".join(out)
+
+
+def demo_table(report: dict) -> str:
+    """The README's demo paragraph and table from a ``k3 demo`` report (``runs/demo/report.json``)."""
+    require_stamp([report], "demo")
+    c, m, v, t = report["corpus"], report["model"], report["validation"], report["times"]
+    corpus = f"Python {report['python']}'s stdlib" if c["name"].startswith("stdlib:") else f"corpus {c['name']}"
+    cvs = ", ".join(f"{w['mean']:.2f} over steps {w['first']}–{w['last']}" for w in report["load_cv"])
+    total = f"{int(t['total_s'] // 60)}:{int(t['total_s'] % 60):02d}"
+    used = report.get("threads_used") or []
+    threads = f"`--threads {report['threads']}`" + (f" ({'/'.join(map(str, used))} thread{'s' if used != [1] else ''} "
+                                                   "used)" if used else "")
+    setup = ("" if t.get("setup_s") is None else
+             f"; setup (corpus, tokenizer, token cache, model) {t['setup_s']:.0f} s")
+    out = [
+        f"{_measured(report)} (`docs/data/demo.json`). {corpus}: {c['train_files']:,} training files / "
+        f"{c['train_bytes'] / 1e6:.1f} MB, {c['validation_files']:,} validation files / "
+        f"{c['validation_bytes'] / 1e3:,.0f} KB; `{m['preset']}` cut to {m['layers']} layers ({m['kda_layers']} KDA + "
+        f"{m['mla_layers']} MLA), {m['params'] / 1e6:.1f}M parameters, {report['steps']} steps of "
+        f"{report['batch_size']}×{report['seq_len']} tokens, {threads}:",
+        "", "| | |", "|---|---|",
+        f"| validation, whole split ({v['val_tokens']:,} tokens, {v['val_bytes']:,} bytes) | "
+        f"**{v['val_bpb']:.3f} bits per byte** ({v['val_loss']:.3f} nats/token) |",
+        f"| gzip -9 on the same text | {report['gzip_bpb']:.3f} bits per byte |",
+        f"| training time / throughput | {t['train_s'] / 60:.1f} min{' (setup included)' if not setup else ''} at "
+        f"{report['train_tokens_per_s']:,.0f} training tokens/s{setup}; {total} for the whole `k3 demo` with the "
+        "whole-split evaluation and samples |",
+        f"| expert load | load CV (mean over steps) {cvs} under Quantile Balancing |" if cvs else
+        "| expert load | (no load CV recorded) |",
+    ]
+    if report.get("plotted"):
+        p = report["plotted"]
+        out += ["", f"The plotted evaluations score the same first {p['val_tokens']:,} validation tokens each time "
+                    f"({p['val_bpb']:.3f} bits/byte at the end); the headline figure is the whole split."]
+    return "\n".join(out)
+
+
+def ablations_table(rows: list[dict]) -> str:
+    """The README's ablations table from one run of benchmarks/ablations.py: per switch, the K3 choice
+    (first, in bold with the figure its group is judged by) and the variants."""
+    require_stamp(rows, "ablations")
+    s = rows[0]["settings"]
+    out = [f"`benchmarks/ablations.py`: `k3 train --preset {s['preset']}`, {s['steps']} steps of "
+           f"{s['batch_size']}×{s['seq_len']} tokens, lr {s['lr']:g}, same data and seed; whole-split validation. "
+           f"{_measured(rows[0])} (`docs/data/ablations.jsonl`):", "",
+           "| switch | variant | val loss | val bits/byte | final load CV |", "|---|---|---|---|---|"]
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    for g in groups:
+        rs = [r for r in rows if r["group"] == g]
+        for i, r in enumerate(rs):
+            by_cv = r["metric"] == "load_cv"   # the balance group is judged by the load CV, the others by val
+            cells = [ABLATION_LABELS.get(g, g) if i == 0 else "", ABLATION_LABELS.get(r["variant"], r["variant"]),
+                     f"{r['val_loss']:.3f}", f"{r['val_bpb']:.3f}",
+                     "—" if r.get("load_cv") is None else f"{r['load_cv']:.3f}"]
+            if i == 0:   # the K3 choice, and the figure its group is judged by
+                for k in (1, 4) if by_cv else (1, 2, 3):
+                    cells[k] = f"**{cells[k]}**"
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def replace_block(doc: Path, name: str, body: str) -> None:
     text = doc.read_text()
     pat = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
     if not pat.search(text):
         raise SystemExit(f"{doc}: no <!-- {name}:begin --> ... <!-- {name}:end --> markers")
     doc.write_text(pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text))
+
+
+def save_micro(files: list[Path], dst: Path = MICRO) -> list[dict]:
+    """The last run in each benchmark JSON-line file (``last_runs``) written to ``dst`` in place of
+    that benchmark's rows there (the other benchmarks' rows stay). Returns the new rows."""
+    rows = [r for f in files for r in last_runs(Path(f))]
+    _merge(dst, rows)
+    return rows
+
+
+def _merge(dst: Path, rows: list[dict]) -> None:
+    """Write ``rows`` to the JSON-line file ``dst``, after the rows already there of other benches."""
+    benches = {r["bench"] for r in rows}
+    kept = [r for r in read_rows(dst) if r["bench"] not in benches] if dst.exists() else []
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text("".join(json.dumps(r) + "\n" for r in kept + rows))
+
+
+def save_report(src: Path, dst: Path) -> dict:
+    """A report (``k3 demo``'s) copied to ``dst`` once it names its machine and date."""
+    report = json.loads(Path(src).read_text())
+    require_stamp([report], str(src))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    return report
 
 
 def main() -> int:
@@ -258,45 +520,82 @@ def main() -> int:
     p.add_argument("--save-speed", nargs="+", metavar="JSONL",
                    help="benchmarks/results/infer.jsonl and/or train.jsonl: their last runs recorded as "
                         "docs/data/speed.jsonl first")
+    p.add_argument("--save-micro", nargs="+", metavar="JSONL",
+                   help="benchmarks/results/{kda,model,moe,checkpoint,mx}.jsonl: the last run in each recorded as "
+                        "docs/data/micro.jsonl first")
+    p.add_argument("--save-demo", help="a k3 demo report.json to record as docs/data/demo.json first")
+    p.add_argument("--save-ablations", metavar="JSONL", help="benchmarks/results/ablations.jsonl: its last run "
+                                                             "recorded as docs/data/ablations.jsonl first")
+    p.add_argument("--root", help="read and write DIR/docs/data, DIR/README.md and DIR/docs/*.md instead of the "
+                                  "repository's (a dry run on a copy)")
     a = p.parse_args()
-    if a.save_speed:
+    try:
+        render_all(a, Path(a.root).resolve() if a.root else ROOT)
+    except Unstamped as e:
+        raise SystemExit(f"docs_tables: {e}")
+    return 0
+
+
+def render_all(a: argparse.Namespace, root: Path) -> None:
+    def at(path: Path) -> Path:
+        return root / path.relative_to(ROOT)
+
+    def rel(path: Path) -> str:
+        return str(path.relative_to(root))
+
+    speed, eval_rows, micro, ablations = at(SPEED), at(EVAL_ROWS), at(MICRO), at(ABLATIONS)
+    if a.save_speed:   # in place of those benches' rows (infer, train); the other's stay
         rows = []
         for f in map(Path, a.save_speed):
             bench = "train" if f.stem == "train" else "infer"
             rows += last_run(f, bench)
-        SPEED.parent.mkdir(parents=True, exist_ok=True)
-        SPEED.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _merge(speed, rows)
+    if a.save_micro:
+        save_micro(a.save_micro, micro)
+    if a.save_ablations:   # one run: the table's rows
+        rows = last_runs(Path(a.save_ablations))
+        ablations.parent.mkdir(parents=True, exist_ok=True)
+        ablations.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if a.save_demo:
+        save_report(Path(a.save_demo), at(DEMO_DATA))
     if a.save_eval:
-        EVAL_ROWS.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(Path(a.save_eval) / "rows.jsonl", EVAL_ROWS)
+        eval_rows.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(a.save_eval) / "rows.jsonl", eval_rows)
     for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA), (a.save_vision, VISION_DATA)):
         if src:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            at(dst).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, at(dst))
     if a.save_hybrid:
-        shutil.copyfile(Path(a.save_hybrid).parent / "hybrid_retrieval.png", HYBRID_DATA.with_suffix(".png"))
-    replace_block(DOC, "agent_demo", agent_demo_table(json.loads(DATA.read_text())))
-    print(f"wrote the agent_demo table of {DOC.relative_to(ROOT)} from {DATA.relative_to(ROOT)}")
-    if RL_DATA.exists():
-        replace_block(RL_DOC, "rl_demo", rl_demo_table(json.loads(RL_DATA.read_text())))
-        print(f"wrote the rl_demo table of {RL_DOC.relative_to(ROOT)} from {RL_DATA.relative_to(ROOT)}")
-    if EVAL_ROWS.exists():
-        rows = [json.loads(x) for x in EVAL_ROWS.read_text().splitlines() if x.strip()]
-        replace_block(EVAL_DOC, "eval_harness", eval_harness_table(rows))
-        print(f"wrote the eval_harness table of {EVAL_DOC.relative_to(ROOT)} from {EVAL_ROWS.relative_to(ROOT)}")
-    if SPEED.exists():
-        rows = [json.loads(x) for x in SPEED.read_text().splitlines() if x.strip()]
-        replace_block(INFER_DOC, "speed_infer", speed_infer_table(rows))
-        replace_block(README, "speed_infer", speed_infer_table(rows))
-        replace_block(README, "speed_train", speed_train_table(rows))
-        print(f"wrote the speed tables of {INFER_DOC.relative_to(ROOT)} and README.md from {SPEED.relative_to(ROOT)}")
-    if VISION_DATA.exists():
-        replace_block(VISION_DOC, "vision_demo", vision_demo_table(json.loads(VISION_DATA.read_text())))
-        print(f"wrote the vision_demo table of {VISION_DOC.relative_to(ROOT)} from {VISION_DATA.relative_to(ROOT)}")
-    if HYBRID_DATA.exists():
-        replace_block(EVAL_DOC, "hybrid_retrieval", hybrid_table(json.loads(HYBRID_DATA.read_text())))
-        print(f"wrote the hybrid_retrieval table of {EVAL_DOC.relative_to(ROOT)} from {HYBRID_DATA.relative_to(ROOT)}")
-    return 0
+        shutil.copyfile(Path(a.save_hybrid).parent / "hybrid_retrieval.png", at(HYBRID_DATA).with_suffix(".png"))
+    replace_block(at(DOC), "agent_demo", agent_demo_table(json.loads(at(DATA).read_text())))
+    print(f"wrote the agent_demo table of {rel(at(DOC))} from {rel(at(DATA))}")
+    if at(RL_DATA).exists():
+        replace_block(at(RL_DOC), "rl_demo", rl_demo_table(json.loads(at(RL_DATA).read_text())))
+        print(f"wrote the rl_demo table of {rel(at(RL_DOC))} from {rel(at(RL_DATA))}")
+    if eval_rows.exists():
+        replace_block(at(EVAL_DOC), "eval_harness", eval_harness_table(read_rows(eval_rows)))
+        print(f"wrote the eval_harness table of {rel(at(EVAL_DOC))} from {rel(eval_rows)}")
+    if speed.exists():
+        rows = read_rows(speed)
+        replace_block(at(INFER_DOC), "speed_infer", speed_infer_table(rows))
+        replace_block(at(README), "speed_infer", speed_infer_table(rows))
+        replace_block(at(README), "speed_train", speed_train_table(rows))
+        print(f"wrote the speed tables of {rel(at(INFER_DOC))} and README.md from {rel(speed)}")
+    if micro.exists():
+        replace_block(at(README), "micro", micro_table(read_rows(micro)))
+        print(f"wrote the micro table of README.md from {rel(micro)}")
+    if at(DEMO_DATA).exists():
+        replace_block(at(README), "demo", demo_table(json.loads(at(DEMO_DATA).read_text())))
+        print(f"wrote the demo table of README.md from {rel(at(DEMO_DATA))}")
+    if ablations.exists():
+        replace_block(at(README), "ablations", ablations_table(read_rows(ablations)))
+        print(f"wrote the ablations table of README.md from {rel(ablations)}")
+    if at(VISION_DATA).exists():
+        replace_block(at(VISION_DOC), "vision_demo", vision_demo_table(json.loads(at(VISION_DATA).read_text())))
+        print(f"wrote the vision_demo table of {rel(at(VISION_DOC))} from {rel(at(VISION_DATA))}")
+    if at(HYBRID_DATA).exists():
+        replace_block(at(EVAL_DOC), "hybrid_retrieval", hybrid_table(json.loads(at(HYBRID_DATA).read_text())))
+        print(f"wrote the hybrid_retrieval table of {rel(at(EVAL_DOC))} from {rel(at(HYBRID_DATA))}")
 
 
 if __name__ == "__main__":

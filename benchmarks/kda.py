@@ -3,7 +3,8 @@
 B=1, H=4, D=64, fp32, 2 threads, T ∈ {1024, 4096, 16384}. Reports medians of repeated runs and
 ratios against baselines measured in this process:
   - chunk fwd and chunk fwd+bwd against recurrent_kda (fwd, fwd+bwd) and the naive loop (fwd);
-  - chunk fwd at T against chunk fwd at 4096 (scaling; the target is ≤ 4.5× for 4× the tokens);
+  - chunk fwd and chunk fwd+bwd at T against the same at 4096 (scaling; the target is ≤ 4.5× for 4×
+    the tokens);
   - chunk fwd and fwd+bwd at T=4096 against transformers' kimi_linear torch fallback
     (``chunk_kimi_delta_attention`` without flash-linear-attention), timed in the same run,
     interleaved with ours, with PASS/MISS against the ≥ 30× target (issue 15);
@@ -13,15 +14,14 @@ The recurrent and naive baselines are linear in T with a constant per-token cost
 token, state size independent of T), so they are timed once on the first --slice tokens and
 extrapolated (×T/slice); the `config` of such rows says `extrapolated_from`.
 
-Appends JSON lines {"bench","config","metric","value","baseline","ratio"} to
-benchmarks/results/kda.jsonl. `--quick`: fewer repeats, T ∈ {1024, 4096}. `--only-transformers`:
+Appends JSON lines {"bench","config","metric","value","baseline","baseline_name","ratio"}, stamped
+with the machine, date and commit (``_timing.append_results``), to benchmarks/results/kda.jsonl. `--quick`: fewer repeats, T ∈ {1024, 4096}. `--only-transformers`:
 just the transformers comparison and the AttnRes rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -31,7 +31,7 @@ from k3.threads import configure_openmp
 
 configure_openmp()  # OMP_WAIT_POLICY=PASSIVE before torch loads libgomp: 2 threads on a busy machine
 import torch  # noqa: E402
-from _timing import median_time  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _timing import append_results, median_time  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from k3.ops.attn_res import attn_res_mix  # noqa: E402
 from k3.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda  # noqa: E402
@@ -129,7 +129,8 @@ def bench_transformers(rows, threads, reps) -> None:
         verdict = (("PASS" if ratio >= TARGET_VS_TRANSFORMERS else "MISS")
                    + f" (target ≥ {TARGET_VS_TRANSFORMERS:.0f}x)") if metric == "chunk_fwd_vs_transformers" else ""
         rows.append({"bench": "kda", "config": cfg, "metric": metric, "value": med["k3"],
-                     "baseline": med["hf"], "ratio": ratio})
+                     "baseline": med["hf"], "baseline_name": "transformers chunk_kimi_delta_attention",
+                     "ratio": ratio})
         print(f"{T:>6} {metric:<30} {med['k3'] * 1e3:>9.1f} ms   transformers {med['hf'] * 1e3:>9.1f} ms   "
               f"{ratio:>6.1f}x  {verdict}")
 
@@ -149,9 +150,11 @@ def bench_attn_res(rows, threads, reps) -> None:
         cfg = {"B": B, "T": T, "H": H, "n_sources": n, "dtype": "float32", "threads": threads,
                "load_1min": os.getloadavg()[0]}
         rows.append({"bench": "attn_res", "config": cfg, "metric": "mix_fwd_bwd_s", "value": med["k3"],
-                     "baseline": med["formula"], "ratio": med["formula"] / med["k3"]})
+                     "baseline": med["formula"], "baseline_name": "formula as written",
+                     "ratio": med["formula"] / med["k3"]})
         rows.append({"bench": "attn_res", "config": cfg, "metric": "mix_fwd_bwd_aten_calls", "value": ops["k3"],
-                     "baseline": ops["formula"], "ratio": ops["formula"] / ops["k3"]})
+                     "baseline": ops["formula"], "baseline_name": "formula as written",
+                     "ratio": ops["formula"] / ops["k3"]})
         print(f"attn_res n={n} fwd+bwd {med['k3'] * 1e3:7.2f} ms ({ops['k3']} aten calls)   formula as written "
               f"{med['formula'] * 1e3:7.2f} ms ({ops['formula']} calls)   {med['formula'] / med['k3']:.2f}x")
 
@@ -180,12 +183,12 @@ def main() -> None:
     def record(config, metric, value, baseline, base_name):
         ratio = baseline / value
         rows.append({"bench": "kda", "config": config, "metric": metric, "value": value,
-                     "baseline": baseline, "ratio": ratio})
+                     "baseline": baseline, "baseline_name": base_name, "ratio": ratio})
         print(f"{config['T']:>6} {metric:<22} {value * 1e3:>10.1f} ms   {base_name:<26} "
               f"{baseline * 1e3:>10.1f} ms   {ratio:>7.2f}x")
 
     print(f"{'T':>6} {'metric':<22} {'median':>13}   {'baseline':<26} {'median':>13}   {'speedup':>8}")
-    chunk_fwd_at = {}
+    chunk_fwd_at, chunk_fwd_bwd_at = {}, {}
     baseline_per_token: dict[str, float] = {}
     for T in lengths:
         inputs = make_inputs(T)
@@ -202,25 +205,23 @@ def main() -> None:
         r_f, n_f, r_fb = (baseline_per_token[key] * T for key in ("rf", "nf", "rfb"))
         c_f = median_time(lambda: fwd(k3_chunk, inputs), reps)
         c_fb = median_time(lambda: fwd_bwd(k3_chunk, inputs), reps)
-        chunk_fwd_at[T] = c_f
+        chunk_fwd_at[T], chunk_fwd_bwd_at[T] = c_f, c_fb
 
         record(ext, "chunk_fwd", c_f, r_f, "recurrent_kda fwd")
         record(ext, "chunk_fwd", c_f, n_f, "naive loop fwd")
         record(ext, "chunk_fwd_bwd", c_fb, r_fb, "recurrent_kda fwd+bwd")
-    if 4096 in chunk_fwd_at:
-        for T, c_f in chunk_fwd_at.items():
+    for name, at in (("chunk_fwd", chunk_fwd_at), ("chunk_fwd_bwd", chunk_fwd_bwd_at)):
+        if 4096 not in at:
+            continue
+        for T, t in at.items():
             if T > 4096:
                 cfg = {"B": 1, "H": 4, "D": 64, "T": T, "dtype": "float32", "threads": args.threads, "vs_T": 4096}
-                r = c_f / chunk_fwd_at[4096]
-                rows.append({"bench": "kda", "config": cfg, "metric": "chunk_fwd_scaling",
-                             "value": c_f, "baseline": chunk_fwd_at[4096], "ratio": r})
-                print(f"{T:>6} chunk_fwd time / time at T=4096: {r:.2f} (linear would be {T / 4096:.1f})")
+                r = t / at[4096]
+                rows.append({"bench": "kda", "config": cfg, "metric": f"{name}_scaling", "value": t,
+                             "baseline": at[4096], "baseline_name": f"{name} at T=4096", "ratio": r})
+                print(f"{T:>6} {name} time / time at T=4096: {r:.2f} (linear would be {T / 4096:.1f})")
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-    print(f"appended {len(rows)} rows to {RESULTS}")
+    print(f"appended {len(rows)} rows to {append_results(RESULTS, rows)}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ subprocess of its own):
                       the same math in both implementations.
 
 Issue 15's row: ``--preset tiny --batch 4 --seq 512 --threads 2`` (8 layers, d 256, 16 experts
-top-4). Prints a table and appends JSON lines to benchmarks/results/model.jsonl. Each timing is the median
+top-4). Prints a table and appends JSON lines to benchmarks/results/model.jsonl (stamped with the machine, date
+and commit by ``_timing.append_results``; each row also names its preset, batch, seq, threads, case and the
+case's parameter count). Each timing is the median
 of at least --repeats runs that together last at least --min-seconds, taken in rounds in which each case
 runs for about one step of the slowest (see run_interleaved): this machine's speed moves by 20-30 % (at
 times 2x) within minutes, and measured one case after the other, a slow phase falls on one side of a
@@ -26,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _timing import append_results  # benchmarks/ is on sys.path when run as a script
 
 RESULTS = Path(__file__).parent / "results" / "model.jsonl"
 
@@ -176,21 +180,23 @@ def main() -> None:
           "case, the cases timed in turn in one process); baseline = transformers kimi_linear")
     print(f"{'case':<14}{'params':>12}{'fwd tok/s':>12}{'fwd+bwd tok/s':>15}{'peak RSS MB':>13}{'fwd ratio':>11}"
           f"{'f+b ratio':>11}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    with open(RESULTS, "a") as f:
-        for case, r in res.items():
-            rf, rb = r["forward"] / base["forward"], r["forward_backward"] / base["forward_backward"]
-            print(f"{case:<14}{r['params']:>12,}{r['forward']:>12.0f}{r['forward_backward']:>15.0f}"
-                  f"{r['peak_rss_mb']:>13.0f}{rf:>11.2f}{rb:>11.2f}")
-            for metric in STEPS:
-                f.write(json.dumps({"bench": "model", "config": f"{config} case={case}",
-                                    "metric": f"{metric}_tokens_per_s", "value": r[metric],
-                                    "baseline": base[metric], "ratio": r[metric] / base[metric],
-                                    "runs": r[f"{metric}_runs"], "baseline_runs": base[f"{metric}_runs"],
-                                    "interleaved": True}) + "\n")
-            f.write(json.dumps({"bench": "model", "config": f"{config} case={case}", "metric": "peak_rss_mb",
-                                "value": r["peak_rss_mb"], "baseline": base["peak_rss_mb"],
-                                "ratio": r["peak_rss_mb"] / base["peak_rss_mb"]}) + "\n")
+    rows = []
+    for case, r in res.items():
+        rf, rb = r["forward"] / base["forward"], r["forward_backward"] / base["forward_backward"]
+        print(f"{case:<14}{r['params']:>12,}{r['forward']:>12.0f}{r['forward_backward']:>15.0f}"
+              f"{r['peak_rss_mb']:>13.0f}{rf:>11.2f}{rb:>11.2f}")
+        fields = {"preset": a.preset, "batch": a.batch, "seq": a.seq, "threads": a.threads, "case": case,
+                  "params": r["params"], "baseline_name": "transformers kimi_linear"}
+        for metric in STEPS:
+            rows.append({"bench": "model", "config": f"{config} case={case}",
+                         "metric": f"{metric}_tokens_per_s", "value": r[metric],
+                         "baseline": base[metric], "ratio": r[metric] / base[metric],
+                         "runs": r[f"{metric}_runs"], "baseline_runs": base[f"{metric}_runs"],
+                         "interleaved": True, **fields})
+        rows.append({"bench": "model", "config": f"{config} case={case}", "metric": "peak_rss_mb",
+                     "value": r["peak_rss_mb"], "baseline": base["peak_rss_mb"],
+                     "ratio": r["peak_rss_mb"] / base["peak_rss_mb"], **fields})
+    append_results(RESULTS, rows)
 
 
 if __name__ == "__main__":

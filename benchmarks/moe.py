@@ -4,18 +4,19 @@ per-expert Python loop that indexes the stacked weights (the baseline the style 
     .venv/bin/python benchmarks/moe.py [--preset small] [--tokens 2048] [--repeats 5]
 
 Forward + backward time per step, medians; prints a table and appends JSON lines to
-benchmarks/results/moe.jsonl. Ratios only; every side is measured in this process.
+benchmarks/results/moe.jsonl (stamped with the machine, date and commit by ``_timing.append_results``).
+Ratios only; every side is measured in this process.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _timing import append_results  # benchmarks/ is on sys.path when run as a script
 
 from k3.config import get_preset
 from k3.model.moe import LatentMoE
@@ -70,13 +71,12 @@ def main() -> None:
         m.capacity_factor = cap
         t = step_time(_with_dispatch(m, "native"), x, args.repeats)
         row = dict(bench="moe", config=f"{args.preset} N={args.tokens} t={torch.get_num_threads()} {name}", metric="fwd_bwd_s",
-                   value=t, baseline=baseline, ratio=baseline / t)
+                   value=t, baseline=baseline, ratio=baseline / t, baseline_name="per-expert loop",
+                   preset=args.preset, tokens=args.tokens, threads=torch.get_num_threads(), dispatch=name,
+                   repeats=args.repeats)
         rows.append(row)
         print(f"{row['config']:<40} {row['metric']:<16} {t:>10.4f} {baseline:>10.4f} {row['ratio']:>7.2f}x")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    append_results(RESULTS, rows)
 
 
 def _with_dispatch(m: LatentMoE, kind: str) -> LatentMoE:

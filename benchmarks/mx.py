@@ -1,23 +1,23 @@
 """MX quantization benchmark (SPEC §8): vectorised quantize_mx vs a naive per-block loop, and the
 packed MXFP4 expert footprint / decode speed (packed vs unpacked experts) of the `small` preset.
 
-    .venv/bin/python benchmarks/mx.py [--repeats 5] [--decode-tokens 16] [--skip-model]
+    .venv/bin/python benchmarks/mx.py [--repeats 5] [--decode-tokens 16] [--skip-model] [--threads N]
 
-Prints a table and appends JSON lines to benchmarks/results/mx.jsonl. Ratios only; both sides are
-measured in this process.
+Prints a table and appends JSON lines to benchmarks/results/mx.jsonl (stamped with the machine, date
+and commit by ``_timing.append_results``; each row names its thread count). Ratios only; both sides
+are measured in this process.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _timing import median_time  # benchmarks/ is on sys.path when run as a script
+from _timing import append_results, median_time  # benchmarks/ is on sys.path when run as a script
 
 from k3.ops.mx import MX_FORMATS, quantize_mx
 
@@ -68,7 +68,8 @@ def bench_quantize(rows: list[dict], repeats: int) -> None:
         fast = big.numel() / median_time(lambda: quantize_mx(big, fmt), repeats)
         slow = small.numel() / median_time(lambda: naive_quantize_mx(small, fmt), max(1, repeats // 2))
         emit(rows, dict(bench="mx", config=f"quantize {fmt} fp32 block32", metric="elements_per_s",
-                        value=fast, baseline=slow, ratio=fast / slow))
+                        value=fast, baseline=slow, ratio=fast / slow, baseline_name="per-block Python loop",
+                        fmt=fmt, threads=torch.get_num_threads()))
 
 
 def bench_experts(rows: list[dict], repeats: int, decode_tokens: int) -> None:
@@ -88,7 +89,7 @@ def bench_experts(rows: list[dict], repeats: int, decode_tokens: int) -> None:
     bf16 = sum(w.numel() * 2 for m in moes for w in (m.experts.w1, m.experts.w3, m.experts.w2))
     pbytes = sum(m.nbytes() for m in packed.modules() if isinstance(m, PackedMXFP4Experts))
     emit(rows, dict(bench="mx", config="small routed experts", metric="bytes packed_mxfp4 vs bf16",
-                    value=pbytes, baseline=bf16, ratio=pbytes / bf16))
+                    value=pbytes, baseline=bf16, ratio=pbytes / bf16, baseline_name="bf16", preset="small"))
 
     ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
 
@@ -106,7 +107,8 @@ def bench_experts(rows: list[dict], repeats: int, decode_tokens: int) -> None:
     tp = statistics.median(decode(packed) for _ in range(repeats))
     tu = statistics.median(decode(plain) for _ in range(repeats))
     emit(rows, dict(bench="mx", config=f"small decode b1 {decode_tokens} tok fp32", metric="tokens_per_s packed vs unpacked",
-                    value=decode_tokens / tp, baseline=decode_tokens / tu, ratio=tu / tp))
+                    value=decode_tokens / tp, baseline=decode_tokens / tu, ratio=tu / tp, baseline_name="unpacked",
+                    preset="small", decode_tokens=decode_tokens, threads=torch.get_num_threads()))
 
 
 def main() -> None:
@@ -114,17 +116,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--skip-model", action="store_true", help="quantize throughput only")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     print(f"{'config':<34} {'metric':<26} {'value':>14} {'baseline':>14} {'ratio':>10}")
     rows: list[dict] = []
     bench_quantize(rows, args.repeats)
     if not args.skip_model:
         bench_experts(rows, args.repeats, args.decode_tokens)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
+    append_results(RESULTS, rows)
 
 
 if __name__ == "__main__":
