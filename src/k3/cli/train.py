@@ -426,14 +426,11 @@ def demo_report(trainer, *, full: dict, plotted: dict | None, gzip_bpb: float, t
 
 # The demo's recipe (issue 15 sweep: benchmarks/recipe.py, docs/RECIPE.md). At a fixed 10-minute budget
 # on 2 cores the model sees ~2M tokens, far too few for depth to pay: at equal wall time a shallower K3
-# that sees more tokens wins, at every depth tried (8 layers: 2.035 bits/byte, 4 layers: 1.739; then, at
-# the token budgets that 3 and 2 layers reach in 4 layers' time, 1.656 and 1.595). So: the tiny preset
-# at 2 layers (KDA then Gated MLA, the presets' layout rule at n = 2; AttnRes blocks of 1; LatentMoE 16
-# experts top-4 + 1 shared with QB; SiTU; Per-Head Muon), 16 sequences of 256 tokens per step, WSD with
-# the decay over the last 70% of the steps. Measured on 2 idle cores (--threads auto): 560 steps
-# (2,293,760 tokens) at 5,594 training tokens/s, 7.3 min of training, 7:33 in all (a first run, which
-# trains the tokenizer and tokenizes the stdlib, took 43 s more), 1.521 bits/byte on the whole
-# validation split (gzip -9: 1.629).
+# that sees more tokens wins at every depth tried. So: the tiny preset at 2 layers (KDA then Gated MLA,
+# the presets' layout rule at n = 2; AttnRes blocks of 1; LatentMoE 16 experts top-4 + 1 shared with QB;
+# SiTU; Per-Head Muon), 16 sequences of 256 tokens per step, WSD with the decay over the last 70% of the
+# steps, 560 steps (2,293,760 tokens). What it reaches and how long it takes: README (generated from
+# docs/data/demo.json, the report of one run).
 DEMO_STEPS = 560
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
