@@ -569,33 +569,28 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         shutil.copyfile(Path(a.save_hybrid).parent / "hybrid_retrieval.png", at(HYBRID_DATA).with_suffix(".png"))
     replace_block(at(DOC), "agent_demo", agent_demo_table(json.loads(at(DATA).read_text())))
     print(f"wrote the agent_demo table of {rel(at(DOC))} from {rel(at(DATA))}")
-    if at(RL_DATA).exists():
-        replace_block(at(RL_DOC), "rl_demo", rl_demo_table(json.loads(at(RL_DATA).read_text())))
-        print(f"wrote the rl_demo table of {rel(at(RL_DOC))} from {rel(at(RL_DATA))}")
-    if eval_rows.exists():
-        replace_block(at(EVAL_DOC), "eval_harness", eval_harness_table(read_rows(eval_rows)))
-        print(f"wrote the eval_harness table of {rel(at(EVAL_DOC))} from {rel(eval_rows)}")
+    def report(path: Path):
+        return json.loads(path.read_text())
+
+    tables = [  # (data, doc, block, render, reader): each table rendered when its data is there
+        (at(RL_DATA), at(RL_DOC), "rl_demo", rl_demo_table, report),
+        (eval_rows, at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),
+        (micro, at(README), "micro", micro_table, read_rows),
+        (at(DEMO_DATA), at(README), "demo", demo_table, report),
+        (ablations, at(README), "ablations", ablations_table, read_rows),
+        (at(VISION_DATA), at(VISION_DOC), "vision_demo", vision_demo_table, report),
+        (at(HYBRID_DATA), at(EVAL_DOC), "hybrid_retrieval", hybrid_table, report),
+    ]
     if speed.exists():
         rows = read_rows(speed)
         replace_block(at(INFER_DOC), "speed_infer", speed_infer_table(rows))
         replace_block(at(README), "speed_infer", speed_infer_table(rows))
         replace_block(at(README), "speed_train", speed_train_table(rows))
         print(f"wrote the speed tables of {rel(at(INFER_DOC))} and README.md from {rel(speed)}")
-    if micro.exists():
-        replace_block(at(README), "micro", micro_table(read_rows(micro)))
-        print(f"wrote the micro table of README.md from {rel(micro)}")
-    if at(DEMO_DATA).exists():
-        replace_block(at(README), "demo", demo_table(json.loads(at(DEMO_DATA).read_text())))
-        print(f"wrote the demo table of README.md from {rel(at(DEMO_DATA))}")
-    if ablations.exists():
-        replace_block(at(README), "ablations", ablations_table(read_rows(ablations)))
-        print(f"wrote the ablations table of README.md from {rel(ablations)}")
-    if at(VISION_DATA).exists():
-        replace_block(at(VISION_DOC), "vision_demo", vision_demo_table(json.loads(at(VISION_DATA).read_text())))
-        print(f"wrote the vision_demo table of {rel(at(VISION_DOC))} from {rel(at(VISION_DATA))}")
-    if at(HYBRID_DATA).exists():
-        replace_block(at(EVAL_DOC), "hybrid_retrieval", hybrid_table(json.loads(at(HYBRID_DATA).read_text())))
-        print(f"wrote the hybrid_retrieval table of {rel(at(EVAL_DOC))} from {rel(at(HYBRID_DATA))}")
+    for data, doc, block, render, reader in tables:
+        if data.exists():
+            replace_block(doc, block, render(reader(data)))
+            print(f"wrote the {block} table of {rel(doc)} from {rel(data)}")
 
 
 if __name__ == "__main__":
