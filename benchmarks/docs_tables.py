@@ -65,6 +65,8 @@ README = ROOT / "README.md"
 MICRO = ROOT / "docs" / "data" / "micro.jsonl"
 DEMO_DATA = ROOT / "docs" / "data" / "demo.json"
 ABLATIONS = ROOT / "docs" / "data" / "ablations.jsonl"
+SCALING_DATA = ROOT / "docs" / "data" / "scaling.json"
+SCALING_DOC = ROOT / "docs" / "SCALING.md"
 MX_LABELS = {"fp4_e2m1": "MXFP4", "fp8_e4m3": "MXFP8"}   # k3.ops.mx.MX_FORMATS keys -> OCP names
 ABLATION_LABELS = {   # benchmarks/ablations.py group / variant -> the table's words
     "optimizer": "optimizer", "per_head": "Per-Head Muon", "muon": "full-matrix Muon", "adamw": "AdamW",
@@ -475,6 +477,70 @@ def ablations_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def scaling_table(report: dict) -> str:
+    """docs/SCALING.md from benchmarks/scaling.py's JSON: the lr scans and seed spread, every grid run,
+    the fitted curves and the compute multipliers against the dense baseline."""
+    require_stamp([report], "scaling")
+    g, runs = report["grid"], report["runs"]
+    grid = [r for r in runs if not r["scan"] and not r["seed"]]
+    variants = [v for v in report["variants"] if any(r["variant"] == v for r in runs)]
+    steps = sorted({r["steps"] for r in grid})
+    out = [f"{_measured(report)} (`docs/data/scaling.json`, plot `docs/scaling.png`). Batch {g['batch']} × "
+           f"{g['seq_len']} tokens; bits per byte on the whole validation split; C in model FLOPs.", "",
+           "**Learning rate scans** (width {0}, {1} steps; the lowest is used for the variant's grid):".format(*g["middle"]),
+           ""]
+    for v in variants:
+        scan = sorted((r for r in runs if r["variant"] == v and r["scan"]), key=lambda r: r["lr"])
+        if scan:
+            best = min(scan, key=lambda r: r["val_bpb"])
+            out.append(f"- {v}: " + ", ".join(("**{}**" if r is best else "{}").format(f"lr {r['lr']:g} → {r['val_bpb']:.4f}")
+                                              for r in scan))
+    sp = report.get("seed_spread", {})
+    per = ", ".join(f"{v} {x:.4f}" for v, x in sp.get("per_variant", {}).items())
+    out += ["", (f"**Seed spread** at the middle point (std of bits/byte over seeds {', '.join(map(str, sp['paired_seeds']))}"
+                 f" of the same runs: {per}). A seed reorders the training documents for every variant alike, and "
+                 "that part cancels in a comparison; what is left, the std of the paired difference k3 − dense over "
+                 f"seeds over √2, is σ = {report['sigma']:.4f} bits/byte: the noise the bootstrap draws per run.")
+            if report.get("sigma") is not None else "**Seed spread**: not measured (no paired extra-seed runs): "
+            "no intervals.", "",
+            "**Runs** (bits per byte; FLOPs in brackets):", "",
+            "| variant | width | activated params | " + " | ".join(f"{s} steps ({s * g['batch'] * g['seq_len']:,} tokens)"
+                                                          for s in steps) + " |",
+            "|---|---:|---:|" + "---:|" * len(steps)]
+    for v in variants:
+        for w in sorted({r["width"] for r in grid if r["variant"] == v}):
+            by = {r["steps"]: r for r in grid if r["variant"] == v and r["width"] == w}
+            act = next(iter(by.values()))["activated_params"]
+            out.append(f"| {v} | {w} | {act:,} | " + " | ".join(
+                f"{by[s]['val_bpb']:.4f} ({_e(by[s]['flops'])})" if s in by else "—" for s in steps) + " |")
+    out += ["", "**Fits** L(C) = E + A·C^−α on each variant's compute-efficient frontier, and the compute "
+                "multiplier against `dense` at the matched loss L*:", ""]
+    if "target_bpb" in report:
+        out += [f"L* = {report['target_bpb']:.4f} bits/byte, `k3`'s fitted loss at its largest compute "
+                f"({_e(report['target_flops'])} FLOPs). Multiplier = C_dense(L*) / C_variant(L*): above 1, the variant "
+                "reaches L* with less compute than the dense baseline.", ""]
+    out += ["| variant | frontier runs | E | A | α | C to reach L* | × dense [95% interval] |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    for v in variants:
+        f = report["fits"].get(v)
+        if f is None:
+            continue
+        if "error" in f:
+            out.append(f"| {v} | {len(f['frontier'])} | — | — | — | — | no fit: {f['error']} |")
+            continue
+        m = report["multipliers"].get(v, {})
+        ci = m.get("ci95")
+        never = "∞ (the dense fit never reaches L*)"
+        mult = "—" if not m else ((_x(m["multiplier"]) if m["multiplier"] is not None else never)
+                                  + (f" [{_x(ci[0]) if ci[0] is not None else '∞'}, "
+                                     f"{_x(ci[1]) if ci[1] is not None else '∞'}]" if ci else "")
+                                  + (" (extrapolated)" if m["extrapolated"] else ""))
+        c = m.get("compute")
+        out.append(f"| {v} | {f['points']} | {f['E']:.3f} | {f['A']:.4g} | {f['alpha']:.4f} | "
+                   f"{_e(c) if c else '∞'} | {mult} |")
+    return "\n".join(out)
+
+
 def replace_block(doc: Path, name: str, body: str) -> None:
     text = doc.read_text()
     pat = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
@@ -580,6 +646,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         (ablations, at(README), "ablations", ablations_table, read_rows),
         (at(VISION_DATA), at(VISION_DOC), "vision_demo", vision_demo_table, report),
         (at(HYBRID_DATA), at(EVAL_DOC), "hybrid_retrieval", hybrid_table, report),
+        (at(SCALING_DATA), at(SCALING_DOC), "scaling", scaling_table, report),
     ]
     if speed.exists():
         rows = read_rows(speed)

@@ -57,6 +57,8 @@ def _blocks():
         out.append((T.README, "micro", T.MICRO, T.micro_table(_rows(T.MICRO))))
     if T.DEMO_DATA.exists():
         out.append((T.README, "demo", T.DEMO_DATA, T.demo_table(json.loads(T.DEMO_DATA.read_text()))))
+    if T.SCALING_DATA.exists():
+        out.append((T.SCALING_DOC, "scaling", T.SCALING_DATA, T.scaling_table(json.loads(T.SCALING_DATA.read_text()))))
     if T.ABLATIONS.exists():
         out.append((T.README, "ablations", T.ABLATIONS, T.ablations_table(_rows(T.ABLATIONS))))
     return out
