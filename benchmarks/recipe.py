@@ -109,6 +109,11 @@ DEMO_VARIANTS: dict[str, tuple[dict, dict]] = {
                        "linear_attn_config": kda_layout(2)}),
     "k3demo_l3_b32": ({"batch_size": 32}, {"num_hidden_layers": 3, "attn_res_block_size": 2,
                                            "linear_attn_config": kda_layout(3)}),
+    # issue 36: the scaling sweep's lr scan and widths (benchmarks/scaling.py k3_shape) at the demo's budget
+    "k3demo_lr1e2": ({"lr": 1e-2}, {}),
+    "k3demo_d192": ({}, "d192"),
+    "k3demo_d192_lr1e2": ({"lr": 1e-2}, "d192"),
+    "k3demo_d320": ({}, "d320"),
 }
 RECIPES.update({name: (None, None) for name in DEMO_VARIANTS})
 
@@ -131,6 +136,9 @@ def _recipe(name: str) -> tuple[dict, dict]:
              "eval_batches", "final_eval_batches", "ckpt_interval", "log_interval")}
     model = DEMO_CONFIG.get("model_overrides", {})
     more_train, more_model = DEMO_VARIANTS[name]
+    if isinstance(more_model, str):   # "dNNN": the demo's shape at width NNN, as the scaling sweep scales it
+        from scaling import k3_shape
+        more_model = k3_shape(int(more_model[1:]))
     return {**train, **more_train}, {**model, **more_model}
 
 

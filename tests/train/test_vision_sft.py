@@ -173,6 +173,29 @@ def test_vision_sft_resume_is_bit_exact(base):
     assert all(torch.equal(a.state_dict()[k], v) for k, v in b.state_dict().items())
 
 
+def test_k3_train_with_a_run_toml_is_the_same_vision_sft_run(base):
+    """``k3 train --config run.toml`` (init_from, sft_data, vision) trains what ``k3 sft``'s flags train:
+    the same losses and the same weights, tower included."""
+    from k3.cli.train import train_main
+
+    d, ckpt, _ = base
+    data = _synth(d)
+    assert sft_main(_argv(ckpt, data, d / "by_flags", "--vision", "nano")) == 0
+    toml = d / "vision_run.toml"
+    toml.write_text(f'init_from = "{ckpt}"\nsft_data = "{data}"\nvision = "nano"\nsteps = 3\nbatch_size = 2\n'
+                    'curriculum = [[0, 160]]\nthreads = 1\nplot = false\neval_interval = 0\nval_percent = 0\n')
+    assert train_main(["--config", str(toml), "--out", str(d / "by_toml")]) == 0
+
+    def losses(run):
+        return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
+    assert len(losses(d / "by_toml")) == 3 and losses(d / "by_toml") == losses(d / "by_flags")
+    a = from_pretrained(d / "by_flags" / "checkpoint" / "model", model_class=K3VLForConditionalGeneration)
+    b = from_pretrained(d / "by_toml" / "checkpoint" / "model", model_class=K3VLForConditionalGeneration)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert any(k.startswith("vision_tower.") for k in sb) and sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], v) for k, v in sb.items())
+
+
 @pytest.mark.parametrize("extra,match", [
     (("--vision", "kimi-linear-48b"), "vision must name a preset with a vision tower"),
     (("--freeze-vision",), "is an image, but this model has no vision tower"),
