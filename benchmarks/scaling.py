@@ -32,9 +32,11 @@ counted from the model, never from wall time.
 
 **Fit** (``fit_curve``). Per variant, the compute-efficient frontier (each run whose loss is below
 every run of smaller C) is fitted to L(C) = E + A C^-alpha by least squares on L: for each E on a
-grid below the smallest loss, log(L - E) is linear in log C; the E with the least squared error wins.
-**Multiplier** (``multiplier``): at a matched loss L*, C_base(L*) / C_variant(L*), with
-C(L) = (A / (L - E))^(1/alpha); L* is the ``k3`` fit at the largest compute of the sweep. Intervals:
+grid below the smallest loss, log(L - E) is linear in log C; the E with the least squared error wins
+(E = 0: the frontier still bends down in log-log, no irreducible loss shows at this scale).
+**Multiplier** (``matched``): at L*, the lowest loss both the variant's and dense's frontiers reach,
+C_dense(L*) / C_variant(L*), each read off its frontier (linear in log C between the runs around L*:
+no extrapolation, no functional form); the fitted curves' ratio at L* beside it. Intervals:
 a parametric bootstrap, each run's loss redrawn from N(L, sigma), the frontier refitted each time;
 2.5-97.5 %. sigma is measured at the middle point with extra seeds (``SEED_REPLICATES``): the spread
 of the paired difference k3 - dense over seeds, over sqrt 2 (``seed_spread``: the data order a seed
@@ -383,8 +385,32 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
+def frontier_compute(front: list[tuple[float, float]], loss: float) -> float | None:
+    """The compute at which a frontier reaches ``loss``: linear in (log C, L) between the two frontier
+    runs around it; None when ``loss`` is outside the frontier's losses (no extrapolation)."""
+    for (c0, l0), (c1, l1) in zip(front, front[1:]):
+        if l1 <= loss <= l0:
+            t = (l0 - loss) / (l0 - l1)
+            return math.exp(math.log(c0) + t * (math.log(c1) - math.log(c0)))
+    return None
+
+
+def matched(front_base: list, front_var: list, fit_base: dict | None = None, fit_var: dict | None = None) -> dict:
+    """The multiplier of a variant against the baseline at the lowest loss both frontiers reach (L*):
+    C_base(L*) / C_var(L*) read off the frontiers (``frontier_compute``), and the same ratio from the
+    fitted curves when both are given."""
+    target = max(min(x for _, x in front_base), min(x for _, x in front_var))
+    cb, cv = frontier_compute(front_base, target), frontier_compute(front_var, target)
+    out = {"target_bpb": target, "compute": cv, "compute_base": cb,
+           "multiplier": cb / cv if cb is not None and cv is not None else None}
+    if fit_base and fit_var and "error" not in fit_base and "error" not in fit_var:
+        out["fit_multiplier"] = _finite(multiplier(fit_base, fit_var, target))
+    return out
+
+
 def analyse(results: list[dict], bootstrap: int = BOOTSTRAP, seed: int = 0) -> dict:
-    """Fits, multipliers against ``dense`` at the k3 target loss, and their bootstrap intervals."""
+    """Per variant: its frontier and fitted curve, and its multiplier against ``dense`` at the lowest
+    loss both reach (``matched``), with a bootstrap interval from the paired seed noise."""
     grid = {}
     for r in results:
         if not r["scan"] and r["seed"] == 0:
@@ -393,39 +419,29 @@ def analyse(results: list[dict], bootstrap: int = BOOTSTRAP, seed: int = 0) -> d
     for v, pts in grid.items():
         front = frontier(pts)
         try:
-            fits[v] = {**fit_curve(front), "frontier": front}
+            fit = fit_curve(front)
+            fits[v] = {**fit, "frontier": front, "E_at_zero": fit["E"] == 0.0}
         except ValueError as e:
             fits[v] = {"error": str(e), "frontier": front}
     spread = seed_spread(results)
     out = {"fits": fits, "sigma": spread["sigma"], "seed_spread": spread, "multipliers": {}}
-    if "k3" not in fits or "error" in fits["k3"] or "dense" not in fits or "error" in fits["dense"]:
+    if "dense" not in grid or len(fits["dense"]["frontier"]) < 2:
         return out
-    c_top = max(c for c, _ in grid["k3"])
-    target = loss_at(fits["k3"], c_top)
-    out["target_bpb"], out["target_flops"] = target, c_top
+    variants = [v for v in grid if v != "dense" and len(fits[v]["frontier"]) >= 2]
     sigma = out["sigma"] or 0.0
     rng = random.Random(seed)
-    draws = {v: [] for v in fits if "error" not in fits[v]}
+    draws = {v: [] for v in variants}
     for _ in range(bootstrap if sigma else 0):
-        refit = {}
-        for v in draws:
-            pts = [(c, loss + rng.gauss(0.0, sigma)) for c, loss in grid[v]]
-            try:
-                refit[v] = fit_curve(frontier(pts), grid=200)
-            except ValueError:
-                refit[v] = None
-        if refit.get("k3") is None or refit.get("dense") is None:
-            continue
-        t = loss_at(refit["k3"], c_top)
-        for v in draws:
-            if refit[v] is not None:
-                draws[v].append(multiplier(refit["dense"], refit[v], t))
-    for v in draws:
-        c = compute_at(fits[v], target)
-        row = {"multiplier": _finite(multiplier(fits["dense"], fits[v], target)), "compute": _finite(c),
-               "extrapolated": c > max(x for x, _ in grid[v])}
+        noisy = {v: frontier([(c, x + rng.gauss(0.0, sigma)) for c, x in grid[v]]) for v in ["dense", *variants]}
+        for v in variants:
+            if len(noisy[v]) >= 2 and len(noisy["dense"]) >= 2:
+                m = matched(noisy["dense"], noisy[v])["multiplier"]
+                if m is not None:
+                    draws[v].append(m)
+    for v in variants:
+        row = matched(fits["dense"]["frontier"], fits[v]["frontier"], fits["dense"], fits[v])
         if draws[v]:
-            row["ci95"] = [_finite(percentile(draws[v], 0.025)), _finite(percentile(draws[v], 0.975))]
+            row["ci95"] = [percentile(draws[v], 0.025), percentile(draws[v], 0.975)]
             row["draws"] = len(draws[v])
         out["multipliers"][v] = row
     return out
@@ -450,17 +466,24 @@ def plot(results: list[dict], analysis: dict, path: Path) -> None:
         color = f"C{i}"
         pts = [(r["flops"], r["val_bpb"]) for r in results if r["variant"] == v and not r["scan"] and not r["seed"]]
         ax.scatter([c for c, _ in pts], [x for _, x in pts], color=color, s=14, alpha=0.5)
-        ax.scatter([c for c, _ in fit["frontier"]], [x for _, x in fit["frontier"]], color=color, s=30)
+        ax.plot([c for c, _ in fit["frontier"]], [x for _, x in fit["frontier"]], color=color, ls="--", lw=0.8,
+                marker="o", ms=5)   # the frontier the multipliers are read off
         if "error" not in fit:
             cs = [c for c, _ in pts]
             lo, hi = min(cs), max(cs)
             xs = [lo * (hi / lo) ** (k / 60) for k in range(61)]
             ax.plot(xs, [loss_at(fit, x) for x in xs], color=color,
                     label=f"{v}: {fit['E']:.2f} + {fit['A']:.3g}·C^-{fit['alpha']:.3f}")
+    m = analysis["multipliers"].get("k3")
+    if m and m["multiplier"] is not None:
+        ax.axhline(m["target_bpb"], color="grey", ls=":", lw=0.8)
+        ax.annotate(f"L* = {m['target_bpb']:.3f}: dense needs {m['multiplier']:.2f}x k3's compute",
+                    (m["compute"], m["target_bpb"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel("training compute C (model FLOPs)")
     ax.set_ylabel("validation bits per byte (whole split)")
-    ax.set_title("K3 design vs dense baseline and one-feature-off variants")
+    ax.set_title("K3 design vs dense baseline and one-feature-off variants\n"
+                 "(dashed: each variant's compute-efficient frontier; solid: its fitted L(C))", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
@@ -480,16 +503,18 @@ def print_table(results: list[dict], analysis: dict) -> None:
     for v, f in analysis["fits"].items():
         print(f"fit {v}: " + (f["error"] if "error" in f else
                               f"L = {f['E']:.4f} + {f['A']:.4g} C^-{f['alpha']:.4f} on {f['points']} frontier points"))
-    if "target_bpb" in analysis:
-        print(f"\nmultipliers vs dense at L* = {analysis['target_bpb']:.4f} bpb (k3's fit at {analysis['target_flops']:.3g} FLOPs)")
-        for v, m in analysis["multipliers"].items():
-            ci = m.get("ci95")
-            print(f"  {v:<18}{_fmt_x(m['multiplier']):>9}" + (f"  [{_fmt_x(ci[0])}, {_fmt_x(ci[1])}]" if ci else "")
-                  + ("  (extrapolated)" if m["extrapolated"] else ""))
+    if analysis["multipliers"]:
+        print("\nmultipliers vs dense at L*, the lowest loss both frontiers reach (frontier interpolation; "
+              "the fitted curves' ratio beside it)")
+    for v, m in analysis["multipliers"].items():
+        ci = m.get("ci95")
+        print(f"  {v:<18} L* {m['target_bpb']:.4f}  {_fmt_x(m['multiplier']):>9}"
+              + (f"  [{_fmt_x(ci[0])}, {_fmt_x(ci[1])}]" if ci else "")
+              + (f"  fit {_fmt_x(m.get('fit_multiplier'))}" if "fit_multiplier" in m else ""))
 
 
 def _fmt_x(x: float | None) -> str:
-    return "never" if x is None else f"{x:.3f}x"
+    return "—" if x is None else f"{x:.3f}x"
 
 
 def main(argv=None) -> None:
@@ -515,8 +540,9 @@ def main(argv=None) -> None:
     print_table(results, analysis)
     if a.save:
         from _timing import measured_on
-        DATA.write_text(json.dumps({**measured_on(), "grid": {"widths": widths, "steps": steps, "batch": BATCH,
-                                                              "seq_len": SEQ, "middle": MIDDLE},
+        grid = {"widths": sorted({r["width"] for r in results}), "steps": sorted({r["steps"] for r in results}),
+                "batch": BATCH, "seq_len": SEQ, "middle": MIDDLE}
+        DATA.write_text(json.dumps({**measured_on(), "grid": grid,
                                     "variants": {v: VARIANTS[v].doc for v in VARIANTS},
                                     "runs": results, **analysis}, indent=1) + "\n")
         plot(results, analysis, PLOT)

@@ -60,6 +60,15 @@ def test_frontier_keeps_the_runs_no_cheaper_run_beats():
     assert S.frontier(list(reversed(pts))) == S.frontier(pts)
 
 
+def test_frontier_compute_interpolates_in_log_compute_and_never_extrapolates():
+    front = [(1e10, 3.0), (1e12, 2.0), (1e13, 1.5)]
+    assert S.frontier_compute(front, 2.5) == pytest.approx(1e11)            # halfway in L, halfway in log C
+    assert S.frontier_compute(front, 1.75) == pytest.approx(10 ** 12.5)
+    assert S.frontier_compute(front, 3.0) == pytest.approx(1e10)
+    assert S.frontier_compute(front, 1.5) == pytest.approx(1e13)
+    assert S.frontier_compute(front, 3.1) is None and S.frontier_compute(front, 1.4) is None
+
+
 def test_a_loss_that_does_not_fall_with_compute_is_refused():
     rising = [(c, 2.0 + 0.01 * k) for k, c in enumerate(CS)]
     with pytest.raises(ValueError, match="does not fall"):
@@ -96,10 +105,12 @@ def test_analyse_brackets_the_multiplier_with_the_paired_seed_noise():
     assert out["sigma"] == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in diffs) / 2) / math.sqrt(2), rel=1e-6)
     assert out["seed_spread"]["per_variant"]["k3"] == pytest.approx(0.01, rel=1e-6)
     mult = out["multipliers"]["k3"]
+    assert mult["target_bpb"] == pytest.approx(law(CS[8]))   # the lowest loss both reach: dense's best
     assert mult["multiplier"] == pytest.approx(2.0, rel=0.05)
+    assert mult["fit_multiplier"] == pytest.approx(2.0, rel=0.05)
     lo, hi = mult["ci95"]
     assert lo < mult["multiplier"] < hi
-    assert out["multipliers"]["dense"]["multiplier"] == pytest.approx(1.0)
+    assert "dense" not in out["multipliers"]
 
 
 def test_a_seed_shock_shared_by_both_variants_cancels_in_the_noise():
