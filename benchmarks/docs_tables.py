@@ -430,16 +430,17 @@ def demo_table(report: dict) -> str:
                                                    "used)" if used else "")
     setup = ("" if t.get("setup_s") is None else
              f"; setup (corpus, tokenizer, token cache, model) {t['setup_s']:.0f} s")
+    width = f" of width {m['hidden_size']}" if m.get("hidden_size") else ""
     out = [
         f"{_measured(report)} (`docs/data/demo.json`). {corpus}: {c['train_files']:,} training files / "
         f"{c['train_bytes'] / 1e6:.1f} MB, {c['validation_files']:,} validation files / "
-        f"{c['validation_bytes'] / 1e3:,.0f} KB; `{m['preset']}` cut to {m['layers']} layers ({m['kda_layers']} KDA + "
+        f"{c['validation_bytes'] / 1e3:,.0f} KB; `{m['preset']}` cut to {m['layers']} layers{width} ({m['kda_layers']} KDA + "
         f"{m['mla_layers']} MLA), {m['params'] / 1e6:.1f}M parameters, {report['steps']} steps of "
         f"{report['batch_size']}×{report['seq_len']} tokens, {threads}:",
         "", "| | |", "|---|---|",
         f"| validation, whole split ({v['val_tokens']:,} tokens, {v['val_bytes']:,} bytes) | "
         f"**{v['val_bpb']:.3f} bits per byte** ({v['val_loss']:.3f} nats/token) |",
-        f"| gzip -9 on the same text | {report['gzip_bpb']:.3f} bits per byte |",
+        *(f"| {name} on the same text | {v:.3f} bits per byte |" for name, v in report["compressors"].items()),
         f"| training time / throughput | {t['train_s'] / 60:.1f} min{' (setup included)' if not setup else ''} at "
         f"{report['train_tokens_per_s']:,.0f} training tokens/s{setup}; {total} for the whole `k3 demo` with the "
         "whole-split evaluation and samples |",

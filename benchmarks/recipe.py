@@ -109,11 +109,11 @@ DEMO_VARIANTS: dict[str, tuple[dict, dict]] = {
                        "linear_attn_config": kda_layout(2)}),
     "k3demo_l3_b32": ({"batch_size": 32}, {"num_hidden_layers": 3, "attn_res_block_size": 2,
                                            "linear_attn_config": kda_layout(3)}),
-    # issue 36: the scaling sweep's lr scan and widths (benchmarks/scaling.py k3_shape) at the demo's budget
-    "k3demo_lr1e2": ({"lr": 1e-2}, {}),
+    # issue 36 (the live recipe is now width 128, lr 1e-2): its neighbours in the scaling sweep's widths
+    # (benchmarks/scaling.py k3_shape) and lr scan, at the demo's budget
+    "k3demo_lr5e3": ({"lr": 5e-3}, {}),
     "k3demo_d192": ({}, "d192"),
-    "k3demo_d192_lr1e2": ({"lr": 1e-2}, "d192"),
-    "k3demo_d320": ({}, "d320"),
+    "k3demo_d256": ({}, "d256"),   # the width of the demo before issue 36
 }
 RECIPES.update({name: (None, None) for name in DEMO_VARIANTS})
 

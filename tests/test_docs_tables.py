@@ -209,7 +209,7 @@ def _fake_trainer():
     lac = SimpleNamespace(kda_layers=[1], full_attn_layers=[2])
     return SimpleNamespace(tc=SimpleNamespace(preset="tiny", steps=400, batch_size=16, curriculum=[[0, 256]],
                                               threads="auto"),
-                           model_config=SimpleNamespace(num_hidden_layers=2, linear_attn_config=lac),
+                           model_config=SimpleNamespace(num_hidden_layers=2, hidden_size=256, linear_attn_config=lac),
                            corpus=corpus, metrics=SimpleNamespace(records=recs + [{"kind": "val", "step": 400}]),
                            model=SimpleNamespace(parameters=lambda: [SimpleNamespace(numel=lambda: 4_170_116)]))
 
@@ -221,7 +221,8 @@ def test_demo_report_renders_the_demo_table(monkeypatch):
 
     report = commands.demo_report(
         _fake_trainer(), full={"val_bpb": 1.5211, "val_loss": 3.469, "val_tokens": 220_114, "val_bytes": 724_034},
-        plotted={"val_bpb": 1.507, "val_tokens": 16_384}, gzip_bpb=1.629,
+        plotted={"val_bpb": 1.507, "val_tokens": 16_384},
+        compressors={"gzip -9": 1.629, "bzip2 -9": 1.412, "xz -9e": 1.355},
         times={"setup_s": 12.3, "train_s": 438.0, "total_s": 453.0})
     assert report["machine"] and report["date"]
     assert [(w["first"], w["last"], round(w["mean"], 3)) for w in report["load_cv"]] == \
@@ -231,10 +232,12 @@ def test_demo_report_renders_the_demo_table(monkeypatch):
     text = T.demo_table(json.loads(json.dumps(report)))
     assert text.splitlines()[0] == (
         "Measured 2026-01-02 on Test CPU, 2 cores (`docs/data/demo.json`). Python 3.11.7's stdlib: 1,740 training "
-        "files / 30.8 MB, 46 validation files / 724 KB; `tiny` cut to 2 layers (1 KDA + 1 MLA), 4.2M parameters, "
+        "files / 30.8 MB, 46 validation files / 724 KB; `tiny` cut to 2 layers of width 256 (1 KDA + 1 MLA), 4.2M "
+        "parameters, "
         "400 steps of 16×256 tokens, `--threads auto` (2 threads used):")
     assert "| validation, whole split (220,114 tokens, 724,034 bytes) | **1.521 bits per byte** (3.469 nats/token) |" in text
     assert "| gzip -9 on the same text | 1.629 bits per byte |" in text
+    assert "| xz -9e on the same text | 1.355 bits per byte |" in text
     assert ("| training time / throughput | 7.3 min at 5,172 training tokens/s; setup (corpus, tokenizer, token cache, "
             "model) 12 s; 7:33 for the whole `k3 demo` with the whole-split evaluation and samples |") in text
     assert ("| expert load | load CV (mean over steps) 0.35 over steps 21–60, 0.20 over steps 61–120, "

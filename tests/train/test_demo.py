@@ -1,5 +1,5 @@
 """`k3 demo`'s own code path (whole-split evaluation, gzip comparison, samples, plot), run on the
-nano preset cut to 2 layers and a small local corpus instead of the 4-layer tiny on the whole
+nano preset cut to 2 layers and a small local corpus instead of the 2-layer tiny on the whole
 stdlib; and the demo recipe's architecture (every K3 part on)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_demo_reports_whole_split_bpb_next_to_gzip_and_samples(tmp_path, monkeyp
     out = tmp_path / "demo"
     assert commands.demo_main(["--out", str(out), "--steps", "4", "--threads", "1", "--samples-tokens", "8"]) == 0
     text = capsys.readouterr().out
-    assert "validation, whole split:" in text and "gzip -9 on the same text:" in text
+    assert "validation, whole split:" in text and "on the same text: gzip -9" in text and "xz -9e" in text
     assert text.count("--- sample") == len(commands.DEMO_PROMPTS)
     assert "nano preset at 2 layers (1 KDA + 1 MLA)" in text
     assert (out / "loss.png").is_file()

@@ -290,18 +290,26 @@ def plot_main(argv: list[str] | None = None) -> int:
 DEMO_PROMPTS = ("def fib(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):")
 
 
-def gzip_bits_per_byte(texts) -> float:
-    """gzip -9 of the concatenated texts, in bits per input byte (a compression baseline)."""
+def compressed_bits_per_byte(texts) -> dict[str, float]:
+    """The concatenated texts compressed by gzip -9, bzip2 -9 and xz -9e (Python's gzip, bz2 and lzma
+    at those settings), each in bits per input byte: the baselines the demo's bits per byte are read
+    against."""
+    import bz2
     import gzip
+    import lzma
+
     data = "".join(texts).encode("utf-8")
-    return 8 * len(gzip.compress(data, 9)) / max(len(data), 1)
+    n = max(len(data), 1)
+    return {"gzip -9": 8 * len(gzip.compress(data, 9)) / n, "bzip2 -9": 8 * len(bz2.compress(data, 9)) / n,
+            "xz -9e": 8 * len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) / n}
 
 
 def demo_main(argv: list[str] | None = None) -> int:
     n = DEMO_CONFIG["model_overrides"]["num_hidden_layers"]
-    p = argparse.ArgumentParser(prog="k3 demo", description=f"Train a {n}-layer K3 (the tiny preset, "
-                                f"cut to {n} layers) on the Python stdlib, then print validation bits "
-                                "per byte and samples.")
+    w = DEMO_CONFIG["model_overrides"].get("hidden_size")
+    p = argparse.ArgumentParser(prog="k3 demo", description=f"Train a {n}-layer K3 (the {DEMO_CONFIG['preset']} "
+                                f"preset, cut to {n} layers{f' of width {w}' if w else ''}) on the Python stdlib, "
+                                "then print validation bits per byte and samples.")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--steps", type=int, default=DEMO_STEPS)
     p.add_argument("--threads", type=_threads_flag, default="auto", help="auto | N (see k3 train)")
@@ -350,15 +358,15 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     train_s = dt - setup_s
     # The plotted evaluations all score the same first batches; the reported figure is the
-    # whole validation split, next to gzip -9 on exactly that text.
+    # whole validation split, next to the compressors on exactly that text.
     full = trainer.evaluate(0)
     seen = [int(i) for i in trainer.val_tokens]
-    gz = gzip_bits_per_byte([trainer.tokenizer.decode(seen).replace(EOS_TOKEN, "")])
+    comp = compressed_bits_per_byte([trainer.tokenizer.decode(seen).replace(EOS_TOKEN, "")])
     train_recs = [r for r in trainer.metrics.records if r["kind"] == "train"]
     tps = sum(r["tokens_per_s"] for r in train_recs) / max(len(train_recs), 1)
     print(f"\nvalidation, whole split: {full['val_bpb']:.3f} bits per byte ({full['val_loss']:.3f} nats/token "
-          f"over {full['val_tokens']:,} tokens, {full['val_bytes']:,} bytes); gzip -9 on the same text: "
-          f"{gz:.3f} bits per byte")
+          f"over {full['val_tokens']:,} tokens, {full['val_bytes']:,} bytes); on the same text: "
+          + ", ".join(f"{name} {v:.3f}" for name, v in comp.items()) + " bits per byte")
     print(f"(plotted evaluations, first {res.val['val_tokens']:,} tokens: {res.val['val_bpb']:.3f} bits per byte)")
     print(f"training time {dt / 60:.1f} min, {tps:,.0f} training tokens/s; plot: {out / 'loss.png'}")
     model, tok = trainer.model, trainer.tokenizer
@@ -367,7 +375,7 @@ def _demo(tc, out: Path, args: argparse.Namespace) -> int:
                        top_k=50, seed=i, eos=tok.eos_token_id)
         text = tok.decode(ids.tolist()).replace(EOS_TOKEN, "")
         print(f"\n--- sample {i + 1} " + "-" * 50 + f"\n{text}")
-    report = demo_report(trainer, full=full, plotted=res.val, gzip_bpb=gz,
+    report = demo_report(trainer, full=full, plotted=res.val, compressors=comp,
                          times={"setup_s": setup_s, "train_s": train_s, "total_s": time.perf_counter() - t0})
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nreport: {out / 'report.json'}")
@@ -390,7 +398,7 @@ def load_cv_windows(train_recs: list[dict], windows=DEMO_LOAD_CV_WINDOWS) -> lis
     return out
 
 
-def demo_report(trainer, *, full: dict, plotted: dict | None, gzip_bpb: float, times: dict) -> dict:
+def demo_report(trainer, *, full: dict, plotted: dict | None, compressors: dict, times: dict) -> dict:
     """What ``k3 demo`` measured, with its machine and date: the figures of the README's demo table
     (``benchmarks/docs_tables.py --save-demo OUT/report.json``). ``times``: ``setup_s`` (corpus,
     tokenizer, token cache and model: the first run trains the tokenizer and fills the cache),
@@ -410,13 +418,13 @@ def demo_report(trainer, *, full: dict, plotted: dict | None, gzip_bpb: float, t
         "threads": tc.threads, "threads_used": sorted({r["threads"] for r in train_recs if r.get("threads")}),
         "corpus": {"name": c.name, "train_files": c.num_documents("train"), "train_bytes": c.train_bytes,
                    "validation_files": c.num_documents("validation"), "validation_bytes": c.val_bytes},
-        "model": {"preset": tc.preset, "layers": cfg.num_hidden_layers,
+        "model": {"preset": tc.preset, "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
                   "kda_layers": len(cfg.linear_attn_config.kda_layers),
                   "mla_layers": len(cfg.linear_attn_config.full_attn_layers),
                   "params": sum(p.numel() for p in trainer.model.parameters())},
         "steps": tc.steps, "batch_size": tc.batch_size, "seq_len": max(n for _, n in tc.curriculum),
         "validation": {k: full[k] for k in ("val_bpb", "val_loss", "val_tokens", "val_bytes")},
-        "gzip_bpb": gzip_bpb,
+        "compressors": compressors,
         "plotted": None if plotted is None else {k: plotted[k] for k in ("val_bpb", "val_tokens")},
         "train_tokens_per_s": tps,
         "load_cv": load_cv_windows(train_recs),
@@ -424,24 +432,28 @@ def demo_report(trainer, *, full: dict, plotted: dict | None, gzip_bpb: float, t
     }
 
 
-# The demo's recipe (issue 15 sweep: benchmarks/recipe.py, docs/RECIPE.md). At a fixed 10-minute budget
-# on 2 cores the model sees ~2M tokens, far too few for depth to pay: at equal wall time a shallower K3
-# that sees more tokens wins at every depth tried. So: the tiny preset at 2 layers (KDA then Gated MLA,
-# the presets' layout rule at n = 2; AttnRes blocks of 1; LatentMoE 16 experts top-4 + 1 shared with QB;
-# SiTU; Per-Head Muon), 16 sequences of 256 tokens per step, WSD with the decay over the last 70% of the
-# steps, 560 steps (2,293,760 tokens). What it reaches and how long it takes: README (generated from
-# docs/data/demo.json, the report of one run).
-DEMO_STEPS = 560
+# The demo's recipe (issue 15 sweep: benchmarks/recipe.py, docs/RECIPE.md; issue 36: benchmarks/scaling.py,
+# docs/SCALING.md). At a fixed 10-minute budget on 2 cores the model sees a few million tokens, far below
+# one token per parameter, where the loss is set by the tokens seen more than by depth or width: at equal
+# wall time a smaller K3 that sees more tokens wins. So: the tiny preset at 2 layers (KDA then Gated MLA,
+# the presets' layout rule at n = 2; AttnRes blocks of 1) and width 128 (2 heads of 64; every width-tied
+# size of tiny halved, as benchmarks/scaling.py k3_shape scales it; LatentMoE 16 experts top-4 + 1 shared
+# with QB; SiTU; Per-Head Muon), 16 sequences of 256 tokens per step, lr 1e-2 (the sweep's lr scan), WSD
+# with the decay over the last 70% of the steps, 1,200 steps (4,915,200 tokens). What it reaches and how
+# long it takes: README (generated from docs/data/demo.json, the report of one run).
+DEMO_STEPS = 1200
 DEMO_CONFIG: dict[str, Any] = {
     "preset": "tiny",
     "model_overrides": {
-        "num_hidden_layers": 2, "attn_res_block_size": 1,
-        "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 4,
+        "hidden_size": 128, "num_hidden_layers": 2, "attn_res_block_size": 1, "num_attention_heads": 2,
+        "q_lora_rank": 64, "kv_lora_rank": 32, "intermediate_size": 384, "moe_intermediate_size": 64,
+        "routed_expert_hidden_size": 64,
+        "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2,
                                "head_dim": 64, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
                                "use_full_rank_gate": True},
     },
-    "batch_size": 16, "curriculum": [[0, 256]], "lr": 5e-3, "warmup_frac": 0.1, "decay_frac": 0.7,
-    "eval_interval": 50, "eval_batches": 4, "final_eval_batches": 4, "ckpt_interval": 100, "log_interval": 10,
+    "batch_size": 16, "curriculum": [[0, 256]], "lr": 1e-2, "warmup_frac": 0.1, "decay_frac": 0.7,
+    "eval_interval": 100, "eval_batches": 4, "final_eval_batches": 4, "ckpt_interval": 200, "log_interval": 10,
 }
 
 
