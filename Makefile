@@ -21,8 +21,8 @@ install: $(STAMP)
 demo: $(STAMP) cc
 	$(BIN)/k3 demo
 
-# After `make demo`: SFT of its model on the task families, held-out evaluation in real sandboxes
-# (docs/POSTTRAINING.md). Pretrains runs/demo first when it is missing.
+# SFT of a pretrained tiny K3 on the task families, held-out evaluation in real sandboxes
+# (docs/POSTTRAINING.md). Pretrains its base (runs/agent-base, the agent base recipe) first when it is missing.
 agent-demo: $(STAMP) cc sandbox-deps
 	$(BIN)/k3 agent-demo
 

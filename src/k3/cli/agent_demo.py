@@ -1,7 +1,8 @@
 """``k3 agent-demo`` (``make agent-demo``): a pretrained tiny K3 becomes a (small) agent by SFT.
 
-1. **Base**: the ``make demo`` checkpoint (``--base``, default ``runs/demo``); when it is missing the
-   demo's pretraining runs first.
+1. **Base**: a pretrained tiny K3 (``--base``, default ``runs/agent-base``); when it holds no
+   checkpoint, ``k3 demo``'s code pretrains it with ``AGENT_BASE_CONFIG`` (the demo's recipe before
+   issue 36: width 256, 4.2M parameters; the text demo is now a smaller model tuned for 10 minutes).
 2. **Data**: every family of ``k3.tasks.families`` (general: ``arith``; general agent: ``files``;
    coding agent: ``code``) × low / high / max, on training seeds, through the family's scripted
    solver in the real harness and sandboxes (``k3.rl.synth``): tool results are real, and only
@@ -57,10 +58,10 @@ class AgentDemo:
         times: dict[str, float] = {}
         self.out.mkdir(parents=True, exist_ok=True)
         if not _has_checkpoint(self.base):
-            log(f"== no checkpoint in {self.base}: pretraining it first (k3 demo)")
+            log(f"== no checkpoint in {self.base}: pretraining it first (k3 demo's code, the agent base recipe)")
             t0 = time.monotonic()
-            from k3.cli.train import demo_main
-            if demo_main(["--out", str(self.base)]) != 0:
+            from k3.cli.train import AGENT_BASE_CONFIG, AGENT_BASE_STEPS, demo_main
+            if demo_main(["--out", str(self.base)], recipe=(AGENT_BASE_CONFIG, AGENT_BASE_STEPS)) != 0:
                 raise RuntimeError("the demo's pretraining failed")
             times["pretrain_s"] = time.monotonic() - t0
         log(f"== synthesizing SFT conversations ({', '.join(f'{f}: {n} seeds' for f, n in self.train_seeds.items())} × 3 efforts)")
@@ -210,7 +211,8 @@ def _append_results(report: dict, path: Path) -> None:
 
 def agent_demo_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3 agent-demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default="runs/demo", help="pretrained run to start from (trained first if missing)")
+    p.add_argument("--base", default="runs/agent-base", help="pretrained run to start from (trained first if "
+                                                               "missing, with the agent base recipe)")
     p.add_argument("--out", default="runs/agent-demo")
     p.add_argument("--arith-seeds", type=int, default=600)
     p.add_argument("--files-seeds", type=int, default=100)

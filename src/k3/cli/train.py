@@ -304,14 +304,17 @@ def compressed_bits_per_byte(texts) -> dict[str, float]:
             "xz -9e": 8 * len(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)) / n}
 
 
-def demo_main(argv: list[str] | None = None) -> int:
-    n = DEMO_CONFIG["model_overrides"]["num_hidden_layers"]
-    w = DEMO_CONFIG["model_overrides"].get("hidden_size")
-    p = argparse.ArgumentParser(prog="k3 demo", description=f"Train a {n}-layer K3 (the {DEMO_CONFIG['preset']} "
+def demo_main(argv: list[str] | None = None, recipe: tuple[dict, int] | None = None) -> int:
+    """``k3 demo``; ``recipe``: (config, default steps) in place of (DEMO_CONFIG, DEMO_STEPS), as the
+    agent demo pretrains its base (AGENT_BASE_CONFIG) through the same code."""
+    config, steps = recipe or (DEMO_CONFIG, DEMO_STEPS)
+    n = config["model_overrides"]["num_hidden_layers"]
+    w = config["model_overrides"].get("hidden_size")
+    p = argparse.ArgumentParser(prog="k3 demo", description=f"Train a {n}-layer K3 (the {config['preset']} "
                                 f"preset, cut to {n} layers{f' of width {w}' if w else ''}) on the Python stdlib, "
                                 "then print validation bits per byte and samples.")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=int, default=DEMO_STEPS)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--threads", type=_threads_flag, default="auto", help="auto | N (see k3 train)")
     p.add_argument("--samples-tokens", type=int, default=120)
     args = p.parse_args(argv)
@@ -321,7 +324,7 @@ def demo_main(argv: list[str] | None = None) -> int:
         from k3.checkpoint.rundir import RunLock, check_foreign_dir, claim_run_dir
 
         out = Path(args.out)
-        tc = TrainConfig.build(overrides={**DEMO_CONFIG, "out": str(out), "steps": args.steps,
+        tc = TrainConfig.build(overrides={**config, "out": str(out), "steps": args.steps,
                                           "threads": args.threads})
         check_foreign_dir(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -454,6 +457,17 @@ DEMO_CONFIG: dict[str, Any] = {
     },
     "batch_size": 16, "curriculum": [[0, 256]], "lr": 1e-2, "warmup_frac": 0.1, "decay_frac": 0.7,
     "eval_interval": 100, "eval_batches": 4, "final_eval_batches": 4, "ckpt_interval": 200, "log_interval": 10,
+}
+
+
+# The agent demo's base (k3 agent-demo, docs/POSTTRAINING.md): the demo's recipe before issue 36 (width 256,
+# lr 5e-3, 560 steps, 4.2M parameters). Fine-tuning wants the larger model, not the text demo's 10-minute
+# optimum, and the recorded agent, RL and distillation figures were measured on it.
+AGENT_BASE_STEPS = 560
+AGENT_BASE_CONFIG: dict[str, Any] = {
+    **DEMO_CONFIG, "lr": 5e-3, "eval_interval": 50, "ckpt_interval": 100,
+    "model_overrides": {"num_hidden_layers": 2, "attn_res_block_size": 1,
+                        "linear_attn_config": {**DEMO_CONFIG["model_overrides"]["linear_attn_config"], "num_heads": 4}},
 }
 
 
