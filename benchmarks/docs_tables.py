@@ -518,7 +518,7 @@ def scaling_table(report: dict) -> str:
                 "beats) is fitted with L(C) = E + A·C^−α. The multiplier against `dense` is read at L*, the lowest "
                 "loss both frontiers reach, from the frontiers themselves (linear in log C between the two runs "
                 "around L*, no extrapolation): C_dense(L*) / C_variant(L*), above 1 when the variant needs less "
-                "compute. The fitted curves' ratio at the same L* is beside it.", "",
+                "compute. The fitted curves' ratio at the same L* is beside it; α's interval is the bootstrap's.", "",
             "| variant | frontier runs | E | A | α | L* | C_dense(L*) | C_variant(L*) | × dense [95% interval] | × from the fits |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     at_zero = []
@@ -541,7 +541,9 @@ def scaling_table(report: dict) -> str:
                      (_x(m["multiplier"]) if m["multiplier"] is not None else "—")
                      + (f" [{_x(ci[0])}, {_x(ci[1])}]" if ci else ""),
                      _x(m.get("fit_multiplier"))]
-        out.append(f"| {v} | {f['points']} | {f['E']:.3f} | {f['A']:.4g} | {f['alpha']:.4f} | " + " | ".join(cells) + " |")
+        aci = f.get("alpha_ci95")
+        alpha = f"{f['alpha']:.4f}" + (f" [{aci[0]:.3f}, {aci[1]:.3f}]" if aci else "")
+        out.append(f"| {v} | {f['points']} | {f['E']:.3f} | {f['A']:.4g} | {alpha} | " + " | ".join(cells) + " |")
     if at_zero:
         out += ["", f"E = 0 for {', '.join(at_zero)}: the least-squares E sits at the bottom of its range, i.e. these "
                     "frontiers still bend downwards in log-log and show no irreducible loss at this scale. There the "

@@ -431,6 +431,7 @@ def analyse(results: list[dict], bootstrap: int = BOOTSTRAP, seed: int = 0) -> d
     sigma = out["sigma"] or 0.0
     rng = random.Random(seed)
     draws = {v: [] for v in variants}
+    alphas = {v: [] for v in ["dense", *variants] if "error" not in fits[v]}
     for _ in range(bootstrap if sigma else 0):
         noisy = {v: frontier([(c, x + rng.gauss(0.0, sigma)) for c, x in grid[v]]) for v in ["dense", *variants]}
         for v in variants:
@@ -438,6 +439,14 @@ def analyse(results: list[dict], bootstrap: int = BOOTSTRAP, seed: int = 0) -> d
                 m = matched(noisy["dense"], noisy[v])["multiplier"]
                 if m is not None:
                     draws[v].append(m)
+        for v in alphas:
+            try:
+                alphas[v].append(fit_curve(noisy[v], grid=100)["alpha"])
+            except ValueError:
+                pass
+    for v, xs in alphas.items():   # the fitted exponent's interval under the same noise
+        if xs:
+            fits[v]["alpha_ci95"] = [percentile(xs, 0.025), percentile(xs, 0.975)]
     for v in variants:
         row = matched(fits["dense"]["frontier"], fits[v]["frontier"], fits["dense"], fits[v])
         if draws[v]:

@@ -111,6 +111,8 @@ def test_analyse_brackets_the_multiplier_with_the_paired_seed_noise():
     lo, hi = mult["ci95"]
     assert lo < mult["multiplier"] < hi
     assert "dense" not in out["multipliers"]
+    a_lo, a_hi = out["fits"]["k3"]["alpha_ci95"]
+    assert a_lo < TRUE["alpha"] < a_hi   # the noise-free curve's exponent lies inside its interval
 
 
 def test_a_seed_shock_shared_by_both_variants_cancels_in_the_noise():
