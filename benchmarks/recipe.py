@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import append_results  # noqa: E402
+from scaling import k3_shape  # noqa: E402  (the demo's shape at a width, as the scaling sweep scales it)
 
 RESULTS = Path(__file__).parent / "results" / "recipe.jsonl"
 
@@ -112,8 +113,8 @@ DEMO_VARIANTS: dict[str, tuple[dict, dict]] = {
     # issue 36 (the live recipe is now width 128, lr 1e-2): its neighbours in the scaling sweep's widths
     # (benchmarks/scaling.py k3_shape) and lr scan, at the demo's budget
     "k3demo_lr5e3": ({"lr": 5e-3}, {}),
-    "k3demo_d192": ({}, "d192"),
-    "k3demo_d256": ({}, "d256"),   # the width of the demo before issue 36
+    "k3demo_d192": ({}, k3_shape(192)),
+    "k3demo_d256": ({}, k3_shape(256)),   # the width of the demo before issue 36
 }
 RECIPES.update({name: (None, None) for name in DEMO_VARIANTS})
 
@@ -136,9 +137,6 @@ def _recipe(name: str) -> tuple[dict, dict]:
              "eval_batches", "final_eval_batches", "ckpt_interval", "log_interval")}
     model = DEMO_CONFIG.get("model_overrides", {})
     more_train, more_model = DEMO_VARIANTS[name]
-    if isinstance(more_model, str):   # "dNNN": the demo's shape at width NNN, as the scaling sweep scales it
-        from scaling import k3_shape
-        more_model = k3_shape(int(more_model[1:]))
     return {**train, **more_train}, {**model, **more_model}
 
 

@@ -49,10 +49,12 @@ docs/scaling.png; docs/SCALING.md's tables are rendered from the JSON by benchma
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -99,13 +101,19 @@ def activated(overrides: dict) -> int:
     return parameter_breakdown(build_meta_model(model_config(overrides))).activated
 
 
+def all_mla_shape(width: int) -> dict:
+    """k3_shape with Gated MLA at both layers (no KDA)."""
+    shape = k3_shape(width)
+    return {**shape, "linear_attn_config": {**shape["linear_attn_config"], "kda_layers": [],
+                                            "full_attn_layers": [1, 2]}}
+
+
 def dense_shape(width: int, intermediate: int) -> dict:
-    return {**k3_shape(width), "num_experts": 0, "first_k_dense_replace": 2, "intermediate_size": intermediate,
-            "hidden_act": "silu", "mla_use_output_gate": False,
-            "linear_attn_config": {**k3_shape(width)["linear_attn_config"], "kda_layers": [],
-                                   "full_attn_layers": [1, 2]}}
+    return {**all_mla_shape(width), "num_experts": 0, "first_k_dense_replace": 2, "intermediate_size": intermediate,
+            "hidden_act": "silu", "mla_use_output_gate": False}
 
 
+@functools.cache
 def matched_dense_intermediate(width: int) -> int:
     """The dense MLP width (a multiple of 16) whose model's activated parameters are closest to k3's."""
     target = activated(k3_shape(width))
@@ -121,23 +129,17 @@ class Variant:
     train: dict = field(default_factory=dict)       # TrainConfig fields
 
 
-def _off(**changes):
-    return lambda w: {**k3_shape(w), **changes}
-
-
 VARIANTS: dict[str, Variant] = {
     "k3": Variant("the K3 design (the demo's)", k3_shape),
     "dense": Variant("dense baseline: MLA everywhere, dense SwiGLU, standard residual, AdamW",
                      lambda w: dense_shape(w, matched_dense_intermediate(w)),
                      {"optimizer": "adamw", "balance": "off", "attn_res": False}),
     "standard_residual": Variant("K3 with standard residuals (no Block AttnRes)", k3_shape, {"attn_res": False}),
-    "swiglu": Variant("K3 with SwiGLU instead of SiTU", _off(hidden_act="silu")),
+    "swiglu": Variant("K3 with SwiGLU instead of SiTU", lambda w: {**k3_shape(w), "hidden_act": "silu"}),
     "sign_balance": Variant("K3 with DeepSeek-V3 sign-update balancing instead of QB", k3_shape,
                             {"balance": "sign"}),
     "adamw": Variant("K3 with AdamW instead of Per-Head Muon", k3_shape, {"optimizer": "adamw"}),
-    "all_mla": Variant("K3 with Gated MLA at both layers (no KDA)",
-                       lambda w: {**k3_shape(w), "linear_attn_config": {
-                           **k3_shape(w)["linear_attn_config"], "kda_layers": [], "full_attn_layers": [1, 2]}}),
+    "all_mla": Variant("K3 with Gated MLA at both layers (no KDA)", all_mla_shape),
 }
 
 
@@ -165,7 +167,7 @@ def run_toml(run: Run, lr: float) -> str:
               "warmup_frac": 0.1, "decay_frac": 0.7, "seed": run.seed, "threads": 1, "eval_interval": 0,
               "final_eval_batches": 0, "ckpt_interval": max(run.steps // 3, 10), "log_interval": 10,
               "plot": False, **v.train}
-    lines = [f"{k} = {json.dumps(val)}" for k, val in fields.items()]
+    lines = [f"{k} = {_toml(val)}" for k, val in fields.items()]
     lines.append("[model_overrides]")
     lines += [f"{k} = {_toml(val)}" for k, val in v.model(run.width).items()]
     return "\n".join(lines) + "\n"
@@ -176,6 +178,8 @@ def _toml(v) -> str:
         raise ValueError("TOML has no null")
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     return json.dumps(v)
@@ -354,13 +358,10 @@ def multiplier(base: dict, var: dict, loss: float) -> float:
     return compute_at(base, loss) / compute_at(var, loss)
 
 
-def percentile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    if xs[lo] == xs[hi] or not (math.isfinite(xs[lo]) and math.isfinite(xs[hi])):
-        return xs[lo] if k - lo < 0.5 else xs[hi]
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+def interval95(xs: list[float]) -> list[float]:
+    """The 2.5 % and 97.5 % points of ``xs`` (at least 2 values), linear between order statistics."""
+    q = statistics.quantiles(xs, n=40, method="inclusive")
+    return [q[0], q[-1]]
 
 
 def seed_spread(results: list[dict]) -> dict:
@@ -373,16 +374,11 @@ def seed_spread(results: list[dict]) -> dict:
     for r in results:
         if (r["width"], r["steps"]) == MIDDLE and not r["scan"]:
             at.setdefault(r["variant"], {})[r["seed"]] = r["val_bpb"]
-    per = {v: _std(list(xs.values())) for v, xs in at.items() if len(xs) >= 2}
+    per = {v: statistics.stdev(xs.values()) for v, xs in at.items() if len(xs) >= 2}
     paired = sorted(set(at.get("k3", {})) & set(at.get("dense", {})))
     diffs = [at["k3"][s] - at["dense"][s] for s in paired]
-    sigma = _std(diffs) / math.sqrt(2) if len(diffs) >= 2 else None
+    sigma = statistics.stdev(diffs) / math.sqrt(2) if len(diffs) >= 2 else None
     return {"per_variant": per, "paired_seeds": paired, "sigma": sigma}
-
-
-def _std(xs: list[float]) -> float:
-    m = sum(xs) / len(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def frontier_compute(front: list[tuple[float, float]], loss: float) -> float | None:
@@ -445,12 +441,12 @@ def analyse(results: list[dict], bootstrap: int = BOOTSTRAP, seed: int = 0) -> d
             except ValueError:
                 pass
     for v, xs in alphas.items():   # the fitted exponent's interval under the same noise
-        if xs:
-            fits[v]["alpha_ci95"] = [percentile(xs, 0.025), percentile(xs, 0.975)]
+        if len(xs) >= 2:
+            fits[v]["alpha_ci95"] = interval95(xs)
     for v in variants:
         row = matched(fits["dense"]["frontier"], fits[v]["frontier"], fits["dense"], fits[v])
-        if draws[v]:
-            row["ci95"] = [percentile(draws[v], 0.025), percentile(draws[v], 0.975)]
+        if len(draws[v]) >= 2:
+            row["ci95"] = interval95(draws[v])
             row["draws"] = len(draws[v])
         out["multipliers"][v] = row
     return out
