@@ -2,9 +2,12 @@
 
 The same 4-layer model (the ``tiny`` widths, ``max_position_embeddings`` raised: K3 is NoPE) with
 three attention layouts: the K3 mix (KDA, KDA, KDA, MLA: three linear layers per full one),
-all-KDA and all-MLA. Each trains with the one Trainer on the same documents for the same steps
-(same tokens, same seed), documents in the evaluation's sentence format
-(``k3.rl.longctx.training_document``: filler with facts, then every fact asked and answered).
+all-KDA and all-MLA. Each trains with the one Trainer on the same rows (same tokens, same seed):
+``k3.rl.longctx.RetrievalBatches``, one training document per row in the evaluation's sentence
+format (filler with facts, then every fact asked and answered), cut to a length drawn up to the
+row, the loss on the answered questions only, and a tokenizer of the model's vocabulary trained on
+such documents (saved with the run).
+
 Then, per layout, through ``k3 eval``'s own suites:
 
 - ``retrieve``: multi-key items at each length (trained at ``--seq-len``, evaluated up to and past
@@ -41,35 +44,35 @@ def model_overrides(layout: str, max_positions: int) -> dict:
                                    "use_full_rank_gate": True}}
 
 
-def write_documents(path: Path, n: int, words: int, keys: int) -> None:
+def tokenizer_for(a, vocab_size: int):
+    """A byte-level BPE of the model's vocabulary trained on ``a.docs`` training documents with
+    the full filler (the format, the names and the digits get their merges)."""
+    from k3.data.tokenizer import train_tokenizer
     from k3.rl.longctx import training_document
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"text": training_document(i, words, keys)}) + "\n")
+    return train_tokenizer((training_document(i, a.seq_len, a.keys) for i in range(a.docs)), vocab_size)
 
 
-def train(layout: str, a, data: Path, out: Path) -> dict:
+def train(layout: str, a, tok, out: Path) -> dict:
+    from k3.rl.longctx import RetrievalBatches
     from k3.train.config import TrainConfig
     from k3.train.loop import Trainer
 
     tc = TrainConfig.build(None, {
-        "preset": "tiny", "model_overrides": model_overrides(layout, max(a.lengths) + 64), "data": str(data),
+        "preset": "tiny", "model_overrides": model_overrides(layout, max(a.lengths) + 64),
         "out": str(out), "steps": a.steps, "batch_size": a.batch_size, "curriculum": [[0, a.seq_len]],
-        "lr": a.lr, "warmup_frac": 0.05, "decay_frac": 0.3, "eval_interval": 0, "eval_batches": 8,
-        "final_eval_batches": 8, "ckpt_interval": 0, "log_interval": 25, "threads": a.threads, "plot": False,
-        "seed": 0})
+        "lr": a.lr, "warmup_frac": 0.05, "decay_frac": 0.3, "eval_interval": 0,
+        "ckpt_interval": 0, "log_interval": 25, "threads": a.threads, "plot": False, "seed": 0})
     t0 = time.monotonic()
-    trainer = Trainer(tc, overwrite=True)
+    data = RetrievalBatches(tok, a.batch_size, a.keys, seed=0, min_keys=a.min_keys)
+    trainer = Trainer(tc, overwrite=True, batches=data)
     res = trainer.train()
     if res.status != "done":
         raise SystemExit(f"{layout}: training stopped ({res.status}); the run is in {out}")
     recs = [r for r in trainer.metrics.records if r["kind"] == "train"]
     return {"params": sum(p.numel() for p in trainer.model.parameters()),
-            "tokens": recs[-1]["tokens"] if recs else 0,
-            "final_loss": recs[-1]["loss"] if recs else None,
-            "val_loss": res.val["val_loss"] if res.val else None, "train_s": round(time.monotonic() - t0, 1)}
+            "tokens": recs[-1]["tokens"] if recs else 0, "documents": data.next_doc,
+            "final_loss": recs[-1]["loss"] if recs else None, "train_s": round(time.monotonic() - t0, 1)}
 
 
 def evaluate(layout: str, a, run: Path, out: Path) -> dict:
@@ -120,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "runs" / "hybrid"))
     p.add_argument("--layouts", default="k3,kda,mla")
-    p.add_argument("--docs", type=int, default=3000)
-    p.add_argument("--words", type=int, default=150, help="filler words per training document")
+    p.add_argument("--docs", type=int, default=3000, help="documents the tokenizer is trained on")
     p.add_argument("--keys", type=int, default=6, help="facts per document and per evaluation item")
+    p.add_argument("--min-keys", type=int, default=1, help="fewest facts of a training document (each draws "
+                   "its count up to --keys)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
@@ -139,16 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     if any(x not in LAYOUTS for x in layouts):
         p.error(f"--layouts takes {', '.join(LAYOUTS)}")
     out = Path(a.out)
-    data = out / "data" / "docs.jsonl"
-    write_documents(data, a.docs, a.words, a.keys)
+    from k3.config import get_preset
+    tok = tokenizer_for(a, get_preset("tiny").vocab_size)
 
     from k3.rl.eval_rows import machine
     report = {"steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "lr": a.lr, "docs": a.docs,
-              "words": a.words, "keys": a.keys, "eval_seeds": a.eval_seeds, "depths": a.depths,
+              "min_keys": a.min_keys, "keys": a.keys, "eval_seeds": a.eval_seeds, "depths": a.depths,
               "machine": machine(), "date": time.strftime("%Y-%m-%d"), "layouts": {}}
     for layout in layouts:
         print(f"== {layout}: training {a.steps} steps", flush=True)
-        tr = train(layout, a, data, out / layout)
+        tr = train(layout, a, tok, out / layout)
         ev = evaluate(layout, a, out / layout, out / "eval")
         report["layouts"][layout] = {**tr, **{k: {str(t): v for t, v in d.items()} for k, d in ev.items()}}
         print(f"   {layout}: {tr['params']:,} parameters, final loss {tr['final_loss']}, accuracy "

@@ -240,3 +240,94 @@ def test_training_documents_answer_every_fact_and_share_the_item_format():
     assert training_document(5, 200, 6) == doc and training_document(6, 200, 6) != doc
     item = make_retrieval("multikey", type("T", (), {"encode": staticmethod(str.split)})(), 300, 0.5, 5, n_keys=6)
     assert not set(item.keys) & {line.split(" of ", 1)[1].split("?")[0] for line in lines}
+
+
+@pytest.fixture(scope="module")
+def doc_tok():
+    from k3.rl.longctx import training_document
+
+    return train_tokenizer([training_document(i, 100, 3) for i in range(200)], vocab_size=500)
+
+
+@pytest.mark.parametrize("min_keys", [None, 1])
+def test_retrieval_batches_train_only_answers_each_with_its_fact_in_the_row(doc_tok, min_keys):
+    """Every row is one document: the trained targets are exactly its answered questions, and
+    each answer is what the exact solver reads off the row's own input before that question (no
+    question is cut off from its fact); nothing before the questions nor in the padding is
+    trained; rows never exceed seq_len and their lengths spread over the training length. With
+    ``min_keys`` the fact counts spread over [min_keys, n_keys]."""
+    from k3.data.packing import IGNORE_INDEX
+    from k3.rl.longctx import RetrievalBatches
+
+    src = RetrievalBatches(doc_tok, 8, 3, min_keys=min_keys)
+    lengths, counts = [], set()
+    for _ in range(4):
+        x, y = src.next_batch(320)
+        assert x.shape == y.shape == (8, 320)
+        for r in range(8):
+            trained = (y[r] != IGNORE_INDEX).nonzero().flatten()
+            first, last = int(trained[0]), int(trained[-1])
+            assert (y[r, first:last + 1] != IGNORE_INDEX).all()     # one trained span, at the end
+            assert (y[r, last + 1:] == IGNORE_INDEX).all() and (x[r, last + 1:] == 0).all()
+            lengths.append(last + 2)
+            text_in = doc_tok.decode(x[r, :first + 1].tolist())
+            assert text_in.endswith("\n\n") and "Question:" not in text_in
+            answers = doc_tok.decode(y[r, first:last + 1].tolist())
+            assert answers.startswith("Question:")
+            lines = answers.splitlines()
+            counts.add(len(lines))
+            before = text_in
+            for line in lines:
+                prompt, value = line.rsplit(" ", 1)
+                assert solve(before + prompt) == value.rstrip(".")
+                before += line + "\n"
+            assert x[r, first + 1:last + 1].tolist() == y[r, first:last].tolist()   # inputs = targets shifted
+    assert counts == ({3} if min_keys is None else {1, 2, 3})
+    assert max(lengths) <= 321 and max(lengths) >= 290 and min(lengths) <= 240
+
+
+def test_retrieval_batches_resume_and_refuse_a_row_too_short(doc_tok):
+    from k3.rl.longctx import RetrievalBatches
+
+    a = RetrievalBatches(doc_tok, 4, 3)
+    a.next_batch(320)
+    state = a.state_dict()
+    want = a.next_batch(320)
+    b = RetrievalBatches(doc_tok, 4, 3)
+    b.load_state_dict(state)
+    got = b.next_batch(320)
+    assert all(torch.equal(u, v) for u, v in zip(want, got, strict=True))
+    assert not torch.equal(RetrievalBatches(doc_tok, 4, 3, seed=1).next_batch(320)[0], want[0])
+    with pytest.raises(K3Error, match="3 facts takes .* tokens without filler"):
+        RetrievalBatches(doc_tok, 4, 3).next_batch(120)
+    RetrievalBatches(doc_tok, 4, 1).next_batch(120)   # positive control: one fact fits in 120
+    with pytest.raises(K3Error, match="min_keys=4 is more than n_keys=3"):
+        RetrievalBatches(doc_tok, 4, 3, min_keys=4)
+
+
+def test_a_run_on_retrieval_batches_saves_their_tokenizer(doc_tok, tmp_path):
+    """Trainer(batches=RetrievalBatches) keeps the batch source's tokenizer with its checkpoint,
+    so the run loads for evaluation like a corpus run; resuming checks the source's fingerprint."""
+    from k3.infer.run_model import load_run_model
+    from k3.rl.longctx import RetrievalBatches
+    from k3.train.config import TrainConfig
+    from k3.train.loop import Trainer
+
+    tc = TrainConfig.build(None, {"preset": "nano", "out": str(tmp_path / "run"), "steps": 2, "batch_size": 2,
+                                  "curriculum": [[0, 320]], "eval_interval": 0, "ckpt_interval": 0, "threads": 1,
+                                  "plot": False})
+    assert Trainer(tc, print_fn=lambda *a: None, tty=False,
+                   batches=RetrievalBatches(doc_tok, 2, 3)).train().status == "done"
+    small = train_tokenizer([longctx.training_document(i, 50, 3) for i in range(50)], vocab_size=600)
+    with pytest.raises(ValueError, match="tokenizer has 600 ids but the model's vocab_size is 512"):
+        Trainer(TrainConfig.build(None, {**tc.to_dict(), "out": str(tmp_path / "small")}), print_fn=lambda *a: None,
+                tty=False, batches=RetrievalBatches(small, 2, 3))
+    model, tok = load_run_model(tmp_path / "run")
+    assert tok.fingerprint == doc_tok.fingerprint
+    assert model.config.vocab_size >= tok.vocab_size
+    other = train_tokenizer([longctx.training_document(i, 50, 3) for i in range(50)], vocab_size=500)
+    tc2 = TrainConfig.build(None, {**tc.to_dict(), "steps": 3})
+    with pytest.raises(Exception, match="fingerprint"):
+        Trainer(tc2, resume=True, print_fn=lambda *a: None, tty=False, batches=RetrievalBatches(other, 2, 3))
+    t = Trainer(tc2, resume=True, print_fn=lambda *a: None, tty=False, batches=RetrievalBatches(doc_tok, 2, 3))
+    assert t.train().status == "done" and t.step == 3

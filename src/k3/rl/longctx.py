@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from k3.data.packing import IGNORE_INDEX
 from k3.data.tokenizer import Tokenizer
 from k3.errors import K3Error
 from k3.infer.generate import generate
 from k3.model.cache import KDAState, MLAState
 
-__all__ = ["RetrievalItem", "make_retrieval", "training_document", "length_tolerance", "solve", "score_answer",
-           "retrieve", "accept", "KINDS"]
+__all__ = ["RetrievalItem", "make_retrieval", "training_document", "RetrievalBatches", "length_tolerance", "solve",
+           "score_answer", "retrieve", "accept", "KINDS"]
 
 KINDS = ("needle", "multikey")
 HEADER = "Below is a long text with some facts hidden in it. Read it, then answer the question at the end."
@@ -235,6 +236,82 @@ def training_document(seed: int, words: int, n_keys: int) -> str:
     order = rng.sample(range(n_keys), n_keys)
     qa = "\n".join(_QUESTION.format(key=keys[i]) + f" {values[i]}." for i in order)
     return HEADER + "\n\n" + _place(filler, facts, 0) + "\n\n" + qa + "\n"
+
+
+class RetrievalBatches:
+    """Training rows for a retrieval model: an in-memory batch source for ``Trainer(batches=)``.
+
+    Each row is one whole ``training_document`` (document seeds 0, 1, 2, … in order; the cursor
+    is the resumable state), its filler cut so that the document takes a token count drawn
+    uniformly from ``[min_tokens, seq_len + 1]``: facts sit at every distance up to the training
+    length, and no question is ever cut off from its fact (strided windows over a token stream
+    would do that). The loss is on the answered questions only: the targets are the document's
+    next tokens from the first "Question:" on and ``IGNORE_INDEX`` before it (the haystack) and in
+    the padding after the document (token 0). ``tokenizer`` is the one the ids come from: the
+    trainer saves it with each checkpoint, so the run evaluates like any other."""
+
+    def __init__(self, tokenizer: Tokenizer, batch_size: int, n_keys: int, seed: int = 0, min_tokens: int = 0,
+                 min_keys: int | None = None):
+        _check_int("batch_size", batch_size, 1)
+        _check_int("n_keys", n_keys, 1)
+        _check_int("seed", seed, 0)
+        _check_int("min_tokens", min_tokens, 0)
+        min_keys = n_keys if min_keys is None else min_keys
+        _check_int("min_keys", min_keys, 1)
+        if min_keys > n_keys:
+            raise K3Error(f"min_keys={min_keys} is more than n_keys={n_keys}")
+        self.tokenizer, self.batch_size, self.n_keys, self.min_keys, self.seed, self.min_tokens = (
+            tokenizer, batch_size, n_keys, min_keys, seed, min_tokens)
+        self.next_doc = 0
+        self.fingerprint = (f"retrieval-documents/keys={min_keys}-{n_keys}/seed={seed}/min={min_tokens}/"
+                            f"tokenizer={tokenizer.fingerprint[:16]}")
+
+    def keys_of(self, i: int) -> int:
+        """How many facts document ``i`` holds: drawn uniformly from ``[min_keys, n_keys]``."""
+        return random.Random(f"k3-longctx-keys-of-{self.seed}-{i}").randint(self.min_keys, self.n_keys)
+
+    def _build(self, i: int, words: int) -> tuple[list[int], int]:
+        text = training_document(self.seed * 1_000_000_007 + i, words, self.keys_of(i))
+        cut = text.index("\n\nQuestion:") + 2
+        ids, head = self.tokenizer.encode(text), self.tokenizer.encode(text[:cut])
+        if ids[:len(head)] != head:
+            raise K3Error("the tokenizer merges across the blank line before the questions")
+        return ids, len(head)
+
+    def document(self, i: int, seq_len: int) -> tuple[list[int], int]:
+        """Document ``i`` for rows of ``seq_len`` tokens: its ids (at most ``seq_len + 1``) and the
+        index of its first question token. K3Error when even no filler is too long."""
+        ids, q = self._build(i, 0)
+        if len(ids) > seq_len + 1:
+            raise K3Error(f"a retrieval document with {self.keys_of(i)} facts takes {len(ids)} tokens without "
+                          f"filler: more than rows of {seq_len} hold")
+        rng = random.Random(f"k3-longctx-rows-{self.seed}-{i}")
+        budget = rng.randint(min(max(len(ids), self.min_tokens), seq_len + 1), seq_len + 1)
+        lo, hi = 0, budget   # every filler word costs at least one token: the most that fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self._build(i, mid)[0]) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return self._build(i, lo)
+
+    def next_batch(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.zeros(self.batch_size, seq_len, dtype=torch.long)
+        y = torch.full((self.batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
+        for row in range(self.batch_size):
+            ids, q = self.document(self.next_doc, seq_len)
+            n = len(ids) - 1
+            x[row, :n] = torch.tensor(ids[:-1])
+            y[row, q - 1:n] = torch.tensor(ids[q:])
+            self.next_doc += 1
+        return x, y
+
+    def state_dict(self) -> dict:
+        return {"next_doc": self.next_doc}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_doc = int(state["next_doc"])
 
 
 _Q_RE = re.compile(r"Question: what is the secret code of (\S+?)\?")

@@ -151,7 +151,8 @@ class Trainer:
     corpus: an object with ``next_batch(seq_len) -> (inputs [B, T], targets [B, T], *packed
     documents)`` (targets already shifted, ``IGNORE_INDEX`` where nothing is trained),
     ``state_dict()`` and ``load_state_dict(state)`` (the resumable cursor) and optionally a
-    ``fingerprint`` string (checked on resume). Such a run has no tokenizer and no validation split.
+    ``fingerprint`` string (checked on resume) and ``tokenizer`` (the ids' tokenizer, saved with each
+    checkpoint). Such a run has no validation split.
 
     ``parallel`` (:class:`k3.train.parallel.Parallelism`): how the run is spread over processes;
     None picks it (``k3.train.distributed.parallel_for``: ``Distributed`` under torchrun or to
@@ -382,13 +383,18 @@ class Trainer:
             self.data = self.parallel.shard_batches(self.data, self.tc.batch_size)
 
     def _use_batches(self, saved: dict | None) -> None:
-        """An in-memory batch source (``batches``): no corpus, tokenizer or validation split."""
+        """An in-memory batch source (``batches``): no corpus or validation split; its ids' tokenizer
+        when it names one (``batches.tokenizer``), saved with every checkpoint."""
         self.corpus = _InMemoryData(self.batches)
         if saved is not None and saved["corpus_fingerprint"] != self.corpus.fingerprint:
             raise CheckpointError(f"cannot resume {self.run_dir}: the batch source's fingerprint "
                                   f"{self.corpus.fingerprint!r} is not the checkpoint's "
                                   f"{saved['corpus_fingerprint']!r}")
-        self.tokenizer, self.token_bytes = None, None
+        self.tokenizer = getattr(self.batches, "tokenizer", None)
+        self.token_bytes = None if self.tokenizer is None else token_byte_lengths(self.tokenizer)
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"the batch source's tokenizer has {self.tokenizer.vocab_size} ids but the model's "
+                             f"vocab_size is {self.model_config.vocab_size}")
         self.curriculum = self.tc.context_curriculum()
         self.schedule = self.tc.lr_schedule()
         self.data = self.batches
