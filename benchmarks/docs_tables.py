@@ -164,7 +164,7 @@ def hybrid_table(report: dict) -> str:
     """Multi-key accuracy and decode cache per layout and context length, with the training run."""
     lays = report["layouts"]
     ts = sorted({int(t) for r in lays.values() for t in r["accuracy"]})
-    head = "| layout | parameters | final train loss | " + " | ".join(f"T={t}" for t in ts) + " |"
+    head = "| layout | parameters | final loss on the answers | " + " | ".join(f"T={t}" for t in ts) + " |"
     rows = [head, "|---" * (3 + len(ts)) + "|"]
     for name, r in lays.items():
         cells = [f"{r['accuracy'][str(t)]:.2f} · {r['cache_bytes'][str(t)] / 2 ** 20:.2f} MiB" for t in ts]
@@ -172,11 +172,24 @@ def hybrid_table(report: dict) -> str:
     return "\n".join([
         f"Measured {report['date']} on {report['machine']} (`docs/data/hybrid_retrieval.json`, plot "
         "`docs/data/hybrid_retrieval.png`). Each layout: "
-        f"{report['steps']} steps of {report['batch_size']} × {report['seq_len']} tokens "
-        f"(lr {report['lr']}) on {report['docs']} documents of {report['words']} filler words and "
-        f"{report['keys']} facts; evaluation: {report['eval_seeds']} multi-key items ({report['keys']} facts) "
+        f"{report['steps']} steps of {report['batch_size']} rows × {report['seq_len']} tokens (lr {report['lr']}), "
+        f"width {report['width']}, one training document of {report['min_keys']}–{report['keys']} facts per row, "
+        "cut to a length drawn up to the row, loss on its answered questions only; evaluation: "
+        f"{report['eval_seeds']} multi-key items ({report['keys']} facts) "
         f"per length × depth ({', '.join(str(d) for d in report['depths'])}), greedy. "
-        "Each cell: exact-match accuracy · decode cache after prefill.", "", *rows])
+        "Each cell: exact-match accuracy · decode cache after prefill.", "", *rows, "",
+        "By depth of the queried fact (0 = the haystack's start, 1 = its end), exact-match accuracy:", "",
+        *depth_rows(lays, ts)])
+
+
+def depth_rows(lays: dict, ts: list[int]) -> list[str]:
+    """The hybrid table's accuracy per layout × depth (rows) and context length (columns)."""
+    rows = ["| layout | depth | " + " | ".join(f"T={t}" for t in ts) + " |", "|---" * (2 + len(ts)) + "|"]
+    for name, r in lays.items():
+        by = r["accuracy_by_depth"]
+        for d in sorted(by[str(ts[0])], key=float):
+            rows.append(f"| {name} | {d} | " + " | ".join(f"{by[str(t)][d]:.2f}" for t in ts) + " |")
+    return rows
 
 
 def eval_harness_table(rows: list[dict]) -> str:

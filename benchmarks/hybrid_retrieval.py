@@ -1,8 +1,8 @@
 """What the hybrid is worth (issue 35, SPEC §11): one retrieval model trained three ways.
 
-The same 4-layer model (the ``tiny`` widths, ``max_position_embeddings`` raised: K3 is NoPE) with
-three attention layouts: the K3 mix (KDA, KDA, KDA, MLA: three linear layers per full one),
-all-KDA and all-MLA. Each trains with the one Trainer on the same rows (same tokens, same seed):
+The same 4-layer model (the ``tiny`` preset's widths scaled to ``--width``; ``max_position_embeddings``
+raised: K3 is NoPE) with three attention layouts: the K3 mix (KDA, KDA, KDA, MLA: three linear
+layers per full one), all-KDA and all-MLA. Each trains with the one Trainer on the same rows (same tokens, same seed):
 ``k3.rl.longctx.RetrievalBatches``, one training document per row in the evaluation's sentence
 format (filler with facts, then every fact asked and answered), cut to a length drawn up to the
 row, the loss on the answered questions only, and a tokenizer of the model's vocabulary trained on
@@ -20,13 +20,18 @@ machine, date), one JSON line per (layout, length, metric) to
 ``benchmarks/results/hybrid_retrieval.jsonl`` (baseline: the K3 mix at the same length) and one
 plot, ``OUT/hybrid_retrieval.png``: accuracy vs length and cache bytes vs length.
 
-    python benchmarks/hybrid_retrieval.py [--steps 400] [--out runs/hybrid]
+    python benchmarks/hybrid_retrieval.py [--steps 2400] [--out runs/hybrid]
+
+A layout whose training finished with the same settings (``OUT/LAYOUT.json``) is read back and
+only evaluated, so layouts can train in separate processes (``--layouts k3`` and ``--layouts kda``
+side by side) and a last call with every layout writes the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,10 +41,17 @@ RESULTS = ROOT / "benchmarks" / "results" / "hybrid_retrieval.jsonl"
 LAYOUTS = {"k3": ([1, 2, 3], [4]), "kda": ([1, 2, 3, 4], []), "mla": ([], [1, 2, 3, 4])}
 
 
-def model_overrides(layout: str, max_positions: int) -> dict:
+def model_overrides(layout: str, max_positions: int, width: int = 256) -> dict:
+    """The tiny preset with 4 layers in ``layout``, its widths scaled by ``width`` / 256 (heads of 64)."""
+    if width % 64:
+        raise SystemExit(f"--width {width} is not a multiple of 64 (heads of 64)")
     kda, full = LAYOUTS[layout]
-    return {"num_hidden_layers": 4, "attn_res_block_size": 2, "max_position_embeddings": max_positions,
-            "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": 4, "head_dim": 64,
+    heads, r = width // 64, width / 256
+    return {"hidden_size": width, "num_hidden_layers": 4, "attn_res_block_size": 2,
+            "max_position_embeddings": max_positions, "num_attention_heads": heads, "q_lora_rank": int(128 * r),
+            "kv_lora_rank": int(64 * r), "intermediate_size": int(768 * r), "moe_intermediate_size": int(128 * r),
+            "routed_expert_hidden_size": int(128 * r),
+            "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": heads, "head_dim": 64,
                                    "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
                                    "use_full_rank_gate": True}}
 
@@ -59,7 +71,7 @@ def train(layout: str, a, tok, out: Path) -> dict:
     from k3.train.loop import Trainer
 
     tc = TrainConfig.build(None, {
-        "preset": "tiny", "model_overrides": model_overrides(layout, max(a.lengths) + 64),
+        "preset": "tiny", "model_overrides": model_overrides(layout, max(a.lengths) + 64, a.width),
         "out": str(out), "steps": a.steps, "batch_size": a.batch_size, "curriculum": [[0, a.seq_len]],
         "lr": a.lr, "warmup_frac": 0.05, "decay_frac": 0.3, "eval_interval": 0,
         "ckpt_interval": 0, "log_interval": 25, "threads": a.threads, "plot": False, "seed": 0})
@@ -80,6 +92,8 @@ def evaluate(layout: str, a, run: Path, out: Path) -> dict:
     from k3.rl.eval_suites import run_accept, run_retrieve
 
     cond = model_condition(run)
+    for suite in ("retrieve", "accept"):   # this evaluation replaces the layout's previous one
+        shutil.rmtree(out / f"{layout}-{suite}", ignore_errors=True)
     rrows = run_retrieve(str(run), cond, out / f"{layout}-retrieve", a.lengths, a.depths, ["multikey"],
                          a.eval_seeds, a.keys)
     arows = run_accept(str(run), cond, out / f"{layout}-accept", a.lengths, decode_tokens=8)
@@ -91,24 +105,40 @@ def evaluate(layout: str, a, run: Path, out: Path) -> dict:
             "decode_s_per_token": {T: by[(T, "decode_s_per_token")] for T in a.lengths}}
 
 
+def depth_accuracy(rows_file: Path) -> dict:
+    """{T: {depth: exact-match accuracy}} from a retrieve suite's rows (``OUT/eval/LAYOUT-retrieve``)."""
+    cells: dict = {}
+    for line in rows_file.read_text().splitlines():
+        r = json.loads(line)
+        cells.setdefault(str(r["labels"]["T"]), {}).setdefault(str(r["labels"]["depth"]), []).append(r["value"])
+    return {t: {d: sum(v) / len(v) for d, v in ds.items()} for t, ds in cells.items()}
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (ax0, axd, ax1) = plt.subplots(1, 3, figsize=(15, 3.8))
     for layout, r in report["layouts"].items():
         ts = sorted(int(t) for t in r["accuracy"])
         ax0.plot(ts, [r["accuracy"][str(t)] for t in ts], marker="o", label=layout)
         ax1.plot(ts, [r["cache_bytes"][str(t)] for t in ts], marker="o", label=layout)
+        by = r["accuracy_by_depth"][str(report["seq_len"])]
+        ds = sorted(by, key=float)
+        axd.plot([float(d) for d in ds], [by[d] for d in ds], marker="o", label=layout)
     ax0.axvline(report["seq_len"], color="grey", ls=":", lw=1)
     for ax in (ax0, ax1):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length T (tokens)")
+    for ax in (ax0, axd, ax1):
         ax.legend(fontsize=8)
-    ax0.set_ylim(-0.05, 1.05)
-    ax0.set_ylabel(f"multi-key exact match ({report['keys']} facts)")
+    for ax in (ax0, axd):
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel(f"multi-key exact match ({report['keys']} facts)")
     ax0.set_title("retrieve (dotted: training length)")
+    axd.set_xlabel("depth of the queried fact (0 = start, 1 = end)")
+    axd.set_title(f"retrieve at T = {report['seq_len']} by depth")
     ax1.set_yscale("log")
     ax1.set_ylabel("decode cache bytes")
     ax1.set_title("decode state vs context")
@@ -123,17 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "runs" / "hybrid"))
     p.add_argument("--layouts", default="k3,kda,mla")
-    p.add_argument("--docs", type=int, default=3000, help="documents the tokenizer is trained on")
-    p.add_argument("--keys", type=int, default=6, help="facts per document and per evaluation item")
+    p.add_argument("--docs", type=int, default=1000, help="documents the tokenizer is trained on")
+    p.add_argument("--keys", type=int, default=4, help="facts per document and per evaluation item")
     p.add_argument("--min-keys", type=int, default=1, help="fewest facts of a training document (each draws "
                    "its count up to --keys)")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--width", type=int, default=128, help="hidden size (the tiny preset's widths scaled to it)")
+    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--lengths", default="256,512,1024,2048,4096")
     p.add_argument("--depths", default="0,0.5,1")
-    p.add_argument("--eval-seeds", type=int, default=8)
+    p.add_argument("--eval-seeds", type=int, default=24)
     p.add_argument("--threads", default="auto")
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in a.lengths.split(",")]
@@ -148,13 +179,25 @@ def main(argv: list[str] | None = None) -> int:
 
     from k3.rl.eval_rows import machine
     report = {"steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "lr": a.lr, "docs": a.docs,
-              "min_keys": a.min_keys, "keys": a.keys, "eval_seeds": a.eval_seeds, "depths": a.depths,
+              "width": a.width, "min_keys": a.min_keys, "keys": a.keys, "eval_seeds": a.eval_seeds, "depths": a.depths,
               "machine": machine(), "date": time.strftime("%Y-%m-%d"), "layouts": {}}
+    # a layout whose training finished with the same settings is read back, not retrained; the
+    # evaluation (a minute or two) always runs
+    settings = {k: v for k, v in report.items() if k not in ("machine", "date", "layouts", "eval_seeds", "depths")}
+    settings["lengths"] = a.lengths   # the model's max_position_embeddings follows them
     for layout in layouts:
-        print(f"== {layout}: training {a.steps} steps", flush=True)
-        tr = train(layout, a, tok, out / layout)
+        done = out / f"{layout}.json"
+        if done.is_file() and json.loads(done.read_text())["settings"] == settings:
+            tr = json.loads(done.read_text())["train"]
+            print(f"== {layout}: training read back from {done}", flush=True)
+        else:
+            print(f"== {layout}: training {a.steps} steps", flush=True)
+            tr = train(layout, a, tok, out / layout)
+            done.write_text(json.dumps({"settings": settings, "train": tr}, indent=1) + "\n")
         ev = evaluate(layout, a, out / layout, out / "eval")
-        report["layouts"][layout] = {**tr, **{k: {str(t): v for t, v in d.items()} for k, d in ev.items()}}
+        report["layouts"][layout] = {**tr, **{k: {str(t): v for t, v in d.items()} for k, d in ev.items()},
+                                     "accuracy_by_depth": depth_accuracy(out / "eval" / f"{layout}-retrieve" /
+                                                                         "rows.jsonl")}
         print(f"   {layout}: {tr['params']:,} parameters, final loss {tr['final_loss']}, accuracy "
               + ", ".join(f"T={t}: {ev['accuracy'][t]:.2f}" for t in a.lengths), flush=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
