@@ -18,6 +18,9 @@ ceiling), ``score_answer`` grades a continuation, ``retrieve`` runs a model gree
 **accept** asks whether a model runs at context length T at all, and at what cost: one prefill of
 T seeded random ids through a ``K3Cache`` (chunked like the engine's prefill), then greedy decode
 steps, with timings, cache bytes and peak resident memory per T.
+
+``training_document`` and ``RetrievalBatches`` are the other side: the documents and training rows
+a model learns retrieval from (``benchmarks/hybrid_retrieval.py``).
 """
 
 from __future__ import annotations
@@ -247,8 +250,10 @@ class RetrievalBatches:
     length, and no question is ever cut off from its fact (strided windows over a token stream
     would do that). The loss is on the answered questions only: the targets are the document's
     next tokens from the first "Question:" on and ``IGNORE_INDEX`` before it (the haystack) and in
-    the padding after the document (token 0). ``tokenizer`` is the one the ids come from: the
-    trainer saves it with each checkpoint, so the run evaluates like any other."""
+    the padding after the document (token 0). Each document holds ``n_keys`` facts, or with
+    ``min_keys`` a count drawn from ``[min_keys, n_keys]`` (one-fact documents teach the copy before
+    the key matters). ``tokenizer`` is the one the ids come from: the trainer saves it with each
+    checkpoint, so the run evaluates like any other."""
 
     def __init__(self, tokenizer: Tokenizer, batch_size: int, n_keys: int, seed: int = 0, min_tokens: int = 0,
                  min_keys: int | None = None):
