@@ -37,23 +37,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 RESULTS = ROOT / "benchmarks" / "results" / "hybrid_retrieval.jsonl"
 LAYOUTS = {"k3": ([1, 2, 3], [4]), "kda": ([1, 2, 3, 4], []), "mla": ([], [1, 2, 3, 4])}
 
 
 def model_overrides(layout: str, max_positions: int, width: int = 256) -> dict:
-    """The tiny preset with 4 layers in ``layout``, its widths scaled by ``width`` / 256 (heads of 64)."""
-    if width % 64:
-        raise SystemExit(f"--width {width} is not a multiple of 64 (heads of 64)")
+    """The scaling study's shape at ``width`` (``k3_shape``: the tiny preset's widths scaled, heads of
+    64) with 4 layers in ``layout``."""
+    from scaling import k3_shape
+
+    shape = k3_shape(width)
     kda, full = LAYOUTS[layout]
-    heads, r = width // 64, width / 256
-    return {"hidden_size": width, "num_hidden_layers": 4, "attn_res_block_size": 2,
-            "max_position_embeddings": max_positions, "num_attention_heads": heads, "q_lora_rank": int(128 * r),
-            "kv_lora_rank": int(64 * r), "intermediate_size": int(768 * r), "moe_intermediate_size": int(128 * r),
-            "routed_expert_hidden_size": int(128 * r),
-            "linear_attn_config": {"kda_layers": kda, "full_attn_layers": full, "num_heads": heads, "head_dim": 64,
-                                   "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
-                                   "use_full_rank_gate": True}}
+    return {**shape, "num_hidden_layers": 4, "attn_res_block_size": 2, "max_position_embeddings": max_positions,
+            "linear_attn_config": {**shape["linear_attn_config"], "kda_layers": kda, "full_attn_layers": full}}
 
 
 def tokenizer_for(a, vocab_size: int):
