@@ -2,11 +2,11 @@
 
 The same 4-layer model (the ``tiny`` preset's widths scaled to ``--width``; ``max_position_embeddings``
 raised: K3 is NoPE) with three attention layouts: the K3 mix (KDA, KDA, KDA, MLA: three linear
-layers per full one), all-KDA and all-MLA. Each trains with the one Trainer on the same rows (same tokens, same seed):
-``k3.rl.longctx.RetrievalBatches``, one training document per row in the evaluation's sentence
-format (filler with facts, then every fact asked and answered), cut to a length drawn up to the
-row, the loss on the answered questions only, and a tokenizer of the model's vocabulary trained on
-such documents (saved with the run).
+layers per full one), all-KDA and all-MLA. Each trains with the one Trainer on the same rows (same
+tokens, same seed): ``k3.rl.longctx.RetrievalBatches``, one training document per row in the
+evaluation's sentence format (filler with facts, then every fact asked and answered), cut to a
+length drawn up to the row, the loss on the answered questions only, and a tokenizer of the
+model's vocabulary trained on such documents (saved with the run).
 
 Then, per layout, through ``k3 eval``'s own suites:
 
@@ -117,11 +117,13 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax0, axd, ax1) = plt.subplots(1, 3, figsize=(15, 3.8))
+    ts_all = sorted(int(t) for r in report["layouts"].values() for t in r["accuracy"])
+    at = min((t for t in ts_all if t >= report["seq_len"]), default=ts_all[-1])   # the depth panel's T
     for layout, r in report["layouts"].items():
         ts = sorted(int(t) for t in r["accuracy"])
         ax0.plot(ts, [r["accuracy"][str(t)] for t in ts], marker="o", label=layout)
         ax1.plot(ts, [r["cache_bytes"][str(t)] for t in ts], marker="o", label=layout)
-        by = r["accuracy_by_depth"][str(report["seq_len"])]
+        by = r["accuracy_by_depth"][str(at)]
         ds = sorted(by, key=float)
         axd.plot([float(d) for d in ds], [by[d] for d in ds], marker="o", label=layout)
     ax0.axvline(report["seq_len"], color="grey", ls=":", lw=1)
@@ -135,7 +137,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel(f"multi-key exact match ({report['keys']} facts)")
     ax0.set_title("retrieve (dotted: training length)")
     axd.set_xlabel("depth of the queried fact (0 = start, 1 = end)")
-    axd.set_title(f"retrieve at T = {report['seq_len']} by depth")
+    axd.set_title(f"retrieve at T = {at} by depth")
     ax1.set_yscale("log")
     ax1.set_ylabel("decode cache bytes")
     ax1.set_title("decode state vs context")
