@@ -35,6 +35,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from statistics import mean
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -94,21 +95,14 @@ def evaluate(layout: str, a, run: Path, out: Path) -> dict:
     rrows = run_retrieve(str(run), cond, out / f"{layout}-retrieve", a.lengths, a.depths, ["multikey"],
                          a.eval_seeds, a.keys)
     arows = run_accept(str(run), cond, out / f"{layout}-accept", a.lengths, decode_tokens=8)
-    acc = {T: sum(r["value"] for r in rrows if r["labels"]["T"] == T) / max(1, sum(r["labels"]["T"] == T
-                                                                                  for r in rrows))
-           for T in a.lengths}
     by = {(r["labels"]["T"], r["metric"]): r["value"] for r in arows}
-    return {"accuracy": acc, "cache_bytes": {T: by[(T, "cache_bytes")] for T in a.lengths},
+    cells: dict = {}   # T -> depth -> correct values
+    for r in rrows:
+        cells.setdefault(r["labels"]["T"], {}).setdefault(str(r["labels"]["depth"]), []).append(r["value"])
+    return {"accuracy": {T: mean([v for vs in cells[T].values() for v in vs]) for T in a.lengths},
+            "accuracy_by_depth": {T: {d: mean(vs) for d, vs in cells[T].items()} for T in a.lengths},
+            "cache_bytes": {T: by[(T, "cache_bytes")] for T in a.lengths},
             "decode_s_per_token": {T: by[(T, "decode_s_per_token")] for T in a.lengths}}
-
-
-def depth_accuracy(rows_file: Path) -> dict:
-    """{T: {depth: exact-match accuracy}} from a retrieve suite's rows (``OUT/eval/LAYOUT-retrieve``)."""
-    cells: dict = {}
-    for line in rows_file.read_text().splitlines():
-        r = json.loads(line)
-        cells.setdefault(str(r["labels"]["T"]), {}).setdefault(str(r["labels"]["depth"]), []).append(r["value"])
-    return {t: {d: sum(v) / len(v) for d, v in ds.items()} for t, ds in cells.items()}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -174,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--layouts takes {', '.join(LAYOUTS)}")
     out = Path(a.out)
     from k3.config import get_preset
-    tok = tokenizer_for(a, get_preset("tiny").vocab_size)
+    tok = None   # trained when a layout trains (a read-back layout evaluates with its run's own)
 
     from k3.rl.eval_rows import machine
     report = {"steps": a.steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "lr": a.lr, "docs": a.docs,
@@ -191,12 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {layout}: training read back from {done}", flush=True)
         else:
             print(f"== {layout}: training {a.steps} steps", flush=True)
+            tok = tok or tokenizer_for(a, get_preset("tiny").vocab_size)
             tr = train(layout, a, tok, out / layout)
             done.write_text(json.dumps({"settings": settings, "train": tr}, indent=1) + "\n")
         ev = evaluate(layout, a, out / layout, out / "eval")
-        report["layouts"][layout] = {**tr, **{k: {str(t): v for t, v in d.items()} for k, d in ev.items()},
-                                     "accuracy_by_depth": depth_accuracy(out / "eval" / f"{layout}-retrieve" /
-                                                                         "rows.jsonl")}
+        report["layouts"][layout] = {**tr, **{k: {str(t): v for t, v in d.items()} for k, d in ev.items()}}
         print(f"   {layout}: {tr['params']:,} parameters, final loss {tr['final_loss']}, accuracy "
               + ", ".join(f"T={t}: {ev['accuracy'][t]:.2f}" for t in a.lengths), flush=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -286,20 +286,21 @@ class RetrievalBatches:
     def document(self, i: int, seq_len: int) -> tuple[list[int], int]:
         """Document ``i`` for rows of ``seq_len`` tokens: its ids (at most ``seq_len + 1``) and the
         index of its first question token. K3Error when even no filler is too long."""
-        ids, q = self._build(i, 0)
-        if len(ids) > seq_len + 1:
-            raise K3Error(f"a retrieval document with {self.keys_of(i)} facts takes {len(ids)} tokens without "
-                          f"filler: more than rows of {seq_len} hold")
+        best = self._build(i, 0)
+        if len(best[0]) > seq_len + 1:
+            raise K3Error(f"a retrieval document with {self.keys_of(i)} facts takes {len(best[0])} tokens "
+                          f"without filler: more than rows of {seq_len} hold")
         rng = random.Random(f"k3-longctx-rows-{self.seed}-{i}")
-        budget = rng.randint(min(max(len(ids), self.min_tokens), seq_len + 1), seq_len + 1)
+        budget = rng.randint(min(max(len(best[0]), self.min_tokens), seq_len + 1), seq_len + 1)
         lo, hi = 0, budget   # every filler word costs at least one token: the most that fit
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if len(self._build(i, mid)[0]) <= budget:
-                lo = mid
+            doc = self._build(i, mid)
+            if len(doc[0]) <= budget:
+                lo, best = mid, doc
             else:
                 hi = mid - 1
-        return self._build(i, lo)
+        return best
 
     def next_batch(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.zeros(self.batch_size, seq_len, dtype=torch.long)

@@ -392,12 +392,17 @@ class Trainer:
                                   f"{saved['corpus_fingerprint']!r}")
         self.tokenizer = getattr(self.batches, "tokenizer", None)
         self.token_bytes = None if self.tokenizer is None else token_byte_lengths(self.tokenizer)
-        if self.tokenizer is not None and self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ValueError(f"the batch source's tokenizer has {self.tokenizer.vocab_size} ids but the model's "
-                             f"vocab_size is {self.model_config.vocab_size}")
+        if self.tokenizer is not None:
+            self._check_vocab("the batch source's tokenizer")
         self.curriculum = self.tc.context_curriculum()
         self.schedule = self.tc.lr_schedule()
         self.data = self.batches
+
+    def _check_vocab(self, what: str) -> None:
+        """ValueError naming ``what`` when the run's tokenizer has more ids than the model's vocabulary."""
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"{what} has {self.tokenizer.vocab_size} ids but the model's "
+                             f"vocab_size is {self.model_config.vocab_size}")
 
     def _build_corpus_data(self, ckpt: Path | None, saved: dict | None) -> None:
         """Corpus, tokenizer (the checkpoint's when resuming), token streams, batches, schedules."""
@@ -410,9 +415,7 @@ class Trainer:
             self.tokenizer = Tokenizer.load(ckpt / "tokenizer.json")
         else:
             self.tokenizer = get_tokenizer(self.corpus, self.model_config.vocab_size)
-        if self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's "
-                             f"vocab_size is {self.model_config.vocab_size}")
+        self._check_vocab("tokenizer")
         self.train_tokens = build_token_stream(self.corpus, self.tokenizer, "train", seed=tc.seed)
         self.val_tokens = build_token_stream(self.corpus, self.tokenizer, "validation")
         self.token_bytes = token_byte_lengths(self.tokenizer)
