@@ -85,7 +85,8 @@ def test_compaction_drops_an_old_image_with_its_output_and_counts_images_as_toke
     assert parts == 4
     no_images = [{**m, "content": m["content"][0]["text"]} if isinstance(m["content"], list) else m for m in msgs]
     assert estimate_tokens(msgs) - estimate_tokens(no_images) == pytest.approx(4 * IMAGE_TOKENS, abs=40)
-    view = compact(turns, "sliding_window", lambda v: False, keep_recent=1)
+    view = compact(turns, "sliding_window", lambda v: not any(r.images for t in v[:-1] for r in t.tool_results),
+                   keep_recent=1)
     kept = [r for t in view for r in t.tool_results]
     assert [bool(r.images) for r in kept] == [False, False, False, True]
     assert kept[0].output == "[output dropped to save context: 6 chars, 1 image(s)]"

@@ -91,6 +91,12 @@ def test_training_mask_covers_assistant_bodies_only(fmt, tok):
     ids, mask = fmt.render_for_training(msgs)
     assert ids == want_ids and mask == want_mask
     assert ids == fmt.render(msgs, add_generation_prompt=False)
+    # weight 0 on the first assistant message: the same ids, its body untrained, the last one trained
+    msgs[1]["weight"] = 0
+    first = len(tok.encode("".join(p for p, _ in pieces[:19]), allow_special=True))
+    assert fmt.render_for_training(msgs) == (want_ids, [0] * first + want_mask[first:])
+    msgs[3]["weight"] = 1
+    assert fmt.render_for_training(msgs) == (want_ids, [0] * first + want_mask[first:])
 
 
 def test_next_turn_prompt_starts_with_the_previous_prompt_and_generation(fmt, tok):
@@ -202,6 +208,9 @@ BAD = [
     (lambda m: m[2].pop("tool_call_id"), r"messages\[2\]\.tool_call_id is required"),
     (lambda m: m.append("hello"), r"messages\[3\] must be an object"),
     (lambda m: m[2].update(name="other"), r"messages\[2\]\.name 'other' is not the function of call 'c1'"),
+    (lambda m: m[1].update(weight=0.5), r"messages\[1\]\.weight must be 0 or 1"),
+    (lambda m: m[1].update(weight=True), r"messages\[1\]\.weight must be 0 or 1"),
+    (lambda m: m[0].update(weight=0), r"messages\[0\]\.weight is not supported on a user message"),
 ]
 
 

@@ -384,10 +384,11 @@ def test_chain_workload_hacks_score_zero_and_its_solution_one(tmp_path, sandboxe
 def test_sustain_suite_reference_and_model(nano, tmp_path, env_root):
     """The reference solution (a read and a write per step): progress at each tenth of the 2·N
     calls is the steps written by then (N=8: after 8 of 16 calls, 4 steps = 0.5) and reaches 1,
-    with compaction on and off; compaction only ever shortens what is sent. A model run records
+    with compaction on and off; compaction only ever shortens what is sent and keeps it under the
+    limit, or flags the turn when even the goal and the last turns do not fit. A model run records
     its fingerprint and a curve of its own."""
     out = tmp_path / "ref"
-    assert k3_main(["eval", "sustain", "--reference", "--steps", "8", "--context-tokens", "300",
+    assert k3_main(["eval", "sustain", "--reference", "--steps", "8", "--context-tokens", "600",
                     "--out", str(out)]) == 0
     rows = read_rows(out)
     for mode in ("on", "off"):
@@ -396,12 +397,21 @@ def test_sustain_suite_reference_and_model(nano, tmp_path, env_root):
         prog = {r["labels"]["share"]: r["value"] for r in rows
                 if r["metric"] == "progress" and r["labels"]["compaction"] == mode}
         assert prog == {t / 10: (-(-16 * t // 10) // 2) / 8 for t in range(1, 11)}
-        assert score[0]["conditions"]["setup"]["context_tokens"] == (300 if mode == "on" else 10 ** 9)
+        assert score[0]["conditions"]["setup"]["context_tokens"] == (600 if mode == "on" else 10 ** 9)
         assert len(score[0]["detail"]["curve"]) == 17  # 16 calls + submit
     sent = {m: [r["value"] for r in rows if r["metric"] == "sent_tokens" and r["labels"]["compaction"] == m]
             for m in ("on", "off")}
     assert all(a <= b for a, b in zip(sent["on"], sent["off"])) and sent["on"][-1] < sent["off"][-1]
     assert sent["on"][0] == sent["off"][0]  # below the limit nothing is compacted
+    curves = {r["labels"]["compaction"]: r["detail"] for r in rows if r["metric"] == "score"}
+    assert max(c[1] for c in curves["on"]["curve"]) <= 600 < max(c[1] for c in curves["off"]["curve"])
+    assert curves["on"]["over_context_turns"] == curves["off"]["over_context_turns"] == 0
+    # a limit below the goal and the last two turns: every such turn is flagged, and still solved
+    assert k3_main(["eval", "sustain", "--reference", "--steps", "3", "--context-tokens", "200",
+                    "--out", str(tmp_path / "tight")]) == 0
+    tight = {r["labels"]["compaction"]: r for r in read_rows(tmp_path / "tight") if r["metric"] == "score"}
+    assert tight["on"]["value"] == 1.0 and tight["off"]["detail"]["over_context_turns"] == 0
+    assert tight["on"]["detail"]["over_context_turns"] == sum(c[1] > 200 for c in tight["on"]["detail"]["curve"]) + 1  # + the closing turn, no call
 
     d, ckpt, *_ = nano
     assert k3_main(["eval", "sustain", "--model", str(ckpt), "--steps", "2", "--max-tokens", "8",

@@ -16,8 +16,10 @@ from k3.data.chat import ChatFormat
 from k3.data.tokenizer import train_tokenizer
 from k3.errors import K3Error
 from k3.rl.rollout import run_episode
-from k3.rl.trajectory import TrajectoryWriter, to_chat
-from k3.tasks.families import EFFORTS, FAMILIES
+from k3.agent.harness import estimate_tokens
+from k3.agent.turns import ELIDED_NOTE
+from k3.rl.trajectory import TrajectoryWriter, to_chat, to_turn_chats
+from k3.tasks.families import EFFORTS, FAMILIES, get_family
 
 ROW_KEYS = {"messages", "tools", "reasoning_effort", "meta"}
 META_KEYS = {"family", "domain", "seed", "split", "task", "reward", "effort"}
@@ -44,7 +46,7 @@ def fmt():
 
 
 def synthesized(tmp_path, sandboxes, name, effort, seed=0, **kw):
-    fam = FAMILIES[name]
+    fam = get_family(name)
     d = fam.generate(seed, tmp_path)
     p = Recording(fam.solve(d, effort))
     out = tmp_path / f"{name}-{effort}.jsonl"
@@ -121,6 +123,41 @@ def test_episodes_without_one_conversation_are_refused(tmp_path, sandboxes):
     # the control: the same task, canonical harness and the default context, converts
     s, recs, _, _ = synthesized(tmp_path / "ok", sandboxes, "files", "high")
     assert to_chat(recs)["meta"]["reward"] == 1.0
+
+
+def test_rows_per_turn_of_a_compacted_episode_are_what_each_turn_was_sent(tmp_path, sandboxes, fmt):
+    """A chain episode under a randomized harness, compacted down to whole dropped turns: row k is
+    the request the harness sent for turn k (as the provider received it), then turn k, and only
+    turn k carries loss; every=3 keeps turns 2, 5, 8, ... and the last."""
+    harness = {**HarnessConfig.from_seed(5).as_dict(), "memory": False, "context_strategy": "sliding_window"}
+    s, recs, requests, out = synthesized(tmp_path, sandboxes, "chain6", "max", harness=harness,
+                                         context_tokens=500)
+    assert s["score"] == 1.0
+    with pytest.raises(K3Error, match="compacted the context before turn"):
+        to_chat(recs)  # no single conversation: the whole-episode row is refused
+    rows = to_turn_chats(out, {"family": "chain6"})
+    assert len(rows) == len(requests) == 14  # 6 reads, 6 writes, submit, the closing reply
+    elided = 0
+    for k, (row, req) in enumerate(zip(rows, requests)):
+        msgs = row["messages"]
+        assert [{kk: v for kk, v in m.items() if kk != "weight"} for m in msgs[:-1]] == req.messages
+        assert estimate_tokens(req.messages) <= 500 or k == 0
+        assert row["meta"] == {"family": "chain6", "turn": k, "task": "chain6-0", "reward": 1.0, "effort": "max"}
+        elided += any(m["role"] == "user" and m["content"].startswith(ELIDED_NOTE.split("{")[0]) for m in msgs)
+        prompt = fmt.render(msgs[:-1], tools=row["tools"], reasoning_effort="max")
+        assert prompt == render_prompt(fmt, req)
+        ids, mask = fmt.render_for_training(msgs, tools=row["tools"], reasoning_effort="max")
+        assert ids[:len(prompt)] == prompt and sum(mask[:len(prompt)]) == 0  # no loss on the context
+        assert all(mask[len(prompt):]) and ids[-1] == fmt.end_id  # all of turn k's body
+    assert elided >= 5  # the last turns were sent with the oldest dropped whole
+    assert [r["meta"]["turn"] for r in to_turn_chats(recs, every=3)] == [2, 5, 8, 11, 13]
+    # a turn whose recorded context does not rebuild is refused, naming it
+    bad = [dict(r, metadata={**r["metadata"], "sent_tokens": 7}) if r["type"] == "turn" and r["index"] == 4 else r
+           for r in recs]
+    with pytest.raises(K3Error, match="turn 4's context rebuilds to .* but the harness recorded 7"):
+        to_turn_chats(bad)
+    with pytest.raises(K3Error, match="every must be an int >= 1"):
+        to_turn_chats(recs, every=0)
 
 
 @pytest.mark.slow

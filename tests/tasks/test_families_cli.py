@@ -8,6 +8,7 @@ from k3.cli import main
 from k3.data.chat import ChatFormat
 from k3.data.tokenizer import train_tokenizer
 from k3.cli.task import task_main
+from k3.agent.harness import estimate_tokens
 from k3.rl.synth import parse_efforts, parse_seeds
 from k3.tasks.families import HELDOUT_START, read_meta
 from k3.tasks.families.arith import Arith
@@ -86,6 +87,36 @@ def test_synth_writes_one_row_per_passing_episode(tmp_path, sandboxes, capsys):
     one_line_error(capsys, argv, "exists (--overwrite replaces it)")
     assert main(argv + ["--overwrite", "--effort", "high"]) == 0
     assert len(out.read_text().splitlines()) == 6
+
+
+def test_synth_per_turn_rows_of_short_chains_under_compaction(tmp_path, sandboxes, capsys):
+    """chainN is a family name; --per-turn 2 --context-tokens 400: one row per second turn (and the
+    last), each trains one assistant turn and stays under the limit; the whole-episode rows of the
+    same chains are the control (one per episode, every turn trained)."""
+    out = tmp_path / "c.jsonl"
+    argv = ["task", "synth", "chain8", "--seeds", "0:2", "--effort", "max", "--out", str(out)]
+    assert main(argv + ["--per-turn", "2", "--context-tokens", "400"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 2 * 9  # 18 turns per episode (8 reads, 8 writes, submit, reply): 1, 3, ..., 17
+    assert [r["meta"]["turn"] for r in rows[:9]] == list(range(1, 18, 2))
+    tok = train_tokenizer([out.read_text()], vocab_size=600)
+    fmt = ChatFormat(tok)
+    for r in rows:
+        assert r["meta"]["family"] == "chain8" and r["meta"]["split"] == "train"
+        assert estimate_tokens(r["messages"][:-1]) <= 400 or r["meta"]["turn"] < 4
+        assert sum(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in r["messages"]) == 1
+        ids, mask = fmt.render_for_training(r["messages"], tools=r["tools"], reasoning_effort="max")
+        assert 0 < sum(mask) < len(ids) / 4
+    assert any("dropped to save context" in json.dumps(r["messages"]) for r in rows)
+    assert main(argv + ["--overwrite"]) == 0  # the control: whole episodes, far over the limit
+    whole = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(whole) == 2 and estimate_tokens(whole[0]["messages"]) > 2 * 400
+    one_line_error(capsys, argv + ["--overwrite", "--per-turn", "2"], "need both per_turn")
+    one_line_error(capsys, argv + ["--overwrite", "--per-turn", "0", "--context-tokens", "9"], "per_turn must be an int >= 1")
+    one_line_error(capsys, argv + ["--overwrite"] + ["--per-turn", "1", "--context-tokens", "0"],
+                   "context_tokens must be an int >= 1")
+    one_line_error(capsys, ["task", "synth", "chain0", "--seeds", "0:2", "--out", str(tmp_path / "y")],
+                   "chain steps must be an int in 1..999")
 
 
 @pytest.mark.slow

@@ -15,12 +15,24 @@ episode (shell timeouts are clamped to the time left; an episode past it ends wi
 
 Compaction (``compact``; the strategy is a harness-randomization axis): the context estimate is
 ``ceil(chars / 4)`` over the messages, an image part counted as ``IMAGE_TOKENS`` instead of its
-data URL's characters. Over ``context_tokens``, tool outputs are dropped oldest
-first (``drop_old_tool_outputs``), or first cut to a head and tail of 200 characters each and then
-dropped (``truncate_tool_outputs``), or dropped for every turn but the last ``keep_recent`` at once
-(``sliding_window``); a dropped output's images are dropped with it; the last ``keep_recent`` turns are never touched and reasoning is never
-dropped by any strategy. Only what is sent is compacted; the trajectory keeps every output whole,
-and each turn record's ``metadata.sent_tokens`` is the estimate of what was sent for it.
+data URL's characters. Over ``context_tokens``, the view is shortened in stages, each only as far
+as it must go (the fewest oldest edits that fit) and the next one only if it still does not fit:
+
+1. the strategy's own step: nothing (``drop_old_tool_outputs``), every old output over 400
+   characters cut to a head and tail of 200 each (``truncate_tool_outputs``), or every old output
+   dropped at once (``sliding_window``);
+2. old tool outputs dropped, oldest first (a dropped output's images go with it);
+3. old calls' string arguments over ``2 * ARG_KEEP`` characters cut to head and tail, oldest first;
+4. the oldest turns dropped whole, replaced by one note that counts them and their tool calls
+   (``k3.agent.turns.elided_turn``).
+
+"Old" is every turn but the last ``keep_recent``, which are never touched. Reasoning is kept
+through stages 1-3 and leaves only with its whole turn, after every old output and long argument
+is gone: a fixed context cannot hold an unbounded history, and this order keeps the model's own
+thinking longest. When even the goal and the last turns do not fit, the turn record's metadata
+says so (``over_context``). Only what is sent is compacted; the trajectory keeps every turn
+whole, and each turn record's ``metadata.sent_tokens`` is the estimate of what was sent for it
+(RL trains on the recorded ``prompt_ids`` of what was sent, so its importance ratios hold).
 """
 
 from __future__ import annotations
@@ -36,10 +48,10 @@ from k3.agent.policy import Policy, PolicyContext
 from k3.agent.providers import ProviderError, ProviderRequest
 from k3.agent.randomize import HarnessConfig
 from k3.agent.tools import ToolBox, tool_schemas
-from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
+from k3.agent.turns import AgentTurn, ToolCall, ToolResult, elided_turn, history_messages
 from k3.tasks.format import Budget
 
-__all__ = ["EpisodeResult", "Harness", "compact", "estimate_tokens", "IMAGE_TOKENS"]
+__all__ = ["EpisodeResult", "Harness", "compact", "sent_messages", "estimate_tokens", "IMAGE_TOKENS", "ARG_KEEP"]
 
 
 @dataclass
@@ -53,6 +65,7 @@ class EpisodeResult:
     detail: str = ""
 
 
+ARG_KEEP = 200  # head and tail characters kept of an old call's long string argument
 IMAGE_TOKENS = 1024  # the estimate of one image part (a 640x480 screenshot is a few hundred vision tokens)
 
 
@@ -71,39 +84,96 @@ def _with_output(r: ToolResult, text: str, keep_images: bool = True) -> ToolResu
     return dataclasses.replace(r, output=text, dropped=True, images=list(r.images) if keep_images else [])
 
 
+def _dropped(r: ToolResult) -> ToolResult:
+    if r.dropped and r.output.startswith("[output dropped"):
+        return r
+    stub = f"[output dropped to save context: {len(r.output)} chars" + \
+        (f", {len(r.images)} image(s)]" if r.images else "]")
+    return _with_output(r, stub, keep_images=False)
+
+
+def _cut_arguments(c: ToolCall) -> ToolCall:
+    """``c`` with every string argument longer than ``2 * ARG_KEEP`` cut to its head and tail."""
+    def cut(v):
+        if isinstance(v, str) and len(v) > 2 * ARG_KEEP:
+            return f"{v[:ARG_KEEP]}\n[... {len(v) - 2 * ARG_KEEP} chars cut to save context ...]\n{v[-ARG_KEEP:]}"
+        return v
+    return dataclasses.replace(c, arguments={k: cut(v) for k, v in c.arguments.items()})
+
+
+def _fewest(n: int, view_of: Callable[[int], list[AgentTurn]], fits) -> tuple[list[AgentTurn], bool]:
+    """The view of the fewest ``k`` in 1..n edits (oldest first) that fits, by bisection over ``k``
+    (each edit only shortens what is sent); else the view with all ``n``, and False."""
+    full = view_of(n)
+    if n == 0 or not fits(full):
+        return full, False
+    lo, hi = 1, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(view_of(mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return view_of(lo), True
+
+
 def compact(turns: list[AgentTurn], strategy: str, fits: Callable[[list[AgentTurn]], bool],
             keep_recent: int = 2) -> list[AgentTurn]:
-    """Copies of ``turns`` with old tool outputs shortened until ``fits(view)`` (see module doc)."""
-    view = [dataclasses.replace(t, tool_results=list(t.tool_results)) for t in turns]
-    old = range(max(0, len(view) - keep_recent))
+    """Copies of ``turns`` shortened in stages until ``fits(view)`` (see module doc): the strategy's
+    outputs, old outputs dropped, old long arguments cut, then the oldest turns dropped whole."""
+    view = [dataclasses.replace(t, tool_calls=list(t.tool_calls), tool_results=list(t.tool_results))
+            for t in turns]
     if fits(view):
         return view
+    old = range(max(0, len(view) - keep_recent))
 
-    def drop(i, j):
-        r = view[i].tool_results[j]
-        if not r.dropped or not r.output.startswith("[output dropped"):
-            stub = f"[output dropped to save context: {len(r.output)} chars" + \
-                (f", {len(r.images)} image(s)]" if r.images else "]")
-            view[i].tool_results[j] = _with_output(r, stub, keep_images=False)
-
-    if strategy == "sliding_window":
-        for i in old:
-            for j in range(len(view[i].tool_results)):
-                drop(i, j)
-        return view
-    if strategy == "truncate_tool_outputs":
+    if strategy in ("sliding_window", "truncate_tool_outputs"):
         for i in old:
             for j, r in enumerate(view[i].tool_results):
-                if len(r.output) > 400:
+                if strategy == "sliding_window":
+                    view[i].tool_results[j] = _dropped(r)
+                elif len(r.output) > 400:
                     view[i].tool_results[j] = _with_output(r, f"{r.output[:200]}\n[... cut ...]\n{r.output[-200:]}")
         if fits(view):
             return view
-    for i in old:  # oldest first
-        for j in range(len(view[i].tool_results)):
-            drop(i, j)
-            if fits(view):
-                return view
+
+    def edited(base, units, edit):
+        def view_of(k):
+            v = [dataclasses.replace(t, tool_calls=list(t.tool_calls), tool_results=list(t.tool_results))
+                 for t in base]
+            for i, j in units[:k]:
+                edit(v[i], j)
+            return v
+        return view_of
+
+    def drop(t, j):
+        t.tool_results[j] = _dropped(t.tool_results[j])
+
+    def cut(t, j):
+        t.tool_calls[j] = _cut_arguments(t.tool_calls[j])
+
+    outputs = [(i, j) for i in old for j, r in enumerate(view[i].tool_results)
+               if not (r.dropped and r.output.startswith("[output dropped"))]
+    view, ok = _fewest(len(outputs), edited(view, outputs, drop), fits)
+    if ok:
+        return view
+    long_calls = [(i, j) for i in old for j, c in enumerate(view[i].tool_calls) if _cut_arguments(c) != c]
+    view, ok = _fewest(len(long_calls), edited(view, long_calls, cut), fits)
+    if ok:
+        return view
+    base = view
+    view, _ = _fewest(len(old), lambda k: ([elided_turn(base[:k])] if k else []) + base[k:], fits)
     return view
+
+
+def sent_messages(system: str, goal: str, turns: list[AgentTurn], provider_id: str, cfg: HarnessConfig,
+                  context_tokens: int, extra: list[dict] | None = None) -> list[dict]:
+    """The messages the harness sends ``provider_id`` after ``turns``: the history compacted by
+    ``cfg``'s strategy to ``context_tokens`` (``extra``: the memory note, sent last)."""
+    def build(view):
+        return history_messages(system, goal, view, provider_id, cfg.to_model, extra)
+
+    return build(compact(turns, cfg.context_strategy, lambda v: estimate_tokens(build(v)) <= context_tokens))
 
 
 class Harness:
@@ -134,13 +204,8 @@ class Harness:
 
     def messages(self) -> list[dict]:
         extra = [{"role": "user", "content": self._memory()}] if self.cfg.memory else []
-
-        def build(turns):
-            return history_messages(self.system, self.goal, turns, self.provider.id, self.cfg.to_model, extra)
-
-        view = compact(self.turns, self.cfg.context_strategy,
-                       lambda v: estimate_tokens(build(v)) <= self.context_tokens)
-        return build(view)
+        return sent_messages(self.system, self.goal, self.turns, self.provider.id, self.cfg, self.context_tokens,
+                             extra)
 
     def _memory(self) -> str:
         files = ", ".join(sorted(set(self.files_written))) or "none"
@@ -182,6 +247,8 @@ class Harness:
             self.tokens += reply.usage.get("prompt_tokens", 0) + reply.usage.get("completion_tokens", 0)
             meta = {"usage": reply.usage, "finish_reason": reply.finish_reason,
                     "elapsed": round(self.clock() - t1, 6), "sent_tokens": estimate_tokens(req.messages)}
+            if meta["sent_tokens"] > self.context_tokens:  # even the last turns and the goal do not fit
+                meta["over_context"] = True
             if reply.sample is not None:  # the sampled ids and their logprobs (RL's importance ratios)
                 meta["sample"] = reply.sample
             turn = AgentTurn(reply.visible, reply.reasoning, [], [], self.provider.id, meta)

@@ -12,6 +12,10 @@ A tool result may carry images (``ToolResult.images``: data URLs, e.g. the ``scr
 PNG): its tool message's content is then a list of parts, the output as a ``text`` part and one
 ``image_url`` part per image (``k3.data.chat`` renders them as media blocks); a result without
 images is the plain output string, as it always was.
+
+Compaction may put one elided-history marker first in a view (``elided_turn``): a turn that is
+not a model turn but stands for the oldest turns it dropped whole; it is sent as one user
+message, ``ELIDED_NOTE`` with the count of turns and of tool calls per (model-side) tool name.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["AgentTurn", "ToolCall", "ToolResult", "history_messages", "REPLAN_NOTE"]
+__all__ = ["AgentTurn", "ToolCall", "ToolResult", "history_messages", "elided_turn", "REPLAN_NOTE",
+           "ELIDED_NOTE"]
 
 REPLAN_NOTE = ("The steps below were taken by another model; its private reasoning is not available. "
                "Re-plan from the current state.")
+ELIDED_NOTE = ("The {turns} oldest turns of this episode were dropped to save context ({calls}); the "
+               "workspace keeps what they did.")
 
 
 @dataclass
@@ -95,6 +102,23 @@ def _identity(name: str, args: dict) -> tuple[str, dict]:
     return name, args
 
 
+def elided_turn(turns: list[AgentTurn]) -> AgentTurn:
+    """The marker a compacted view holds in place of ``turns`` (oldest first), which it dropped whole
+    (a marker among them is merged: its counts are added)."""
+    n, calls = 0, {}
+    for t in turns:
+        e = t.metadata.get("elided")
+        if e:
+            n += e["turns"]
+            for k, v in e["calls"].items():
+                calls[k] = calls.get(k, 0) + v
+            continue
+        n += 1
+        for c in t.tool_calls:
+            calls[c.name] = calls.get(c.name, 0) + 1
+    return AgentTurn("", None, [], [], "", {"elided": {"turns": n, "calls": calls}})
+
+
 def history_messages(system: str, user: str, turns: list[AgentTurn], provider_id: str,
                      to_model: Namer = _identity, extra: list[dict] | None = None) -> list[dict]:
     """OpenAI-style messages for ``provider_id``: system, the goal, then each turn. A run of turns
@@ -102,6 +126,11 @@ def history_messages(system: str, user: str, turns: list[AgentTurn], provider_id
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     foreign: list[str] = []
     for t in turns:
+        if t.metadata.get("elided"):
+            e = t.metadata["elided"]
+            calls = ", ".join(f"{to_model(k, {})[0]} x{v}" for k, v in e["calls"].items()) or "no tool calls"
+            msgs.append({"role": "user", "content": ELIDED_NOTE.format(turns=e["turns"], calls=calls)})
+            continue
         if t.provider != provider_id:
             foreign.append(_describe(t, to_model))
             continue

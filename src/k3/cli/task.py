@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     sy.add_argument("--backend", default="namespace", help="sandbox backend (namespace; local is refused)")
     sy.add_argument("--workers", type=int, default=1)
     sy.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    sy.add_argument("--per-turn", type=int, default=None, metavar="M",
+                    help="one row per M-th turn of each episode, as compacted at --context-tokens (only that turn trained)")
+    sy.add_argument("--context-tokens", type=int, default=None,
+                    help="the harness's context limit for --per-turn episodes (its compaction on)")
     rp = sub.add_parser("replay", help="re-run a trajectory and compare")
     rp.add_argument("trajectory")
     rp.add_argument("--backend", default=None)
@@ -254,7 +258,8 @@ def cmd_synth(args) -> int:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     out = args.out or f"sft/{fam.name}-{seeds.start}-{seeds.stop}.jsonl"
     rep = synthesize(fam.name, seeds, efforts, out, tasks_dir=args.tasks_dir, backend=args.backend,
-                     workers=args.workers, overwrite=args.overwrite, log=print)
+                     workers=args.workers, overwrite=args.overwrite, per_turn=args.per_turn,
+                     context_tokens=args.context_tokens, log=print)
     print(f"synth: {rep.rows} row(s) from {rep.episodes} episode(s) -> {rep.out}; {len(rep.failed)} failed")
     return 1 if rep.failed else 0
 

@@ -23,6 +23,10 @@ vision tower's rows replace the pads in prompt order. :meth:`ChatFormat.render_c
 ids with the decoded images in that order; ``render`` / ``render_for_training`` stay text-only and
 refuse an image part (their callers would drop it).
 
+An assistant message may carry ``weight`` (OpenAI's fine-tuning field): 1 (the default) trains
+its body, 0 renders it as context with no loss (a row that trains only its last turn, e.g. one
+turn of a compacted episode, ``k3.rl.trajectory.to_turn_chats``); the ids are the same either way.
+
 The streaming parser (ids -> reasoning, content, tool calls) is ``k3.data.chat_parser``.
 """
 
@@ -51,7 +55,7 @@ DEFAULT_EFFORT = "max"  # what the server uses when a request names none (SPEC Â
 THINKING_CAPS: dict[str, int | None] = {"low": 512, "high": 4096, "max": None}
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _ROLE_KEYS = {"system": {"content"}, "user": {"content"}, "tool": {"content", "tool_call_id", "name"},
-              "assistant": {"content", "reasoning_content", "reasoning", "tool_calls"}}
+              "assistant": {"content", "reasoning_content", "reasoning", "tool_calls", "weight"}}
 # Fields OpenAI clients echo back on messages; accepted only while empty.
 _EMPTY_OK = {"name", "refusal", "audio", "function_call", "annotations", "tool_calls"}
 
@@ -417,8 +421,11 @@ class ChatFormat:
         if calls:
             body += self._tool_calls(calls, where, calls_seen)
         body.append(self.end_id)
+        weight = m.get("weight", 1)
+        if weight not in (0, 1) or isinstance(weight, bool):
+            raise K3Error(f"{where}.weight must be 0 or 1 (0: rendered, never trained), got {weight!r}")
         ids += head + body
-        mask += [0] * len(head) + [1] * len(body)
+        mask += [0] * len(head) + [weight] * len(body)
 
     def _tool_calls(self, calls, where, calls_seen) -> list[int]:
         if not isinstance(calls, list):

@@ -19,7 +19,8 @@
   and off (never compacted); progress (the share of steps whose result file is right so far)
   after every tool call, read from the trajectory, against the context sent at that turn. Rows:
   the verifier's ``score``, and ``progress`` / ``sent_tokens`` at each tenth of the 2·N calls
-  (``labels.share``); the whole curve is in the score row's ``detail``. ``provider`` None runs
+  (``labels.share``); the whole curve is in the score row's ``detail``, with the count of turns
+  whose context did not fit even compacted (``over_context_turns``). ``provider`` None runs
   the workload's reference solution (the positive control: progress reaches 1).
 """
 
@@ -278,6 +279,7 @@ def run_sustain(provider: dict | None, model_cond: dict, out: Path, *, steps: in
             values = chain_values(read_meta(job["task"])["spec"])
             path = Path(job["out"])
             recs = read_trajectory(path) if path.is_file() and path.stat().st_size else None
+            over = 0
             if recs is None:
                 cond = _na(model=model_cond, effort=effort, temperature=temperature, seeds={"sampling": 0},
                            setup={"compaction": job["label"], "context_tokens": job["sampling"]["context_tokens"]})
@@ -286,12 +288,14 @@ def run_sustain(provider: dict | None, model_cond: dict, out: Path, *, steps: in
                 cond = agent_conditions(recs[0], model_cond)
                 cond["setup"] = {**cond["setup"], "compaction": job["label"], "steps": steps}
                 curve = progress_curve(recs, values)
+                over = sum(1 for r in recs if r["type"] == "turn" and r.get("metadata", {}).get("over_context"))
             item = Path(job["task"]).name
             labels = {"compaction": job["label"]}
             value = None if res["status"] == "error" else float(res["score"])
             w.write(item, "score", value, cond, labels, wall_s=res.get("timings", {}).get("total", 0.0),
                     tokens=res.get("tokens", 0) or 0,
-                    detail={"status": res["status"], "error": res.get("detail"), "curve": curve})
+                    detail={"status": res["status"], "error": res.get("detail"), "curve": curve,
+                            "over_context_turns": over})
             for tenth in range(1, 11):
                 calls = -(-2 * steps * tenth // 10)
                 at = [c for c in curve if c[0] <= calls]

@@ -6,8 +6,11 @@ real harness and sandbox (``k3.rl.rollout.rollout`` jobs: canonical harness, the
 tool results are real, verification is the clean-room verifier). An episode is kept only when it
 scored 1.0 and every tool result is the one the solver's later turns assume
 (``Family.check_outputs``); each kept episode is one SFT row (``k3.rl.trajectory.to_chat``, meta:
-family, domain, seed, split, task, reward, effort) on one line of ``out``. Everything else is
-reported with its reason. Rows come in seed order, efforts in the order given. ``out`` is written
+family, domain, seed, split, task, reward, effort) on one line of ``out``. With ``per_turn=m``
+the harness runs at ``context_tokens`` (its compaction on) and an episode gives one row per m-th
+turn instead: what that turn was sent, compacted, then the turn, the only one trained
+(``to_turn_chats``; meta adds ``turn``), so a model learns to act from compacted contexts.
+``rows`` counts rows, ``episodes`` episodes. Everything else is reported with its reason. Rows come in seed order, efforts in the order given. ``out`` is written
 whole to a temporary file and then renamed into place.
 """
 
@@ -23,7 +26,7 @@ from typing import Callable
 
 from k3.errors import ConfigError
 from k3.rl.rollout import run_jobs
-from k3.rl.trajectory import read_trajectory, to_chat
+from k3.rl.trajectory import read_trajectory, to_chat, to_turn_chats
 from k3.tasks.families import EFFORTS, get_family, read_meta
 
 __all__ = ["synthesize", "SynthReport", "parse_seeds", "parse_efforts", "MAX_SEEDS"]
@@ -68,10 +71,16 @@ class SynthReport:
 
 
 def synthesize(family: str, seeds: range, efforts: list[str], out, *, tasks_dir=None, backend: str = "namespace",
-               workers: int = 1, overwrite: bool = False, log: Callable[[str], None] = lambda s: None) -> SynthReport:
+               workers: int = 1, overwrite: bool = False, per_turn: int | None = None,
+               context_tokens: int | None = None, log: Callable[[str], None] = lambda s: None) -> SynthReport:
     """Write the SFT rows of ``family`` x ``seeds`` x ``efforts`` to ``out`` (module doc)."""
     from k3.tasks.verify import Sandboxes
 
+    if (per_turn is None) != (context_tokens is None):
+        raise ConfigError("per-turn rows need both per_turn (--per-turn) and context_tokens (--context-tokens)")
+    for name, v in (("per_turn", per_turn), ("context_tokens", context_tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"{name} must be an int >= 1, got {v!r}")
     fam = get_family(family)
     out = Path(out)
     if out.exists() and (out.is_dir() or out.stat().st_size) and not overwrite:
@@ -86,16 +95,17 @@ def synthesize(family: str, seeds: range, efforts: list[str], out, *, tasks_dir=
             tasks_root = Path(tasks_dir) if tasks_dir else root / "tasks"
             for i in range(0, len(seeds), CHUNK):
                 chunk = seeds[i:i + CHUNK]
-                jobs = _jobs(fam, chunk, efforts, tasks_root, root, backend)
+                jobs = _jobs(fam, chunk, efforts, tasks_root, root, backend, context_tokens)
                 for job, res in zip(jobs, run_jobs(jobs, workers=workers)):
                     rep.episodes += 1
-                    row, why = _row(fam, job, res)
-                    if row is None:
+                    rows, why = _rows(fam, job, res, per_turn)
+                    if rows is None:
                         rep.failed.append((Path(job["task"]).name, job["label"], why))
                         log(f"FAIL {Path(job['task']).name} {job['label']}: {why}")
                     else:
-                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                        rep.rows += 1
+                        for row in rows:
+                            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                        rep.rows += len(rows)
                     Path(job["out"]).unlink(missing_ok=True)
                 if not tasks_dir:
                     shutil.rmtree(tasks_root, ignore_errors=True)
@@ -108,7 +118,7 @@ def synthesize(family: str, seeds: range, efforts: list[str], out, *, tasks_dir=
     return rep
 
 
-def _jobs(fam, seeds, efforts, tasks_root: Path, root: Path, backend: str) -> list[dict]:
+def _jobs(fam, seeds, efforts, tasks_root: Path, root: Path, backend: str, context_tokens: int | None) -> list[dict]:
     jobs = []
     for seed in seeds:
         d = fam.generate(seed, tasks_root, overwrite=True)  # only ever replaces a generated task
@@ -119,11 +129,12 @@ def _jobs(fam, seeds, efforts, tasks_root: Path, root: Path, backend: str) -> li
                                       "turns": fam.solve(d, e)}), encoding="utf-8")
             jobs.append({"task": str(d), "provider": {"kind": "scripted", "transcript": str(tr)}, "seed": None,
                          "backend": backend, "out": str(root / "traj" / f"{d.name}.{e}.jsonl"), "label": e,
-                         "sampling": {"effort": e}})
+                         "sampling": {"effort": e} if context_tokens is None else
+                         {"effort": e, "context_tokens": context_tokens}})
     return jobs
 
 
-def _row(fam, job: dict, res: dict) -> tuple[dict | None, str]:
+def _rows(fam, job: dict, res: dict, per_turn: int | None) -> tuple[list[dict] | None, str]:
     if res["status"] == "error":
         return None, f"error: {res.get('detail')}"
     if res["score"] < 1.0:
@@ -135,6 +146,9 @@ def _row(fam, job: dict, res: dict) -> tuple[dict | None, str]:
     why = fam.check_outputs(meta["spec"], job["label"], outputs)
     if why:
         return None, f"inconsistent: {why}"
-    return to_chat(recs, {"family": fam.name, "domain": fam.domain, "seed": meta["seed"], "split": meta["split"],
-                          "effort": job["label"]}), ""
+    row_meta = {"family": fam.name, "domain": fam.domain, "seed": meta["seed"], "split": meta["split"],
+                "effort": job["label"]}
+    if per_turn is not None:
+        return to_turn_chats(recs, row_meta, every=per_turn), ""
+    return [to_chat(recs, row_meta)], ""
 

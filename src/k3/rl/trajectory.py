@@ -35,13 +35,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3.agent.harness import estimate_tokens
+from k3.agent.harness import estimate_tokens, sent_messages
 from k3.agent.providers import ProviderReply, ProviderRequest
 from k3.agent.randomize import HarnessConfig
 from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
 from k3.errors import K3Error
 
-__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "compare", "to_chat", "VERSION"]
+__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "compare", "to_chat", "to_turn_chats",
+           "VERSION"]
 
 VERSION = 1
 
@@ -208,31 +209,26 @@ def episode_turns(recs: list[dict]) -> list[AgentTurn]:
     return turns
 
 
-def to_chat(trajectory, meta: dict | None = None) -> dict:
-    """One SFT row from a trajectory (a JSONL path or its parsed records); see the module doc.
-    ``meta`` is merged over the row's own ``{"task", "reward", "effort"}``."""
-    recs = _records(trajectory)
-    head = recs[0]
-    cond = _conditions(head)
+def _one_conversation(recs: list[dict], what: str):
+    """(conditions, harness config, turns, provider id) of an episode that one model saw as one
+    conversation, or a K3Error naming why not (a provider switch, harness memory, several providers)."""
+    cond = _conditions(recs[0])
     if any(r["type"] == "switch" for r in recs):
-        raise K3Error("to_chat: the episode switched providers; the later model saw re-plan notes, "
+        raise K3Error(f"{what}: the episode switched providers; the later model saw re-plan notes, "
                       "not one conversation")
     cfg = HarnessConfig.from_dict(cond["harness"])
     if cfg.memory:
-        raise K3Error("to_chat: harness memory was on (a note re-sent at the end of every request); "
+        raise K3Error(f"{what}: harness memory was on (a note re-sent at the end of every request); "
                       "synthesize with the canonical harness")
     turns = episode_turns(recs)
     providers = {t.provider for t in turns}
     if len(providers) > 1:
-        raise K3Error(f"to_chat: turns of several providers {sorted(providers)}")
+        raise K3Error(f"{what}: turns of several providers {sorted(providers)}")
     pid = providers.pop() if providers else cond["model"].get("id", "")
-    system, user = cond["prompt"]["system"], cond["prompt"]["user"]
-    for k in range(len(turns)):
-        sent = history_messages(system, user, turns[:k], pid, cfg.to_model)
-        if estimate_tokens(sent) > cond["context_tokens"]:
-            raise K3Error(f"to_chat: the harness compacted the context before turn {k} (over "
-                          f"{cond['context_tokens']} estimated tokens); the model saw shortened tool outputs")
-    messages = history_messages(system, user, turns, pid, cfg.to_model)
+    return cond, cfg, turns, pid
+
+
+def _row(recs: list[dict], cond: dict, messages: list[dict], meta: dict | None) -> dict:
     for m in messages:
         if m["role"] == "assistant":
             m.setdefault("reasoning_content", "")
@@ -240,6 +236,47 @@ def to_chat(trajectory, meta: dict | None = None) -> dict:
     row = {"messages": messages, "tools": list(cond["tools"])}
     if cond.get("effort") is not None:
         row["reasoning_effort"] = cond["effort"]
-    row["meta"] = {"task": head["task"]["id"], "reward": ends[-1]["score"] if ends else None,
+    row["meta"] = {"task": recs[0]["task"]["id"], "reward": ends[-1]["score"] if ends else None,
                    "effort": cond.get("effort"), **(meta or {})}
     return row
+
+
+def to_chat(trajectory, meta: dict | None = None) -> dict:
+    """One SFT row from a trajectory (a JSONL path or its parsed records); see the module doc.
+    ``meta`` is merged over the row's own ``{"task", "reward", "effort"}``."""
+    recs = _records(trajectory)
+    cond, cfg, turns, pid = _one_conversation(recs, "to_chat")
+    system, user = cond["prompt"]["system"], cond["prompt"]["user"]
+    for k in range(len(turns)):
+        sent = history_messages(system, user, turns[:k], pid, cfg.to_model)
+        if estimate_tokens(sent) > cond["context_tokens"]:
+            raise K3Error(f"to_chat: the harness compacted the context before turn {k} (over "
+                          f"{cond['context_tokens']} estimated tokens); the model saw shortened tool outputs")
+    return _row(recs, cond, history_messages(system, user, turns, pid, cfg.to_model), meta)
+
+
+def to_turn_chats(trajectory, meta: dict | None = None, every: int = 1) -> list[dict]:
+    """SFT rows of one episode, one per assistant turn k with ``k % every == every - 1`` (and the
+    last turn): the messages the harness sent for turn k, compacted as it compacted them
+    (``k3.agent.harness.sent_messages`` under the recorded harness config and ``context_tokens``),
+    then turn k's assistant message. Earlier assistant messages carry ``weight`` 0, so each row
+    trains only the turn the model produced from exactly that context. ``meta`` as ``to_chat``'s,
+    plus ``turn``."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise K3Error(f"to_turn_chats: every must be an int >= 1, got {every!r}")
+    recs = _records(trajectory)
+    cond, cfg, turns, pid = _one_conversation(recs, "to_turn_chats")
+    system, user = cond["prompt"]["system"], cond["prompt"]["user"]
+    rows = []
+    for k, t in enumerate(turns):
+        if k % every != every - 1 and k != len(turns) - 1:
+            continue
+        sent = sent_messages(system, user, turns[:k], pid, cfg, cond["context_tokens"])
+        recorded = t.metadata.get("sent_tokens")
+        if recorded is not None and estimate_tokens(sent) != recorded:
+            raise K3Error(f"to_turn_chats: turn {k}'s context rebuilds to {estimate_tokens(sent)} estimated "
+                          f"tokens, but the harness recorded {recorded}: not what the model was sent")
+        msgs = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in sent]
+        last = history_messages(system, user, [t], pid, cfg.to_model)[2]
+        rows.append(_row(recs, cond, msgs + [last], {**(meta or {}), "turn": k}))
+    return rows

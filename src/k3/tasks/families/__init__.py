@@ -14,6 +14,9 @@ vision tower can run them (a text-only ``ChatFormat`` refuses their conversation
 - ``page`` (domain coding_agent; write, screenshot, shell, submit; the ``browser`` image): write
   index.html with a coloured header and a round button, look at it, submit; pixels are verified.
 
+``chainN`` (``k3.tasks.families.chain.Chain(N)``, the ``k3 eval sustain`` workload of N dependent
+steps) is found by ``get_family`` too, for SFT data of short chains; it is in neither dict.
+
 ``family.generate(seed, out_dir)`` writes ``out_dir/<family>-<seed>/`` deterministically;
 ``family.solve(task_dir_or_spec, effort)`` gives the scripted solver's transcript turns. Seeds
 below ``HELDOUT_START`` are training seeds, the rest held out (``split_of``).
@@ -25,6 +28,7 @@ import difflib
 
 from k3.errors import ConfigError
 from k3.tasks.families.arith import Arith
+from k3.tasks.families.chain import Chain
 from k3.tasks.families.base import (DOMAINS, EFFORTS, HELDOUT_START, META_FILE, SPLITS, Family, check_seed,
                                     read_meta, split_of)
 from k3.tasks.families.code import Code
@@ -40,11 +44,13 @@ VISION_FAMILIES: dict[str, Family] = {f.name: f for f in (Page(),)}
 
 
 def get_family(name: str) -> Family:
-    """The family called ``name`` (of ``FAMILIES`` or ``VISION_FAMILIES``); an unknown name is
-    refused with the closest known one."""
+    """The family called ``name`` (of ``FAMILIES`` or ``VISION_FAMILIES``, or ``chainN``: the
+    sustain workload ``Chain(N)``); an unknown name is refused with the closest known one."""
     known = {**FAMILIES, **VISION_FAMILIES}
     if name in known:
         return known[name]
+    if isinstance(name, str) and name.startswith("chain") and name[5:].isdigit() and name[5:] == str(int(name[5:])):
+        return Chain(int(name[5:]))  # its steps are checked there (1..999)
     close = difflib.get_close_matches(str(name), list(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"unknown task family {name!r} (known: {', '.join(known)}){hint}")
+    raise ConfigError(f"unknown task family {name!r} (known: {', '.join(known)}, chainN for N in 1..999){hint}")

@@ -13,7 +13,8 @@ reward: the share of the N result files holding the right number. The scripted s
 writes each step (one call per turn, its arithmetic in the reasoning) and submits; the hacks
 (zeros everywhere; the start value everywhere) score 0.
 
-Not in ``FAMILIES`` (the SFT / RL families): a ``Chain(steps)`` object is built by the suite.
+Not in ``FAMILIES`` (the SFT / RL families the demos run whole): the suite builds ``Chain(steps)``,
+and ``get_family("chainN")`` gives ``Chain(N)`` (e.g. ``k3 synth chain8:0:300`` for SFT on short chains).
 """
 
 from __future__ import annotations
