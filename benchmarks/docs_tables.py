@@ -12,6 +12,8 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``hybrid_retrieval`` (docs/EVAL.md) from ``docs/data/hybrid_retrieval.json``, the report of one
   ``benchmarks/hybrid_retrieval.py`` run (``runs/hybrid/report.json`` and its plot copied there
   by ``--save-hybrid``);
+- the ``sustain`` table of docs/EVAL.md from ``docs/data/sustain.json``, a ``benchmarks/sustain.py``
+  run (``runs/sustain/report.json`` and its plot copied there by ``--save-sustain``);
 - ``vision_demo`` (docs/VISION.md) from ``docs/data/vision_demo.json``, the report of one
   ``k3 vision-demo`` run (``runs/vision-demo/report.json`` copied there by ``--save-vision``);
 - ``speed_infer`` (docs/INFERENCE.md, README.md) and ``speed_train`` (README.md) from
@@ -34,6 +36,7 @@ a copy, e.g. of a short pipeline check whose figures must not reach the docs).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
+                                     [--save-sustain runs/sustain/report.json]
                                      [--save-vision runs/vision-demo/report.json]
                                      [--save-speed benchmarks/results/infer.jsonl benchmarks/results/train.jsonl]
                                      [--save-micro benchmarks/results/{kda,model,moe,checkpoint,mx}.jsonl]
@@ -55,6 +58,7 @@ DOC = ROOT / "docs" / "POSTTRAINING.md"
 RL_DATA = ROOT / "docs" / "data" / "rl_demo.json"
 RL_DOC = ROOT / "docs" / "RL.md"
 HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
+SUSTAIN_DATA = ROOT / "docs" / "data" / "sustain.json"
 EVAL_DOC = ROOT / "docs" / "EVAL.md"
 EVAL_ROWS = ROOT / "docs" / "data" / "eval_harness.jsonl"
 SPEED = ROOT / "docs" / "data" / "speed.jsonl"
@@ -180,6 +184,29 @@ def hybrid_table(report: dict) -> str:
         "Each cell: exact-match accuracy · decode cache after prefill.", "", *rows, "",
         "By depth of the queried fact (0 = the haystack's start, 1 = its end), exact-match accuracy:", "",
         *depth_rows(lays, ts)])
+
+
+def sustain_table(report: dict) -> str:
+    """Per chain length × compaction mode: the model's verifier scores, how long it sustained the
+    work and the largest context it was sent, beside the reference solution's scores."""
+    rows = ["| N steps (2·N calls) | compaction | model: score per seed | mean | sustained calls per seed "
+            "| largest context sent | turns over the limit | reference: score per seed |", "|---" * 8 + "|"]
+    for n, modes in report["model"].items():
+        for mode, s in modes.items():
+            ref = report["reference"][n][mode]
+            rows.append(f"| {n} | {mode} | {', '.join(f'{v:.2f}' for v in s['score'])} | {s['mean_score']:.2f} | "
+                        f"{', '.join(map(str, s['sustained_calls']))} | {max(s['max_sent_tokens']):,} | "
+                        f"{sum(s['over_context_turns'])} | {', '.join(f'{v:.2f}' for v in ref['score'])} |")
+    sft = report["sft"]
+    return "\n".join([
+        f"Measured {report['date']} on {report['machine']} (`docs/data/sustain.json`, plot `docs/data/sustain.png`). "
+        f"Model: the agent base after SFT of {sft['steps']} steps of {sft['batch_size']} × {sft['seq_len']} tokens "
+        f"(lr {sft['lr']}) on one row per turn of chains of {', '.join(map(str, report['train_steps']))} steps "
+        f"({report['train_seeds']} training seeds each), compacted at {report['context_tokens']} tokens. "
+        f"Sustain: held-out seeds {report['eval_seeds'][0]}..{report['eval_seeds'][-1]}, LocalEngine, effort "
+        f"{report['effort']}, temperature {report['temperature']}, compaction on (at {report['context_tokens']} "
+        "tokens, the training limit) and off. Score: the verifier's share of steps right; sustained calls: "
+        "the tool call at which progress last rose.", "", *rows])
 
 
 def depth_rows(lays: dict, ts: list[int]) -> list[str]:
@@ -603,6 +630,8 @@ def main() -> int:
     p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
     p.add_argument("--save-hybrid", help="a benchmarks/hybrid_retrieval.py report.json (its plot beside it) to "
                                          "record as docs/data/hybrid_retrieval.json / .png first")
+    p.add_argument("--save-sustain", help="a benchmarks/sustain.py report.json (its plot beside it) to record as "
+                                          "docs/data/sustain.json / .png first")
     p.add_argument("--save-eval", help="a k3 eval harness run folder whose rows.jsonl to record as "
                                        "docs/data/eval_harness.jsonl first")
     p.add_argument("--save-vision", help="a k3 vision-demo report.json to record as docs/data/vision_demo.json first")
@@ -650,12 +679,16 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
     if a.save_eval:
         eval_rows.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(a.save_eval) / "rows.jsonl", eval_rows)
-    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA), (a.save_vision, VISION_DATA)):
+    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA), (a.save_vision, VISION_DATA),
+                     (a.save_sustain, SUSTAIN_DATA)):
         if src:
+            require_stamp([json.loads(Path(src).read_text())], str(src))
             at(dst).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, at(dst))
     if a.save_hybrid:
         shutil.copyfile(Path(a.save_hybrid).parent / "hybrid_retrieval.png", at(HYBRID_DATA).with_suffix(".png"))
+    if a.save_sustain:
+        shutil.copyfile(Path(a.save_sustain).parent / "sustain.png", at(SUSTAIN_DATA).with_suffix(".png"))
     replace_block(at(DOC), "agent_demo", agent_demo_table(json.loads(at(DATA).read_text())))
     print(f"wrote the agent_demo table of {rel(at(DOC))} from {rel(at(DATA))}")
     def report(path: Path):
@@ -669,6 +702,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         (ablations, at(README), "ablations", ablations_table, read_rows),
         (at(VISION_DATA), at(VISION_DOC), "vision_demo", vision_demo_table, report),
         (at(HYBRID_DATA), at(EVAL_DOC), "hybrid_retrieval", hybrid_table, report),
+        (at(SUSTAIN_DATA), at(EVAL_DOC), "sustain", sustain_table, report),
         (at(SCALING_DATA), at(SCALING_DOC), "scaling", scaling_table, report),
     ]
     if speed.exists():

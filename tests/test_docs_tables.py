@@ -53,6 +53,8 @@ def _blocks():
     if T.HYBRID_DATA.exists():
         out.append((T.EVAL_DOC, "hybrid_retrieval", T.HYBRID_DATA,
                     T.hybrid_table(json.loads(T.HYBRID_DATA.read_text()))))
+    if T.SUSTAIN_DATA.exists():
+        out.append((T.EVAL_DOC, "sustain", T.SUSTAIN_DATA, T.sustain_table(json.loads(T.SUSTAIN_DATA.read_text()))))
     if T.MICRO.exists():
         out.append((T.README, "micro", T.MICRO, T.micro_table(_rows(T.MICRO))))
     if T.DEMO_DATA.exists():
@@ -97,6 +99,7 @@ def test_the_readme_and_docs_are_what_rerendering_gives(tmp_path):
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copyfile(T.README, tmp_path / "README.md")
     none = argparse.Namespace(**{k: None for k in ("save", "save_rl", "save_hybrid", "save_eval", "save_vision",
+                                                   "save_sustain",
                                                    "save_speed", "save_micro", "save_demo", "save_ablations")})
     T.render_all(none, tmp_path)
     for f in [tmp_path / "README.md", *(tmp_path / "docs").glob("*.md")]:

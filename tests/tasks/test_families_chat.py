@@ -160,6 +160,27 @@ def test_rows_per_turn_of_a_compacted_episode_are_what_each_turn_was_sent(tmp_pa
         to_turn_chats(recs, every=0)
 
 
+def test_rows_per_turn_carry_the_memory_note_each_turn_was_sent(tmp_path, sandboxes, fmt):
+    """Harness memory on (a note re-sent last, changing each turn): to_chat refuses the episode, and
+    each per-turn row is the request as sent, note included; a trajectory without the recorded
+    note is refused."""
+    harness = {**HarnessConfig.from_seed(2).as_dict(), "memory": True}
+    s, recs, requests, _ = synthesized(tmp_path, sandboxes, "files", "high", harness=harness)
+    assert s["score"] == 1.0
+    with pytest.raises(K3Error, match="harness memory was on"):
+        to_chat(recs)
+    rows = to_turn_chats(recs)
+    assert len(rows) == len(requests) >= 3
+    notes = [row["messages"][-2]["content"] for row in rows]
+    assert all(n.startswith("Notes kept by the harness") for n in notes) and len(set(notes)) == len(notes)
+    for row, req in zip(rows, requests):
+        assert [{k: v for k, v in m.items() if k != "weight"} for m in row["messages"][:-1]] == req.messages
+    stripped = [dict(r, metadata={k: v for k, v in r["metadata"].items() if k != "memory"}) if r["type"] == "turn"
+                else r for r in recs]
+    with pytest.raises(K3Error, match="turn 0 records no memory note"):
+        to_turn_chats(stripped)
+
+
 @pytest.mark.slow
 def test_the_local_engine_itself_renders_those_prompts(tmp_path, sandboxes, make_nano_checkpoint):
     """The real LocalEngine (a nano model) reports as prompt tokens the length of each row prompt."""

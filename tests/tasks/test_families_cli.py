@@ -9,6 +9,7 @@ from k3.data.chat import ChatFormat
 from k3.data.tokenizer import train_tokenizer
 from k3.cli.task import task_main
 from k3.agent.harness import estimate_tokens
+from k3.agent.randomize import HarnessConfig
 from k3.rl.synth import parse_efforts, parse_seeds
 from k3.tasks.families import HELDOUT_START, read_meta
 from k3.tasks.families.arith import Arith
@@ -111,12 +112,39 @@ def test_synth_per_turn_rows_of_short_chains_under_compaction(tmp_path, sandboxe
     assert main(argv + ["--overwrite"]) == 0  # the control: whole episodes, far over the limit
     whole = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(whole) == 2 and estimate_tokens(whole[0]["messages"]) > 2 * 400
-    one_line_error(capsys, argv + ["--overwrite", "--per-turn", "2"], "need both per_turn")
+    one_line_error(capsys, argv + ["--overwrite", "--context-tokens", "400"], "need per_turn")
+    one_line_error(capsys, argv + ["--overwrite", "--harness-seeds", "1:3"], "need per_turn")
+    one_line_error(capsys, argv + ["--overwrite", "--per-turn", "1", "--harness-seeds", "3:1"],
+                   "--harness-seeds must be A:B")
     one_line_error(capsys, argv + ["--overwrite", "--per-turn", "0", "--context-tokens", "9"], "per_turn must be an int >= 1")
     one_line_error(capsys, argv + ["--overwrite"] + ["--per-turn", "1", "--context-tokens", "0"],
                    "context_tokens must be an int >= 1")
     one_line_error(capsys, ["task", "synth", "chain0", "--seeds", "0:2", "--out", str(tmp_path / "y")],
                    "chain steps must be an int in 1..999")
+
+
+def test_synth_under_randomized_harnesses_uses_each_rooms_tool_names(tmp_path, sandboxes):
+    """--harness-seeds 1:4: episode (seed, effort j) runs under harness seed 1 + (3·seed + j) mod 3; its
+    rows call that harness's tool names and carry its system prompt and memory note when it has one;
+    the canonical rows of the same tasks (the control) call the canonical names."""
+    out = tmp_path / "r.jsonl"
+    assert main(["task", "synth", "files", "--seeds", "0:2", "--out", str(out), "--per-turn", "1",
+                 "--harness-seeds", "1:4"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    want = {(s, e): 1 + (3 * s + j) % 3 for s in range(2) for j, e in enumerate(("low", "high", "max"))}
+    assert {(r["meta"]["seed"], r["meta"]["effort"]): r["meta"]["harness"] for r in rows} == want
+    for r in rows:
+        cfg = HarnessConfig.from_seed(r["meta"]["harness"])
+        names = {c["function"]["name"] for m in r["messages"] if m["role"] == "assistant"
+                 for c in m.get("tool_calls", [])}
+        assert names <= {cfg.tool_names[t] for t in ("shell", "write", "submit")}
+        assert [t["function"]["name"] for t in r["tools"]] == [cfg.tool_names[t] for t in ("shell", "write", "submit")]
+        assert (r["messages"][-2]["content"].startswith("Notes kept by the harness")) == cfg.memory
+    assert {HarnessConfig.from_seed(h).memory for h in want.values()} == {True, False}  # both kinds covered
+    assert main(["task", "synth", "files", "--seeds", "0:2", "--out", str(out), "--overwrite", "--per-turn", "1"]) == 0
+    canon = {c["function"]["name"] for x in out.read_text().splitlines() for m in json.loads(x)["messages"]
+             if m["role"] == "assistant" for c in m.get("tool_calls", [])}
+    assert canon == {"shell", "write", "submit"}
 
 
 @pytest.mark.slow

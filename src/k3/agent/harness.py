@@ -202,8 +202,9 @@ class Harness:
                 "budget": dataclasses.asdict(self.budget), "effort": self.effort, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "context_tokens": self.context_tokens, "seed": self.seed}
 
-    def messages(self) -> list[dict]:
-        extra = [{"role": "user", "content": self._memory()}] if self.cfg.memory else []
+    def messages(self, memory: str | None = None) -> list[dict]:
+        """What the provider is sent next; ``memory``: the harness's note (sent last when memory is on)."""
+        extra = [{"role": "user", "content": memory}] if memory is not None else []
         return sent_messages(self.system, self.goal, self.turns, self.provider.id, self.cfg, self.context_tokens,
                              extra)
 
@@ -234,7 +235,8 @@ class Harness:
                 status = "token_budget"
             if status != "completed":
                 break
-            req = ProviderRequest(self.messages(), self.schemas, self.cfg, self.max_tokens, self.temperature,
+            memory = self._memory() if self.cfg.memory else None
+            req = ProviderRequest(self.messages(memory), self.schemas, self.cfg, self.max_tokens, self.temperature,
                                   self.seed, self.effort, timeout=max(left(), 0.1))
             t1 = self.clock()
             try:
@@ -249,6 +251,8 @@ class Harness:
                     "elapsed": round(self.clock() - t1, 6), "sent_tokens": estimate_tokens(req.messages)}
             if meta["sent_tokens"] > self.context_tokens:  # even the last turns and the goal do not fit
                 meta["over_context"] = True
+            if memory is not None:  # the note as sent (it changes every turn): per-turn SFT rows rebuild it
+                meta["memory"] = memory
             if reply.sample is not None:  # the sampled ids and their logprobs (RL's importance ratios)
                 meta["sample"] = reply.sample
             turn = AgentTurn(reply.visible, reply.reasoning, [], [], self.provider.id, meta)

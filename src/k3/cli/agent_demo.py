@@ -6,7 +6,9 @@
 2. **Data**: every family of ``k3.tasks.families`` (general: ``arith``; general agent: ``files``;
    coding agent: ``code``) × low / high / max, on training seeds, through the family's scripted
    solver in the real harness and sandboxes (``k3.rl.synth``): tool results are real, and only
-   episodes the hidden verifier passed become SFT conversations.
+   episodes the hidden verifier passed become SFT conversations. With ``--harness-seeds A:B`` each
+   episode runs under one of those randomized harnesses instead (tool and argument names, prompt
+   template, context strategy, memory note), one SFT row per turn (``k3 task synth --per-turn 1``).
 3. **SFT**: ``k3 sft`` of the base on those conversations (the one Trainer; packed rows).
 4. **Held-out evaluation**: fresh seeds (``HELDOUT_START`` on), each family × effort, through the
    real harness and sandboxes with the ``LocalEngine`` provider, greedy; the base checkpoint on
@@ -50,6 +52,7 @@ class AgentDemo:
     max_tokens: int
     threads: int | str
     results: Path | None = REPO / "benchmarks" / "results" / "agent_demo.jsonl"  # JSON lines appended
+    harness_seeds: list[int] | None = None  # SFT episodes under these randomized harnesses, one row per turn
 
     def run(self, log=print) -> dict:
         from k3.tasks.families import FAMILIES
@@ -71,7 +74,8 @@ class AgentDemo:
         from k3.tasks.families import EFFORTS
         for fam in FAMILIES:
             rep = synthesize(fam, range(self.train_seeds[fam]), list(EFFORTS), data / f"{fam}.jsonl",
-                             workers=self.workers, overwrite=True)
+                             workers=self.workers, overwrite=True, harness_seeds=self.harness_seeds,
+                             per_turn=None if self.harness_seeds is None else 1)
             log(f"   {fam}: {rep.rows} conversations from {rep.episodes} episodes ({len(rep.failed)} failed)")
         times["synth_s"] = time.monotonic() - t0
 
@@ -102,6 +106,8 @@ class AgentDemo:
         report = {"cells": cells, "times": {k: round(v, 1) for k, v in times.items()},
                   "sft": {"steps": self.steps, "batch_size": self.batch_size, "seq_len": self.seq_len,
                           "lr": self.lr, **trainer.corpus.counts(),
+                          "harness_seeds": None if self.harness_seeds is None else
+                          [self.harness_seeds[0], self.harness_seeds[-1]],
                           "final_val_loss": res.val["val_loss"] if res.val else None},
                   "machine": machine(), "date": time.strftime("%Y-%m-%d")}
         (self.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -226,6 +232,9 @@ def agent_demo_main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn")
     p.add_argument("--threads", default="auto")
+    p.add_argument("--harness-seeds", default=None, metavar="A:B",
+                   help="synthesize the SFT episodes under randomized harnesses A..B-1 (one row per turn; "
+                        "default: the canonical harness, one row per episode)")
     a = p.parse_args(argv)
 
     def run() -> int:
@@ -238,9 +247,11 @@ def agent_demo_main(argv: list[str] | None = None) -> int:
             if getattr(a, name) < 0:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(a, name)}")
         threads = a.threads if a.threads == "auto" else int(a.threads)
+        from k3.rl.synth import parse_seeds
+        harness = None if a.harness_seeds is None else list(parse_seeds(a.harness_seeds, "--harness-seeds"))
         AgentDemo(Path(a.base), Path(a.out), {"arith": a.arith_seeds, "files": a.files_seeds, "code": a.code_seeds},
                   a.heldout, a.control, a.steps, a.batch_size, a.seq_len, a.lr, a.workers, a.max_tokens,
-                  threads).run()
+                  threads, harness_seeds=harness).run()
         return 0
 
     from k3.cliutil import guarded

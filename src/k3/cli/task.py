@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="one row per M-th turn of each episode, as compacted at --context-tokens (only that turn trained)")
     sy.add_argument("--context-tokens", type=int, default=None,
                     help="the harness's context limit for --per-turn episodes (its compaction on)")
+    sy.add_argument("--harness-seeds", default=None, metavar="A:B",
+                    help="randomized harnesses (seeds A..B-1, in turn) for --per-turn episodes")
     rp = sub.add_parser("replay", help="re-run a trajectory and compare")
     rp.add_argument("trajectory")
     rp.add_argument("--backend", default=None)
@@ -259,7 +261,9 @@ def cmd_synth(args) -> int:
     out = args.out or f"sft/{fam.name}-{seeds.start}-{seeds.stop}.jsonl"
     rep = synthesize(fam.name, seeds, efforts, out, tasks_dir=args.tasks_dir, backend=args.backend,
                      workers=args.workers, overwrite=args.overwrite, per_turn=args.per_turn,
-                     context_tokens=args.context_tokens, log=print)
+                     context_tokens=args.context_tokens,
+                     harness_seeds=None if args.harness_seeds is None else list(parse_seeds(args.harness_seeds, "--harness-seeds")),
+                     log=print)
     print(f"synth: {rep.rows} row(s) from {rep.episodes} episode(s) -> {rep.out}; {len(rep.failed)} failed")
     return 1 if rep.failed else 0
 

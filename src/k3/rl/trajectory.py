@@ -6,7 +6,8 @@ One JSON object per line, each with ``"type"`` and ``"t"`` (seconds since the ro
   (model, harness config incl. randomization, tool schemas as sent, prompt, budget, effort,
   temperature, max_tokens, context_tokens, seed), policy options (yolo, network);
 - ``turn``: index, provider id, visible text, reasoning, the tool calls as the model sent them
-  (model-side names), metadata (usage, finish_reason, elapsed);
+  (model-side names), metadata (usage, finish_reason, elapsed, sent_tokens; ``over_context`` when even
+  the compacted context did not fit; ``memory``, the note as sent, when harness memory was on);
 - ``policy``: one decision of the chain per tool call (action, allowed, rule, reason, effects);
 - ``tool``: call id, canonical name and arguments, the result (output, error, meta), elapsed;
 - ``submission``: accepted or refused (with the reason), the manifest (sha256 + size per file);
@@ -26,6 +27,10 @@ harness's model-side names) and its tool results. Rendered up to assistant turn 
 generation prompt, it gives the ids a ``LocalEngine`` rendered for request k. Refused when no
 single conversation is what the model saw: a provider switch (re-plan notes), harness memory (a
 note re-sent at the end of every request) or a compacted context.
+
+``to_turn_chats(trajectory, meta, every)`` gives one row per (every-th) turn instead: what that turn
+was sent (compacted, with its memory note), then the turn, the only one with loss; it takes the
+episodes ``to_chat`` refuses for compaction or memory.
 """
 
 from __future__ import annotations
@@ -209,17 +214,14 @@ def episode_turns(recs: list[dict]) -> list[AgentTurn]:
     return turns
 
 
-def _one_conversation(recs: list[dict], what: str):
-    """(conditions, harness config, turns, provider id) of an episode that one model saw as one
-    conversation, or a K3Error naming why not (a provider switch, harness memory, several providers)."""
+def _one_model(recs: list[dict], what: str):
+    """(conditions, harness config, turns, provider id) of an episode one model played throughout,
+    or a K3Error naming why not (a provider switch, several providers)."""
     cond = _conditions(recs[0])
     if any(r["type"] == "switch" for r in recs):
         raise K3Error(f"{what}: the episode switched providers; the later model saw re-plan notes, "
                       "not one conversation")
     cfg = HarnessConfig.from_dict(cond["harness"])
-    if cfg.memory:
-        raise K3Error(f"{what}: harness memory was on (a note re-sent at the end of every request); "
-                      "synthesize with the canonical harness")
     turns = episode_turns(recs)
     providers = {t.provider for t in turns}
     if len(providers) > 1:
@@ -245,7 +247,10 @@ def to_chat(trajectory, meta: dict | None = None) -> dict:
     """One SFT row from a trajectory (a JSONL path or its parsed records); see the module doc.
     ``meta`` is merged over the row's own ``{"task", "reward", "effort"}``."""
     recs = _records(trajectory)
-    cond, cfg, turns, pid = _one_conversation(recs, "to_chat")
+    cond, cfg, turns, pid = _one_model(recs, "to_chat")
+    if cfg.memory:
+        raise K3Error("to_chat: harness memory was on (a note re-sent at the end of every request); "
+                      "synthesize with the canonical harness, or one row per turn (to_turn_chats)")
     system, user = cond["prompt"]["system"], cond["prompt"]["user"]
     for k in range(len(turns)):
         sent = history_messages(system, user, turns[:k], pid, cfg.to_model)
@@ -258,20 +263,26 @@ def to_chat(trajectory, meta: dict | None = None) -> dict:
 def to_turn_chats(trajectory, meta: dict | None = None, every: int = 1) -> list[dict]:
     """SFT rows of one episode, one per assistant turn k with ``k % every == every - 1`` (and the
     last turn): the messages the harness sent for turn k, compacted as it compacted them
-    (``k3.agent.harness.sent_messages`` under the recorded harness config and ``context_tokens``),
-    then turn k's assistant message. Earlier assistant messages carry ``weight`` 0, so each row
+    (``k3.agent.harness.sent_messages`` under the recorded harness config and ``context_tokens``,
+    with the memory note the turn records when memory was on), then turn k's assistant message. Earlier assistant messages carry ``weight`` 0, so each row
     trains only the turn the model produced from exactly that context. ``meta`` as ``to_chat``'s,
     plus ``turn``."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise K3Error(f"to_turn_chats: every must be an int >= 1, got {every!r}")
     recs = _records(trajectory)
-    cond, cfg, turns, pid = _one_conversation(recs, "to_turn_chats")
+    cond, cfg, turns, pid = _one_model(recs, "to_turn_chats")
     system, user = cond["prompt"]["system"], cond["prompt"]["user"]
     rows = []
     for k, t in enumerate(turns):
         if k % every != every - 1 and k != len(turns) - 1:
             continue
-        sent = sent_messages(system, user, turns[:k], pid, cfg, cond["context_tokens"])
+        extra = None
+        if cfg.memory:
+            if not isinstance(t.metadata.get("memory"), str):
+                raise K3Error(f"to_turn_chats: harness memory was on but turn {k} records no memory note "
+                              "(metadata.memory; a trajectory from before notes were recorded)")
+            extra = [{"role": "user", "content": t.metadata["memory"]}]
+        sent = sent_messages(system, user, turns[:k], pid, cfg, cond["context_tokens"], extra)
         recorded = t.metadata.get("sent_tokens")
         if recorded is not None and estimate_tokens(sent) != recorded:
             raise K3Error(f"to_turn_chats: turn {k}'s context rebuilds to {estimate_tokens(sent)} estimated "
