@@ -8,7 +8,8 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``rl_demo`` (docs/RL.md) from ``docs/data/rl_demo.json``, the report of one
   ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``);
 - ``eval_harness`` (docs/EVAL.md) from ``docs/data/eval_harness.jsonl``, the rows of one
-  ``k3 eval harness`` run (``RUN/rows.jsonl`` copied there by ``--save-eval RUN``);
+  ``k3 eval harness`` run (``RUN/rows.jsonl`` copied there by ``--save-eval RUN``), and
+  ``eval_harness_randomized`` from ``docs/data/eval_harness_randomized.jsonl`` (``--save-eval-randomized``);
 - ``hybrid_retrieval`` (docs/EVAL.md) from ``docs/data/hybrid_retrieval.json``, the report of one
   ``benchmarks/hybrid_retrieval.py`` run (``runs/hybrid/report.json`` and its plot copied there
   by ``--save-hybrid``);
@@ -36,7 +37,7 @@ a copy, e.g. of a short pipeline check whose figures must not reach the docs).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
-                                     [--save-sustain runs/sustain/report.json]
+                                     [--save-sustain runs/sustain/report.json] [--save-eval-randomized RUN]
                                      [--save-vision runs/vision-demo/report.json]
                                      [--save-speed benchmarks/results/infer.jsonl benchmarks/results/train.jsonl]
                                      [--save-micro benchmarks/results/{kda,model,moe,checkpoint,mx}.jsonl]
@@ -61,6 +62,7 @@ HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
 SUSTAIN_DATA = ROOT / "docs" / "data" / "sustain.json"
 EVAL_DOC = ROOT / "docs" / "EVAL.md"
 EVAL_ROWS = ROOT / "docs" / "data" / "eval_harness.jsonl"
+EVAL_ROWS_RANDOMIZED = ROOT / "docs" / "data" / "eval_harness_randomized.jsonl"
 SPEED = ROOT / "docs" / "data" / "speed.jsonl"
 VISION_DATA = ROOT / "docs" / "data" / "vision_demo.json"
 VISION_DOC = ROOT / "docs" / "VISION.md"
@@ -186,6 +188,10 @@ def hybrid_table(report: dict) -> str:
         *depth_rows(lays, ts)])
 
 
+def eval_harness_randomized_table(rows: list[dict]) -> str:
+    return eval_harness_table(rows, "docs/data/eval_harness_randomized.jsonl")
+
+
 def sustain_table(report: dict) -> str:
     """Per chain length × compaction mode: the model's verifier scores, how long it sustained the
     work and the largest context it was sent, beside the reference solution's scores."""
@@ -219,7 +225,7 @@ def depth_rows(lays: dict, ts: list[int]) -> list[str]:
     return rows
 
 
-def eval_harness_table(rows: list[dict]) -> str:
+def eval_harness_table(rows: list[dict], where: str = "docs/data/eval_harness.jsonl") -> str:
     """Per family × effort: the mean score under each harness seed, the mean over seeds with its
     bootstrap interval over tasks, and the spread (std over seeds); the hack and solution columns."""
     import sys
@@ -230,7 +236,7 @@ def eval_harness_table(rows: list[dict]) -> str:
     first = scores[0]
     c = first["conditions"]
     seeds = sorted({r["labels"]["harness"] for r in scores})
-    out = [f"Measured {first['date']} on {first['machine']} (`docs/data/eval_harness.jsonl`: every row with its "
+    out = [f"Measured {first['date']} on {first['machine']} (`{where}`: every row with its "
            f"conditions). Model {c['model']['name']} ({c['model']['fingerprint']}), temperature "
            f"{c['temperature']}, {c['setup']['max_tokens']} tokens per turn, harness seeds {', '.join(map(str, seeds))}.",
            "", "| family | effort | " + " | ".join(f"seed {s}" for s in seeds)
@@ -634,6 +640,9 @@ def main() -> int:
                                           "docs/data/sustain.json / .png first")
     p.add_argument("--save-eval", help="a k3 eval harness run folder whose rows.jsonl to record as "
                                        "docs/data/eval_harness.jsonl first")
+    p.add_argument("--save-eval-randomized", help="a k3 eval harness run folder of the agent demo's model "
+                                                  "fine-tuned under randomized harnesses, recorded as "
+                                                  "docs/data/eval_harness_randomized.jsonl first")
     p.add_argument("--save-vision", help="a k3 vision-demo report.json to record as docs/data/vision_demo.json first")
     p.add_argument("--save-speed", nargs="+", metavar="JSONL",
                    help="benchmarks/results/infer.jsonl and/or train.jsonl: their last runs recorded as "
@@ -676,9 +685,10 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         ablations.write_text("".join(json.dumps(r) + "\n" for r in rows))
     if a.save_demo:
         save_report(Path(a.save_demo), at(DEMO_DATA))
-    if a.save_eval:
-        eval_rows.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(Path(a.save_eval) / "rows.jsonl", eval_rows)
+    for src, dst in ((a.save_eval, eval_rows), (a.save_eval_randomized, at(EVAL_ROWS_RANDOMIZED))):
+        if src:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(src) / "rows.jsonl", dst)
     for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA), (a.save_vision, VISION_DATA),
                      (a.save_sustain, SUSTAIN_DATA)):
         if src:
@@ -697,6 +707,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
     tables = [  # (data, doc, block, render, reader): each table rendered when its data is there
         (at(RL_DATA), at(RL_DOC), "rl_demo", rl_demo_table, report),
         (eval_rows, at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),
+        (at(EVAL_ROWS_RANDOMIZED), at(EVAL_DOC), "eval_harness_randomized", eval_harness_randomized_table, read_rows),
         (micro, at(README), "micro", micro_table, read_rows),
         (at(DEMO_DATA), at(README), "demo", demo_table, report),
         (ablations, at(README), "ablations", ablations_table, read_rows),

@@ -47,6 +47,9 @@ def _blocks():
         out.append((T.RL_DOC, "rl_demo", T.RL_DATA, T.rl_demo_table(json.loads(T.RL_DATA.read_text()))))
     if T.EVAL_ROWS.exists():
         out.append((T.EVAL_DOC, "eval_harness", T.EVAL_ROWS, T.eval_harness_table(_rows(T.EVAL_ROWS))))
+    if T.EVAL_ROWS_RANDOMIZED.exists():
+        out.append((T.EVAL_DOC, "eval_harness_randomized", T.EVAL_ROWS_RANDOMIZED,
+                    T.eval_harness_randomized_table(_rows(T.EVAL_ROWS_RANDOMIZED))))
     if T.VISION_DATA.exists():
         out.append((T.VISION_DOC, "vision_demo", T.VISION_DATA,
                     T.vision_demo_table(json.loads(T.VISION_DATA.read_text()))))
@@ -99,7 +102,7 @@ def test_the_readme_and_docs_are_what_rerendering_gives(tmp_path):
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copyfile(T.README, tmp_path / "README.md")
     none = argparse.Namespace(**{k: None for k in ("save", "save_rl", "save_hybrid", "save_eval", "save_vision",
-                                                   "save_sustain",
+                                                   "save_sustain", "save_eval_randomized",
                                                    "save_speed", "save_micro", "save_demo", "save_ablations")})
     T.render_all(none, tmp_path)
     for f in [tmp_path / "README.md", *(tmp_path / "docs").glob("*.md")]:
