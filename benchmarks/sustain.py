@@ -12,12 +12,13 @@ steps, run through chains far longer than it trained on, with the harness's comp
    N of ``--eval-steps`` on held-out seeds, compaction on (at the training limit) and off; the
    reference solution on the same seeds is the control (progress 1 in both modes).
 
-Writes ``OUT/report.json`` (per eval length × mode: the verifier's score per seed, mean progress
-and mean context sent at each tenth of the 2·N calls, the calls made before the first wrong
-result, statuses; training settings, times, machine and date), ``OUT/sustain.png`` (progress and
-context sent against tool calls) and one JSON line per eval length × mode to
-``benchmarks/results/sustain.jsonl``. ``python benchmarks/docs_tables.py --save-sustain
-OUT/report.json`` records it under docs/data and renders its table into docs/EVAL.md.
+Writes ``OUT/train.json`` (the training settings; ``--reuse`` evaluates ``OUT/sft`` again from it),
+``OUT/report.json`` (per eval length × mode: the verifier's score per seed, mean progress and mean
+context sent at each tenth of the 2·N calls, the call at which progress last rose, statuses;
+training settings, times, machine and date), ``OUT/sustain.png`` (progress and context sent
+against tool calls) and one JSON line per eval length × mode to ``benchmarks/results/sustain.jsonl``.
+``python benchmarks/docs_tables.py --save-sustain OUT/report.json`` records it under docs/data and
+renders its table into docs/EVAL.md.
 
     python benchmarks/sustain.py [--out runs/sustain] [--base runs/agent-base]
 """
@@ -103,38 +104,15 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/sustain")
-    p.add_argument("--base", default="runs/agent-base", help="the pretrained base (pretrained when missing)")
-    p.add_argument("--train-steps", default="8,16,24,32", help="chain lengths N of the SFT episodes")
-    p.add_argument("--train-seeds", type=int, default=40, help="training seeds per chain length")
-    p.add_argument("--context-tokens", type=int, default=500, help="the harness's limit in training and 'on'")
-    p.add_argument("--sft-steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-steps", default="32,100", help="chain lengths N of the sustain episodes")
-    p.add_argument("--eval-seeds", type=int, default=3, help="held-out seeds per eval length")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens per assistant turn")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--threads", default="1")
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "sustain.jsonl"))
-    a = p.parse_args()
-
+def train(a, out: Path, base: Path, times: dict) -> dict:
+    """Pretrain the base when missing, synthesize the per-turn rows, SFT; the training settings
+    (also written to ``OUT/train.json``)."""
     from k3.cli.agent_demo import _has_checkpoint
-    from k3.rl.eval_rows import machine, model_condition
-    from k3.rl.eval_suites import run_sustain
     from k3.rl.sft import SFTRows
     from k3.rl.synth import synthesize
-    from k3.tasks.families import HELDOUT_START
     from k3.train.config import TrainConfig
     from k3.train.loop import Trainer
 
-    out, base = Path(a.out), Path(a.base)
-    out.mkdir(parents=True, exist_ok=True)
-    times: dict[str, float] = {}
-    t_all = time.monotonic()
     if not _has_checkpoint(base):
         print(f"== no checkpoint in {base}: pretraining it (k3 demo's code, the agent base recipe)", flush=True)
         t0 = time.monotonic()
@@ -165,8 +143,56 @@ def main() -> int:
     print("   " + trainer.corpus.summary(), flush=True)
     res = trainer.train()
     times["sft_s"] = time.monotonic() - t0
-    sft = out / "sft"
+    trained = {"base": str(base), "train_steps": _ints(a.train_steps), "train_seeds": a.train_seeds,
+               "context_tokens": a.context_tokens, "synth": synth,
+               "sft": {"steps": a.sft_steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "lr": a.lr,
+                       **trainer.corpus.counts(), "final_val_loss": res.val["val_loss"] if res.val else None},
+               "train_times": {k: round(v, 1) for k, v in times.items()}}
+    (out / "train.json").write_text(json.dumps(trained, indent=1) + "\n")
+    return trained
 
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/sustain")
+    p.add_argument("--base", default="runs/agent-base", help="the pretrained base (pretrained when missing)")
+    p.add_argument("--train-steps", default="8,16,24,32", help="chain lengths N of the SFT episodes")
+    p.add_argument("--train-seeds", type=int, default=40, help="training seeds per chain length")
+    p.add_argument("--context-tokens", type=int, default=500, help="the harness's limit in training and 'on'")
+    p.add_argument("--sft-steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-steps", default="32,100", help="chain lengths N of the sustain episodes")
+    p.add_argument("--eval-seeds", type=int, default=3, help="held-out seeds per eval length")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per assistant turn")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", default="1")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "sustain.jsonl"))
+    p.add_argument("--reuse", action="store_true",
+                   help="evaluate OUT/sft as it is: no pretraining, synthesis or SFT (its settings come from "
+                        "OUT/train.json, written by the run that trained it)")
+    a = p.parse_args()
+
+    from k3.cli.agent_demo import _has_checkpoint
+    from k3.rl.eval_rows import machine, model_condition
+    from k3.rl.eval_suites import run_sustain
+    from k3.tasks.families import HELDOUT_START
+
+    out, base = Path(a.out), Path(a.base)
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    t_all = time.monotonic()
+    sft = out / "sft"
+    if a.reuse:
+        if not (out / "train.json").is_file() or not _has_checkpoint(sft):
+            raise SystemExit(f"sustain: --reuse needs {out / 'train.json'} and a checkpoint in {sft}")
+        trained = json.loads((out / "train.json").read_text())
+        if trained["context_tokens"] != a.context_tokens:
+            raise SystemExit(f"sustain: --context-tokens {a.context_tokens} is not the limit {sft} was trained "
+                             f"at ({trained['context_tokens']}); compaction 'on' runs at the training limit")
+    else:
+        trained = train(a, out, base, times)
     seeds = list(range(HELDOUT_START, HELDOUT_START + a.eval_seeds))
     report: dict = {"model": {}, "reference": {}}
     cond = model_condition(sft)
@@ -186,13 +212,10 @@ def main() -> int:
     times["eval_s"] = time.monotonic() - t0
     times["total_s"] = time.monotonic() - t_all
     report.update({
-        "base": str(base), "train_steps": _ints(a.train_steps), "train_seeds": a.train_seeds,
-        "context_tokens": a.context_tokens, "synth": synth,
-        "sft": {"steps": a.sft_steps, "batch_size": a.batch_size, "seq_len": a.seq_len, "lr": a.lr,
-                **trainer.corpus.counts(), "final_val_loss": res.val["val_loss"] if res.val else None},
+        **{k: v for k, v in trained.items() if k != "train_times"},
         "eval_steps": _ints(a.eval_steps), "eval_seeds": seeds, "effort": "max", "temperature": 0.0,
         "max_tokens": a.max_tokens, "model_condition": cond,
-        "times": {k: round(v, 1) for k, v in times.items()}, "machine": machine(),
+        "times": {**trained["train_times"], **{k: round(v, 1) for k, v in times.items()}}, "machine": machine(),
         "date": time.strftime("%Y-%m-%d")})
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(report, out / "sustain.png")

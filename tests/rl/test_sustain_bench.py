@@ -58,3 +58,14 @@ def test_the_sustain_benchmark_at_nano_size(tmp_path, make_nano_checkpoint, env_
     assert [(x["steps"], x["compaction"]) for x in lines] == [(4, "on"), (4, "off")]
     table = _load("docs_tables").sustain_table(report)
     assert "| 4 | on |" in table and "| 4 | off |" in table and report["date"] in table
+    # --reuse evaluates the trained model again (here at another length) with the same training record
+    r = subprocess.run(cmd[:cmd.index("--eval-steps")] + ["--eval-steps", "2", "--eval-seeds", "1", "--max-tokens",
+                                                         "8", "--results", str(tmp_path / "results.jsonl"),
+                                                         "--reuse"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    again = json.loads((out / "report.json").read_text())
+    assert again["sft"] == report["sft"] and again["synth"] == report["synth"] and set(again["model"]) == {"2"}
+    assert "SFT:" not in r.stdout and again["model_condition"] == report["model_condition"]
+    bad = cmd[:cmd.index("--context-tokens")] + ["--context-tokens", "300", "--reuse"]
+    r = subprocess.run(bad, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and "is not the limit" in r.stderr
