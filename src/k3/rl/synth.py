@@ -13,9 +13,9 @@ turn instead: what that turn was sent, compacted, then the turn, the only one tr
 ``harness_seeds`` (with ``per_turn``): episode (seed, effort j) runs under the randomized harness
 of seed ``harness_seeds[(seed * len(efforts) + j) % len(harness_seeds)]`` (tool and argument
 names, prompt template, context strategy, memory note), so the rows teach every exam room
-rather than one; ``meta`` adds ``harness``.
-``rows`` counts rows, ``episodes`` episodes. Everything else is reported with its reason. Rows come in seed order, efforts in the order given. ``out`` is written
-whole to a temporary file and then renamed into place.
+rather than one; ``meta`` adds ``harness``. ``rows`` counts rows, ``episodes`` episodes.
+Everything else is reported with its reason. Rows come in seed order, efforts in the order given.
+``out`` is written whole to a temporary file and then renamed into place.
 """
 
 from __future__ import annotations
