@@ -212,7 +212,8 @@ def sustain_table(report: dict) -> str:
         f"Sustain: held-out seeds {report['eval_seeds'][0]}..{report['eval_seeds'][-1]}, LocalEngine, effort "
         f"{report['effort']}, temperature {report['temperature']}, compaction on (at {report['context_tokens']} "
         "tokens, the training limit) and off. Score: the verifier's share of steps right; sustained calls: "
-        "the tool call at which progress last rose.", "", *rows])
+        "the tool call at which progress last rose. Times: "
+        + ", ".join(f"{k.removesuffix('_s')} {v:,.0f} s" for k, v in report["times"].items()) + ".", "", *rows])
 
 
 def depth_rows(lays: dict, ts: list[int]) -> list[str]:
