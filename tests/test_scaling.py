@@ -151,3 +151,12 @@ def test_dense_baseline_matches_k3_activated_parameters():
                                     "attn_res_block_size": None})
         dense = parameter_breakdown(build_meta_model(dense_cfg)).activated
         assert abs(dense - k3) / k3 < 0.01
+
+
+def test_the_demo_model_is_the_width_128_point_of_the_k3_family():
+    """k3 demo's model, spelled out in src (which cannot import benchmarks), is the scaling study's
+    k3 shape at width 128: a change to either shows here; another width is another shape (control)."""
+    from k3.cli.train import DEMO_CONFIG
+
+    assert S.k3_shape(128) == DEMO_CONFIG["model_overrides"]
+    assert S.k3_shape(192) != DEMO_CONFIG["model_overrides"]
