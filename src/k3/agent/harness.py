@@ -84,8 +84,12 @@ def _with_output(r: ToolResult, text: str, keep_images: bool = True) -> ToolResu
     return dataclasses.replace(r, output=text, dropped=True, images=list(r.images) if keep_images else [])
 
 
+def _is_stub(r: ToolResult) -> bool:
+    return r.dropped and r.output.startswith("[output dropped")
+
+
 def _dropped(r: ToolResult) -> ToolResult:
-    if r.dropped and r.output.startswith("[output dropped"):
+    if _is_stub(r):
         return r
     stub = f"[output dropped to save context: {len(r.output)} chars" + \
         (f", {len(r.images)} image(s)]" if r.images else "]")
@@ -99,6 +103,11 @@ def _cut_arguments(c: ToolCall) -> ToolCall:
             return f"{v[:ARG_KEEP]}\n[... {len(v) - 2 * ARG_KEEP} chars cut to save context ...]\n{v[-ARG_KEEP:]}"
         return v
     return dataclasses.replace(c, arguments={k: cut(v) for k, v in c.arguments.items()})
+
+
+def _copy(turns: list[AgentTurn]) -> list[AgentTurn]:
+    """Turns whose call and result lists may be edited without touching ``turns``."""
+    return [dataclasses.replace(t, tool_calls=list(t.tool_calls), tool_results=list(t.tool_results)) for t in turns]
 
 
 def _fewest(n: int, view_of: Callable[[int], list[AgentTurn]], fits) -> tuple[list[AgentTurn], bool]:
@@ -121,8 +130,7 @@ def compact(turns: list[AgentTurn], strategy: str, fits: Callable[[list[AgentTur
             keep_recent: int = 2) -> list[AgentTurn]:
     """Copies of ``turns`` shortened in stages until ``fits(view)`` (see module doc): the strategy's
     outputs, old outputs dropped, old long arguments cut, then the oldest turns dropped whole."""
-    view = [dataclasses.replace(t, tool_calls=list(t.tool_calls), tool_results=list(t.tool_results))
-            for t in turns]
+    view = _copy(turns)
     if fits(view):
         return view
     old = range(max(0, len(view) - keep_recent))
@@ -139,8 +147,7 @@ def compact(turns: list[AgentTurn], strategy: str, fits: Callable[[list[AgentTur
 
     def edited(base, units, edit):
         def view_of(k):
-            v = [dataclasses.replace(t, tool_calls=list(t.tool_calls), tool_results=list(t.tool_results))
-                 for t in base]
+            v = _copy(base)
             for i, j in units[:k]:
                 edit(v[i], j)
             return v
@@ -152,8 +159,7 @@ def compact(turns: list[AgentTurn], strategy: str, fits: Callable[[list[AgentTur
     def cut(t, j):
         t.tool_calls[j] = _cut_arguments(t.tool_calls[j])
 
-    outputs = [(i, j) for i in old for j, r in enumerate(view[i].tool_results)
-               if not (r.dropped and r.output.startswith("[output dropped"))]
+    outputs = [(i, j) for i in old for j, r in enumerate(view[i].tool_results) if not _is_stub(r)]
     view, ok = _fewest(len(outputs), edited(view, outputs, drop), fits)
     if ok:
         return view

@@ -103,20 +103,12 @@ def _identity(name: str, args: dict) -> tuple[str, dict]:
 
 
 def elided_turn(turns: list[AgentTurn]) -> AgentTurn:
-    """The marker a compacted view holds in place of ``turns`` (oldest first), which it dropped whole
-    (a marker among them is merged: its counts are added)."""
-    n, calls = 0, {}
+    """The marker a compacted view holds in place of ``turns`` (oldest first), which it dropped whole."""
+    calls: dict[str, int] = {}
     for t in turns:
-        e = t.metadata.get("elided")
-        if e:
-            n += e["turns"]
-            for k, v in e["calls"].items():
-                calls[k] = calls.get(k, 0) + v
-            continue
-        n += 1
         for c in t.tool_calls:
             calls[c.name] = calls.get(c.name, 0) + 1
-    return AgentTurn("", None, [], [], "", {"elided": {"turns": n, "calls": calls}})
+    return AgentTurn("", None, [], [], "", {"elided": {"turns": len(turns), "calls": calls}})
 
 
 def history_messages(system: str, user: str, turns: list[AgentTurn], provider_id: str,

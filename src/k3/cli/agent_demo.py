@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from k3.rl.eval_rows import machine
 
@@ -52,7 +53,7 @@ class AgentDemo:
     max_tokens: int
     threads: int | str
     results: Path | None = REPO / "benchmarks" / "results" / "agent_demo.jsonl"  # JSON lines appended
-    harness_seeds: list[int] | None = None  # SFT episodes under these randomized harnesses, one row per turn
+    harness_seeds: Sequence[int] | None = None  # SFT episodes under these randomized harnesses, one row per turn
 
     def run(self, log=print) -> dict:
         from k3.tasks.families import FAMILIES
@@ -248,7 +249,7 @@ def agent_demo_main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--{name} must be >= 0, got {getattr(a, name)}")
         threads = a.threads if a.threads == "auto" else int(a.threads)
         from k3.rl.synth import parse_seeds
-        harness = None if a.harness_seeds is None else list(parse_seeds(a.harness_seeds, "--harness-seeds"))
+        harness = None if a.harness_seeds is None else parse_seeds(a.harness_seeds, "--harness-seeds")
         AgentDemo(Path(a.base), Path(a.out), {"arith": a.arith_seeds, "files": a.files_seeds, "code": a.code_seeds},
                   a.heldout, a.control, a.steps, a.batch_size, a.seq_len, a.lr, a.workers, a.max_tokens,
                   threads, harness_seeds=harness).run()

@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     sy.add_argument("--workers", type=int, default=1)
     sy.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     sy.add_argument("--per-turn", type=int, default=None, metavar="M",
-                    help="one row per M-th turn of each episode, as compacted at --context-tokens (only that turn trained)")
+                    help="one row per M-th turn of each episode, as compacted at --context-tokens "
+                         "(only that turn trained)")
     sy.add_argument("--context-tokens", type=int, default=None,
                     help="the harness's context limit for --per-turn episodes (its compaction on)")
     sy.add_argument("--harness-seeds", default=None, metavar="A:B",
@@ -259,11 +260,10 @@ def cmd_synth(args) -> int:
     if args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
     out = args.out or f"sft/{fam.name}-{seeds.start}-{seeds.stop}.jsonl"
+    harness = None if args.harness_seeds is None else parse_seeds(args.harness_seeds, "--harness-seeds")
     rep = synthesize(fam.name, seeds, efforts, out, tasks_dir=args.tasks_dir, backend=args.backend,
                      workers=args.workers, overwrite=args.overwrite, per_turn=args.per_turn,
-                     context_tokens=args.context_tokens,
-                     harness_seeds=None if args.harness_seeds is None else list(parse_seeds(args.harness_seeds, "--harness-seeds")),
-                     log=print)
+                     context_tokens=args.context_tokens, harness_seeds=harness, log=print)
     print(f"synth: {rep.rows} row(s) from {rep.episodes} episode(s) -> {rep.out}; {len(rep.failed)} failed")
     return 1 if rep.failed else 0
 

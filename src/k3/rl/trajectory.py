@@ -46,8 +46,8 @@ from k3.agent.randomize import HarnessConfig
 from k3.agent.turns import AgentTurn, ToolCall, ToolResult, history_messages
 from k3.errors import K3Error
 
-__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "compare", "to_chat", "to_turn_chats",
-           "VERSION"]
+__all__ = ["TrajectoryWriter", "read_trajectory", "ReplayProvider", "ReplayReport", "compare", "to_chat",
+           "to_turn_chats", "VERSION"]
 
 VERSION = 1
 
@@ -264,9 +264,9 @@ def to_turn_chats(trajectory, meta: dict | None = None, every: int = 1) -> list[
     """SFT rows of one episode, one per assistant turn k with ``k % every == every - 1`` (and the
     last turn): the messages the harness sent for turn k, compacted as it compacted them
     (``k3.agent.harness.sent_messages`` under the recorded harness config and ``context_tokens``,
-    with the memory note the turn records when memory was on), then turn k's assistant message. Earlier assistant messages carry ``weight`` 0, so each row
-    trains only the turn the model produced from exactly that context. ``meta`` as ``to_chat``'s,
-    plus ``turn``."""
+    with the memory note the turn records when memory was on), then turn k's assistant message.
+    Earlier assistant messages carry ``weight`` 0, so each row trains only the turn the model
+    produced from exactly that context. ``meta`` as ``to_chat``'s, plus ``turn``."""
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise K3Error(f"to_turn_chats: every must be an int >= 1, got {every!r}")
     recs = _records(trajectory)
