@@ -7,6 +7,8 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
   ``k3 agent-demo`` run (``runs/agent-demo/report.json`` copied there by ``--save``);
 - ``rl_demo`` (docs/RL.md) from ``docs/data/rl_demo.json``, the report of one
   ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``);
+- ``distill_demo`` (docs/DISTILL.md) from ``docs/data/distill_demo.json``, the report of one
+  ``benchmarks/distill_demo.py`` run (``runs/distill-demo/report.json`` copied there by ``--save-distill``);
 - ``eval_harness`` (docs/EVAL.md) from ``docs/data/eval_harness.jsonl``, the rows of one
   ``k3 eval harness`` run (``RUN/rows.jsonl`` copied there by ``--save-eval RUN``), and
   ``eval_harness_randomized`` from ``docs/data/eval_harness_randomized.jsonl`` (``--save-eval-randomized``);
@@ -36,6 +38,7 @@ the benchmarks and the demo and calls this with every ``--save-*``. ``--root DIR
 a copy, e.g. of a short pipeline check whose figures must not reach the docs).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
+                                     [--save-distill runs/distill-demo/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
                                      [--save-sustain runs/sustain/report.json] [--save-eval-randomized RUN]
                                      [--save-vision runs/vision-demo/report.json]
@@ -58,6 +61,8 @@ DATA = ROOT / "docs" / "data" / "agent_demo.json"
 DOC = ROOT / "docs" / "POSTTRAINING.md"
 RL_DATA = ROOT / "docs" / "data" / "rl_demo.json"
 RL_DOC = ROOT / "docs" / "RL.md"
+DISTILL_DATA = ROOT / "docs" / "data" / "distill_demo.json"
+DISTILL_DOC = ROOT / "docs" / "DISTILL.md"
 HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
 SUSTAIN_DATA = ROOT / "docs" / "data" / "sustain.json"
 EVAL_DOC = ROOT / "docs" / "EVAL.md"
@@ -164,6 +169,49 @@ def rl_demo_table(report: dict) -> str:
         f"Sampling {sp['sampled_tokens_per_s']:.0f} tokens/s ({sp['sampled_tokens']:,} tokens), training "
         f"{sp['trained_tokens_per_s']:.0f} tokens/s ({sp['trained_tokens']:,.0f} tokens). Times: {times}.",
         f"Mean reward by step: {pts}.", "", *rows, "", *spread])
+
+
+def distill_demo_table(report: dict) -> str:
+    """Held-out pass rate of every teacher, the student init, the distilled student and the two
+    baselines on each (family, effort) cell, each teacher's own cell in bold; the issue's targets,
+    the student's reasoning length per effort, the arms' compute and the times."""
+    rate = {(c["model"], f"{c['family']}/{c['effort']}"): c for c in report["cells"]}
+    names = list(dict.fromkeys(f"{c['family']}/{c['effort']}" for c in report["cells"]))
+    tg, o, cp = report["targets"], report["options"], report["compute"]
+    own = {t["family"] + "/" + t["effort"]: n for n, t in report["teachers"].items()}
+    label = {"init": "student init", "distill": "**student (on-policy distillation)**",
+             "sft": "SFT on the teachers' samples", "rl": "RL from the verifier"}
+    rows = ["| model | " + " | ".join(names) + " | mean |", "|---|" + "---|" * (len(names) + 1)]
+    for m in [*report["teachers"], *label]:
+        cells = []
+        for k in names:
+            c = rate[(m, k)]
+            v = f"{100 * c['pass_rate']:.0f}"
+            cells.append(f"**{v}**" if own.get(k) == m else v)
+        name = f"teacher {report['teachers'][m]['tag']}" if m in report["teachers"] else label[m]
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {100 * tg['mean_over_cells'][m]:.1f} |")
+    misses = [f"{v['cell']} ({100 * v['student']:.0f} vs {100 * v['teacher']:.0f})"
+              for v in tg["own_cell"].values() if not v["within_10pct"]]
+    yes = {True: "met", False: "not met"}
+    r = tg["student_reasoning_chars"]
+    times = ", ".join(f"{key.removesuffix('_s')} {v:.0f} s" for key, v in report["times"].items())
+    return "\n".join([
+        f"Measured {report['date']} on {report['machine']} (`docs/data/distill_demo.json`). "
+        f"Held-out pass rate (%), {o['heldout']} tasks per cell, greedy, canonical harness.",
+        f"Teachers: {o['teacher_steps']} SFT steps of {o['teacher_batch']} × 1024 tokens on their own cell; "
+        f"student init: {o['init_steps']} steps of 8 × 1024 on all nine cells. Arms from the init, "
+        f"{o['steps']} steps each, lr {o['lr']}: distill {cp['distill']['trained_tokens']:,} trained tokens "
+        f"(exact reverse KL, 9 episodes a step), RL {cp['rl']['trained_tokens']:,} (groups of 3 × 3 tasks), "
+        f"SFT {cp['sft']['steps']} steps of {cp['sft']['batch_size']} × 1024 on "
+        f"{cp['sft'].get('train_conversations', 0)} teacher samples ({cp['sft'].get('trained_tokens', 0):,} trained "
+        f"tokens an epoch). Times: {times}.",
+        "", *rows, "",
+        f"- Student within 10 % (relative) of each teacher on its own cell: {yes[tg['all_within_10pct']]}"
+        + (f"; missed on {', '.join(misses)}." if misses else "."),
+        f"- Student above every single teacher on the mean over the nine cells: {yes[tg['above_every_teacher']]}.",
+        f"- Student's reasoning per episode (characters): low {r['low']:.0f}, high {r['high']:.0f}, "
+        f"max {r['max']:.0f}; ordered low < high < max: {yes[tg['reasoning_ordered']]}.",
+        f"- Student ahead of both baselines on the mean: {yes[tg['ahead_of_baselines']]}."])
 
 
 def hybrid_table(report: dict) -> str:
@@ -635,6 +683,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--save", help="a k3 agent-demo report.json to record as docs/data/agent_demo.json first")
     p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
+    p.add_argument("--save-distill", help="a benchmarks/distill_demo.py report.json to record as "
+                                          "docs/data/distill_demo.json first")
     p.add_argument("--save-hybrid", help="a benchmarks/hybrid_retrieval.py report.json (its plot beside it) to "
                                          "record as docs/data/hybrid_retrieval.json / .png first")
     p.add_argument("--save-sustain", help="a benchmarks/sustain.py report.json (its plot beside it) to record as "
@@ -690,7 +740,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         if src:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(src) / "rows.jsonl", dst)
-    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_hybrid, HYBRID_DATA), (a.save_vision, VISION_DATA),
+    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_distill, DISTILL_DATA), (a.save_hybrid, HYBRID_DATA), (a.save_vision, VISION_DATA),
                      (a.save_sustain, SUSTAIN_DATA)):
         if src:
             require_stamp([json.loads(Path(src).read_text())], str(src))
@@ -707,6 +757,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
 
     tables = [  # (data, doc, block, render, reader): each table rendered when its data is there
         (at(RL_DATA), at(RL_DOC), "rl_demo", rl_demo_table, report),
+        (at(DISTILL_DATA), at(DISTILL_DOC), "distill_demo", distill_demo_table, report),
         (eval_rows, at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),
         (at(EVAL_ROWS_RANDOMIZED), at(EVAL_DOC), "eval_harness_randomized", eval_harness_randomized_table, read_rows),
         (micro, at(README), "micro", micro_table, read_rows),

@@ -1,0 +1,283 @@
+"""The nine-teacher distillation demo (docs/DISTILL.md): 3 domains × 3 efforts, one student, two baselines.
+
+1. **Data**: the agent demo's SFT conversations (``k3.rl.synth``: scripted solvers in the real
+   harness and sandboxes, passing episodes only), one file per family × effort, on training seeds.
+2. **Teachers**: nine fine-tunes of the agent base (``--base``), each on one cell's file alone: a
+   teacher per (domain, effort) tag (arith = general, files = general_agent, code = coding_agent).
+3. **Student init**: the same base fine-tuned briefly (``--init-steps``) on all nine files: a student
+   that writes well-formed turns but is far from the teachers. All three arms start from it.
+4. **Arms at the same student compute** (the same steps, 9 episodes a step on the same task
+   positions and efforts; the SFT arm's batch is sized so that its steps see each teacher sample once):
+   - ``distill``: ``k3 distill`` from the nine teachers (exact reverse KL, groups of 1, 9 tasks a step);
+   - ``sft``: off-policy distillation, ``k3 sft`` on the teachers' own samples (temperature 1, the
+     same task positions and efforts, each by its tag's teacher, failed ones included: imitation, as
+     the distill arm, which is not filtered by reward either);
+   - ``rl``: ``k3 rl`` from the verifier alone (groups of 3, 3 tasks a step, harness randomization
+     off as in the other arms).
+   The task list repeats a 9-position pattern whose position p has effort p mod 3, so that every
+   step of every arm covers all nine (family, effort) cells.
+5. **Evaluation**: held-out seeds of every cell, greedy, the canonical harness (the agent demo's
+   ``evaluate_heldout``), for every teacher, the student init and the three arms.
+
+Writes ``OUT/report.json`` (cells, targets, times, machine, date) and one JSON line per cell to
+``benchmarks/results/distill_demo.jsonl``. ``--reuse`` keeps the stages whose outputs are there
+(data files, checkpoints, teacher samples, evaluations). ``python benchmarks/docs_tables.py
+--save-distill OUT/report.json`` records it under docs/data and renders its table into docs/DISTILL.md.
+
+    python benchmarks/distill_demo.py [--base runs/agent-base] [--out runs/distill-demo] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATTERN = ("arith", "files", "code", "files", "code", "arith", "code", "arith", "files")  # position p: effort p % 3
+MODELS = ("init", "distill", "sft", "rl")
+CURVE_KEYS = ("step", "reward_mean", "pass_rate", "kl_teacher", "kl_by_tag", "pass_by_tag", "reasoning_by_tag",
+              "groups_degenerate", "reasoning_tokens")
+
+
+def cell_order(pattern=PATTERN) -> list[tuple[str, str]]:
+    """(family, effort) of each position of the task pattern (effort = EFFORTS[p % 3])."""
+    from k3.tasks.families import EFFORTS
+    return [(f, EFFORTS[p % len(EFFORTS)]) for p, f in enumerate(pattern)]
+
+
+def task_list(made: dict[str, list], blocks: int, pattern=PATTERN) -> list[tuple[str, object]]:
+    """(family, task) of ``blocks`` repetitions of the pattern, each family's tasks taken in order."""
+    nxt = {f: 0 for f in made}
+    out = []
+    for _ in range(blocks):
+        for f in pattern:
+            out.append((f, made[f][nxt[f]]))
+            nxt[f] += 1
+    return out
+
+
+def episode_tokens(trajectory: Path) -> int:
+    """Tokens of an episode's whole conversation: its last turn's prompt and sampled tokens."""
+    from k3.rl.grpo import episode_sequences
+    from k3.rl.trajectory import read_trajectory
+    seqs = episode_sequences(read_trajectory(trajectory))
+    return max((len(q["ids"]) for q in seqs), default=0)
+
+
+def targets(cells: list[dict], teachers: dict[str, str]) -> dict:
+    """The issue's targets from the evaluated cells. ``teachers`` maps a teacher's model name to
+    its own cell ``family/effort``. Within 10 %: the student's pass rate >= 0.9 × the teacher's on
+    that teacher's cell (relative; the absolute gap is reported beside it)."""
+    rate = {(c["model"], f"{c['family']}/{c['effort']}"): c["pass_rate"] for c in cells}
+    cell_names = list(dict.fromkeys(f"{c['family']}/{c['effort']}" for c in cells))
+
+    def mean(model):
+        return statistics.fmean(rate[(model, k)] for k in cell_names)
+
+    own = {t: {"cell": k, "teacher": rate[(t, k)], "student": rate[("distill", k)],
+               "gap": rate[("distill", k)] - rate[(t, k)],
+               "within_10pct": rate[("distill", k)] >= 0.9 * rate[(t, k)] - 1e-9} for t, k in teachers.items()}
+    avg = {m: mean(m) for m in [*teachers, *MODELS]}
+    reasoning = {}
+    for e in ("low", "high", "max"):
+        mine = [c for c in cells if c["model"] == "distill" and c["effort"] == e]
+        reasoning[e] = statistics.fmean(c["reasoning_chars"] for c in mine)
+    return {"own_cell": own, "all_within_10pct": all(v["within_10pct"] for v in own.values()),
+            "mean_over_cells": avg, "above_every_teacher": all(avg["distill"] > avg[t] for t in teachers),
+            "student_reasoning_chars": reasoning,
+            "reasoning_ordered": reasoning["low"] < reasoning["high"] < reasoning["max"],
+            "ahead_of_baselines": avg["distill"] > avg["sft"] and avg["distill"] > avg["rl"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="runs/agent-base", help="the agent base (make agent-demo pretrains it)")
+    p.add_argument("--out", default="runs/distill-demo")
+    p.add_argument("--seeds", default="arith:600,files:100,code:100", help="SFT training seeds per family")
+    p.add_argument("--teacher-steps", type=int, default=150)
+    p.add_argument("--teacher-batch", type=int, default=4)
+    p.add_argument("--init-steps", type=int, default=40)
+    p.add_argument("--sft-lr", type=float, default=3e-3, help="lr of the teachers' and the init's SFT")
+    p.add_argument("--steps", type=int, default=20, help="steps of each arm")
+    p.add_argument("--lr", type=float, default=5e-4, help="lr of the distill and rl arms")
+    p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn")
+    p.add_argument("--heldout", type=int, default=20, help="held-out tasks per family × effort")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", default="auto")
+    p.add_argument("--reuse", action="store_true", help="keep the stages whose outputs are in OUT")
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "distill_demo.jsonl"))
+    a = p.parse_args()
+
+    from k3.cli.agent_demo import _has_checkpoint, evaluate_heldout, machine
+    from k3.cli.rl import distill_main, rl_main
+    from k3.rl.rollout import run_jobs
+    from k3.rl.synth import synthesize
+    from k3.tasks.families import EFFORTS, get_family
+    from k3.train.metrics import read_metrics
+
+    base, out = Path(a.base), Path(a.out)
+    if not _has_checkpoint(base):
+        print(f"distill_demo: {base} holds no checkpoint (make agent-demo pretrains it)", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
+    cells = [(f, e) for f in seeds for e in EFFORTS]
+    times: dict[str, float] = {}
+
+    def tag(f, e):
+        return f"{get_family(f).domain}/{e}"
+
+    def stage(name):
+        t = time.monotonic()
+        print(f"== {name}", flush=True)
+        return lambda: times.__setitem__(f"{name}_s", round(time.monotonic() - t + times.get(f"{name}_s", 0), 1))
+
+    def sft(init, data, run, steps, batch, include_failed=False):
+        from k3.rl.sft import SFTRows
+        from k3.train.config import TrainConfig
+        from k3.train.loop import Trainer
+        if a.reuse and _has_checkpoint(run):
+            print(f"   {run}: reused", flush=True)
+            return None
+        tc = TrainConfig.build(None, {
+            "init_from": str(init), "sft_data": str(data), "out": str(run), "steps": steps, "batch_size": batch,
+            "curriculum": [[0, 1024]], "lr": a.sft_lr, "warmup_frac": 0.05, "decay_frac": 0.5,
+            "eval_interval": 0, "val_percent": 0, "ckpt_interval": 0, "threads": a.threads, "log_interval": 50,
+            "include_failed": include_failed})
+        trainer = Trainer(tc, overwrite=True, read_rows=SFTRows())
+        print("   " + trainer.corpus.summary(), flush=True)
+        trainer.train()
+        return trainer.corpus.counts()
+
+    # 1. data
+    done = stage("data")
+    data = out / "data"
+    for f, e in cells:
+        dst = data / f"{f}-{e}.jsonl"
+        if a.reuse and dst.is_file():
+            continue
+        rep = synthesize(f, range(seeds[f]), [e], dst, workers=a.workers, overwrite=True)
+        print(f"   {f}/{e}: {rep.rows} conversations from {rep.episodes} episodes", flush=True)
+    done()
+
+    # 2. teachers, 3. the student init
+    done = stage("teachers")
+    teachers = {}   # model name -> (family, effort, run)
+    for f, e in cells:
+        name = f"teacher-{f}-{e}"
+        teachers[name] = (f, e, out / "teachers" / f"{f}-{e}")
+        sft(base, data / f"{f}-{e}.jsonl", teachers[name][2], a.teacher_steps, a.teacher_batch)
+    toml = out / "teachers.toml"
+    toml.write_text("".join(f'["{tag(f, e)}"]\ncheckpoint = "{run.resolve()}"\n\n' for f, e, run in teachers.values()))
+    done()
+    done = stage("init")
+    init = out / "student-init"
+    sft(base, data, init, a.init_steps, 8)
+    done()
+
+    # the arms' tasks: training seeds, the pattern repeated once per step
+    made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(3 * a.steps)]
+            for f in seeds}
+    tasks = task_list(made, a.steps)
+    efforts = [e for _, e in cell_order()] * a.steps
+    common = ["--effort", "all", "--max-tokens", str(a.max_tokens), "--lr", str(a.lr), "--steps", str(a.steps),
+              "--workers", str(a.workers), "--threads", str(a.threads), "--ckpt-interval", "0", "--no-rollouts",
+              "--no-randomize", "--overwrite"]
+    for _, t in tasks:
+        common += ["--tasks", str(t)]
+
+    def arm(name, main, argv):
+        run = out / name
+        if a.reuse and _has_checkpoint(run):
+            print(f"   {run}: reused", flush=True)
+        elif main(argv + ["--out", str(run)] + common) != 0:
+            raise SystemExit(f"distill_demo: the {name} arm failed")
+        return [r for r in read_metrics(run) if r["kind"] == "rl"]
+
+    done = stage("distill")
+    dist = arm("distill", distill_main, ["--student", str(init), "--teachers", str(toml), "--group", "1",
+                                         "--tasks-per-step", "9"])
+    done()
+    done = stage("rl")
+    rl = arm("rl", rl_main, ["--from", str(init), "--group", "3", "--tasks-per-step", "3"])
+    done()
+
+    # the SFT arm: the teachers' samples on the same task positions and efforts
+    done = stage("teacher_samples")
+    samples = out / "teacher-samples"
+    by_cell = {(f, e): run for f, e, run in teachers.values()}
+    jobs = []
+    for i, ((fam, t), e) in enumerate(zip(tasks, efforts)):
+        dst = samples / f"{i:04d}-{t.name}.{e}.jsonl"
+        if a.reuse and dst.is_file():
+            continue
+        jobs.append({"task": str(t), "provider": {"kind": "local", "ckpt": str(by_cell[(fam, e)])},
+                     "seed": i, "harness": None, "backend": "namespace", "label": f"{fam}/{e}", "out": str(dst),
+                     "sampling": {"effort": e, "temperature": 1.0, "max_tokens": a.max_tokens}})
+    if jobs:
+        run_jobs(jobs, workers=a.workers)
+    done()
+    done = stage("sft")
+    batch = max(1, math.ceil(sum(map(episode_tokens, samples.glob("*.jsonl"))) / (a.steps * 1024)))
+    counts = sft(init, samples, out / "sft", a.steps, batch, include_failed=True)
+    done()
+
+    # 5. evaluation
+    done = stage("eval")
+    evaluated = []
+    models = {**{n: run for n, (_, _, run) in teachers.items()}, "init": init, **{m: out / m for m in MODELS[1:]}}
+    for name, run in models.items():
+        cache = out / "eval" / f"{name}.json"
+        if a.reuse and cache.is_file():
+            mine = json.loads(cache.read_text())
+        else:
+            mine = evaluate_heldout(run, out, EFFORTS, a.heldout, name, a.workers, a.max_tokens)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps(mine) + "\n")
+        print(f"   {name:20} " + " ".join(f"{c['family']}/{c['effort']} {c['passed']}/{c['tasks']}" for c in mine),
+              flush=True)
+        evaluated += mine
+    done()
+
+    def tot(recs, key):
+        return sum(r[key] for r in recs)
+
+    report = {
+        "cells": evaluated,
+        "teachers": {n: {"family": f, "effort": e, "tag": tag(f, e)} for n, (f, e, _) in teachers.items()},
+        "targets": targets(evaluated, {n: f"{f}/{e}" for n, (f, e, _) in teachers.items()}),
+        "curves": {name: [{k: r.get(k) for k in CURVE_KEYS} for r in recs]
+                   for name, recs in (("distill", dist), ("rl", rl))},
+        "compute": {"distill": {"steps": len(dist), "sampled_tokens": tot(dist, "sampled_tokens"),
+                                "trained_tokens": tot(dist, "trained_tokens")},
+                    "rl": {"steps": len(rl), "sampled_tokens": tot(rl, "sampled_tokens"),
+                           "trained_tokens": tot(rl, "trained_tokens")},
+                    "sft": {"steps": a.steps, "batch_size": batch, "seq_len": 1024, **(counts or {})}},
+        "options": {"base": str(base), "seeds": seeds, "teacher_steps": a.teacher_steps,
+                    "teacher_batch": a.teacher_batch, "init_steps": a.init_steps, "sft_lr": a.sft_lr,
+                    "steps": a.steps, "lr": a.lr, "max_tokens": a.max_tokens, "heldout": a.heldout,
+                    "estimator": "exact", "temperature": 1.0},
+        "times": times, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    res = Path(a.results)
+    res.parent.mkdir(parents=True, exist_ok=True)
+    with open(res, "a") as fh:
+        for c in evaluated:
+            fh.write(json.dumps({"bench": "distill_demo", "config": f"{c['model']}/{c['family']}/{c['effort']}",
+                                 "metric": "pass_rate", "value": c["pass_rate"], "baseline": None, "ratio": None,
+                                 "tasks": c["tasks"], "passed": c["passed"], "machine": report["machine"],
+                                 "date": report["date"]}) + "\n")
+    tg = report["targets"]
+    print(f"report: {out / 'report.json'}; mean pass over the nine cells: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in tg["mean_over_cells"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""benchmarks/distill_demo.py: its task pattern covers the nine (family, effort) cells at every step
+of both arms' slot rules, its targets are computed as the issue states them (hand-written cells), and
+end to end at nano size it writes teachers per tag, the three arms, every model's held-out cells,
+the report, the results lines and the docs table."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3.tasks.families import EFFORTS, get_family
+
+ROOT = Path(__file__).resolve().parents[2]
+FAMS = ("arith", "files", "code")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+D = _load("distill_demo")
+
+
+def test_the_pattern_puts_every_cell_in_each_step_of_both_arms():
+    """A step of ``tasks_per_step`` k takes positions k·s .. k·s+k-1 of the list, and position p has
+    effort p mod 3 (``k3.rl.grpo``'s cycling): with the pattern every run of 9 positions holds all
+    nine cells, and the RL arm's three steps of 3 cover them too. The control: plain interleaving
+    (arith, files, code, ...) pairs each family with one effort only."""
+    cells = set(itertools.product(FAMS, EFFORTS))
+    made = {f: [f"{f}{i}" for i in range(6)] for f in FAMS}
+    order = D.task_list(made, 2)
+    got = [(f, EFFORTS[p % 3]) for p, (f, _) in enumerate(order)]
+    assert set(got[:9]) == set(got[9:]) == cells and len(set(got[:9])) == 9
+    assert set(D.cell_order()) == cells
+    assert [t for _, t in order[:3]] == ["arith0", "files0", "code0"] and order[5] == ("arith", "arith1")
+    plain = [(f, EFFORTS[p % 3]) for p, f in enumerate(FAMS * 3)]
+    assert len(set(plain)) == 3
+
+
+def test_targets_follow_the_issue_on_hand_written_cells():
+    def cell(model, fam, eff, rate, reasoning=0.0):
+        return {"model": model, "family": fam, "effort": eff, "pass_rate": rate, "reasoning_chars": reasoning}
+
+    names = [f"{f}/{e}" for f in ("a", "b") for e in ("low", "high", "max")]
+    teachers = {"t1": "a/low", "t2": "b/max"}
+    rates = {"t1": [0.8, 0, 0, 0, 0, 0], "t2": [0, 0, 0, 0, 0, 0.5],
+             "distill": [0.72, 0.1, 0.1, 0.1, 0.1, 0.44], "init": [0] * 6, "sft": [0.1] * 6, "rl": [0.2] * 6}
+    reasoning = {"low": 5.0, "high": 20.0, "max": 40.0}
+    cells = [cell(m, *k.split("/"), r, reasoning[k.split("/")[1]]) for m, rs in rates.items()
+             for k, r in zip(names, rs)]
+    tg = D.targets(cells, teachers)
+    # 0.72 >= 0.9 * 0.8 = 0.72 (within), 0.44 < 0.9 * 0.5 = 0.45 (not): the relative 10 %
+    assert tg["own_cell"]["t1"]["within_10pct"] and not tg["own_cell"]["t2"]["within_10pct"]
+    assert not tg["all_within_10pct"]
+    assert tg["mean_over_cells"]["distill"] == pytest.approx((0.72 + 0.4 + 0.44) / 6)
+    assert tg["above_every_teacher"] and tg["reasoning_ordered"]
+    assert tg["ahead_of_baselines"]   # 0.26 > 0.1 and > 0.2
+    rates["rl"] = [0.3] * 6   # the control: a baseline ahead of the student
+    cells = [cell(m, *k.split("/"), r, 1.0) for m, rs in rates.items() for k, r in zip(names, rs)]
+    tg = D.targets(cells, teachers)
+    assert not tg["ahead_of_baselines"] and not tg["reasoning_ordered"]
+
+
+@pytest.mark.slow
+def test_the_distill_demo_at_nano_size(tmp_path, make_nano_checkpoint, env_root):
+    text = " ".join(json.dumps(get_family(f).solve(get_family(f).spec(s), "max")) for f in FAMS for s in range(2))
+    base, _, _ = make_nano_checkpoint(tmp_path / "base", text)
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "distill_demo.py"), "--out", str(out), "--base", str(base),
+           "--seeds", "arith:2,files:2,code:2", "--teacher-steps", "1", "--teacher-batch", "1", "--init-steps", "1",
+           "--steps", "1", "--max-tokens", "6", "--heldout", "1", "--threads", "1",
+           "--results", str(tmp_path / "results.jsonl")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    tags = {f"{get_family(f).domain}/{e}" for f in FAMS for e in EFFORTS}
+    assert {t["tag"] for t in report["teachers"].values()} == tags
+    toml = (out / "teachers.toml").read_text()
+    assert all(f'["{t}"]' in toml for t in tags)
+    models = set(report["teachers"]) | {"init", "distill", "sft", "rl"}
+    assert {c["model"] for c in report["cells"]} == models and len(report["cells"]) == 13 * 9
+    # the distill arm's one step scored a row of every tag: each cell reached its own teacher
+    assert set(report["curves"]["distill"][0]["kl_by_tag"]) == tags
+    assert len(list((out / "teacher-samples").glob("*.jsonl"))) == 9
+    assert report["compute"]["distill"]["steps"] == report["compute"]["rl"]["steps"] == 1
+    assert report["machine"] and report["date"]
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == 13 * 9 and {x["bench"] for x in lines} == {"distill_demo"}
+    table = _load("docs_tables").distill_demo_table(report)
+    assert report["date"] in table and "| teacher general/low |" in table
+    assert table.count("**") >= 2 * 9   # each teacher's own cell in bold
