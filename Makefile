@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.k3-installed
 
-.PHONY: demo agent-demo vision-demo test install chromium sandbox-deps vm-deps cc bench docs-figures gpu-check clean
+.PHONY: demo agent-demo distill-demo vision-demo test install chromium sandbox-deps vm-deps cc bench docs-figures gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ demo: $(STAMP) cc
 # (docs/POSTTRAINING.md). Pretrains its base (runs/agent-base, the agent base recipe) first when it is missing.
 agent-demo: $(STAMP) cc sandbox-deps
 	$(BIN)/k3 agent-demo
+
+# Nine teachers (3 domains x 3 efforts) fine-tuned from the agent base, one student distilled from
+# them on-policy, and two baselines at the same steps: SFT on the teachers' samples, RL from the
+# verifier (docs/DISTILL.md). Pretrains runs/agent-base first when it is missing.
+distill-demo: $(STAMP) cc sandbox-deps
+	$(BIN)/python benchmarks/distill_demo.py
 
 # A tiny model with a vision tower learns synthetic image questions; a text-only control gets the
 # same questions without the images (docs/VISION.md). Pretrains runs/vision-base first when missing.

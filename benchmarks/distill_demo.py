@@ -1,5 +1,6 @@
 """The nine-teacher distillation demo (docs/DISTILL.md): 3 domains × 3 efforts, one student, two baselines.
 
+0. **Base**: the agent base (``--base``; pretrained first when missing, as ``k3 agent-demo`` does).
 1. **Data**: the agent demo's SFT conversations (``k3.rl.synth``: scripted solvers in the real
    harness and sandboxes, passing episodes only), one file per family × effort, on training seeds.
 2. **Teachers**: nine fine-tunes of the agent base (``--base``), each on one cell's file alone: a
@@ -96,7 +97,7 @@ def targets(cells: list[dict], teachers: dict[str, str]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", default="runs/agent-base", help="the agent base (make agent-demo pretrains it)")
+    p.add_argument("--base", default="runs/agent-base", help="the agent base (pretrained first when missing)")
     p.add_argument("--out", default="runs/distill-demo")
     p.add_argument("--seeds", default="arith:600,files:100,code:100", help="SFT training seeds per family")
     p.add_argument("--teacher-steps", type=int, default=150)
@@ -113,7 +114,7 @@ def main() -> int:
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "distill_demo.jsonl"))
     a = p.parse_args()
 
-    from k3.cli.agent_demo import _has_checkpoint, evaluate_heldout, machine
+    from k3.cli.agent_demo import _has_checkpoint, ensure_base, evaluate_heldout, machine
     from k3.cli.rl import distill_main, rl_main
     from k3.rl.rollout import run_jobs
     from k3.rl.synth import synthesize
@@ -121,13 +122,17 @@ def main() -> int:
     from k3.train.metrics import read_metrics
 
     base, out = Path(a.base), Path(a.out)
-    if not _has_checkpoint(base):
-        print(f"distill_demo: {base} holds no checkpoint (make agent-demo pretrains it)", file=sys.stderr)
+    seeds = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
+    if sorted(seeds) != sorted(PATTERN[:3]) or min(seeds.values()) < 1:
+        print(f"distill_demo: --seeds must give each of {', '.join(PATTERN[:3])} at least 1 seed, got {a.seeds}",
+              file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    seeds = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
     cells = [(f, e) for f in seeds for e in EFFORTS]
     times: dict[str, float] = {}
+    t0 = time.monotonic()
+    if ensure_base(base):
+        times["pretrain_s"] = round(time.monotonic() - t0, 1)
 
     def tag(f, e):
         return f"{get_family(f).domain}/{e}"
@@ -157,13 +162,12 @@ def main() -> int:
     # 1. data
     done = stage("data")
     data = out / "data"
-    for f, e in cells:
-        dst = data / f"{f}-{e}.jsonl"
-        if a.reuse and dst.is_file():
-            continue
-        rep = synthesize(f, range(seeds[f]), [e], dst, workers=a.workers, overwrite=True)
+    todo = [(f, e) for f, e in cells if not (a.reuse and (data / f"{f}-{e}.jsonl").is_file())]
+    for f, e in todo:
+        rep = synthesize(f, range(seeds[f]), [e], data / f"{f}-{e}.jsonl", workers=a.workers, overwrite=True)
         print(f"   {f}/{e}: {rep.rows} conversations from {rep.episodes} episodes", flush=True)
-    done()
+    if todo:   # a stage whose outputs were all reused has no time of this run
+        done()
 
     # 2. teachers, 3. the student init
     done = stage("teachers")

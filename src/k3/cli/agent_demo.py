@@ -33,7 +33,7 @@ from typing import Sequence
 
 from k3.rl.eval_rows import machine
 
-__all__ = ["agent_demo_main", "AgentDemo", "episode_stats", "evaluate_heldout", "machine"]
+__all__ = ["agent_demo_main", "AgentDemo", "ensure_base", "episode_stats", "evaluate_heldout", "machine"]
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -61,12 +61,8 @@ class AgentDemo:
         t_all = time.monotonic()
         times: dict[str, float] = {}
         self.out.mkdir(parents=True, exist_ok=True)
-        if not _has_checkpoint(self.base):
-            log(f"== no checkpoint in {self.base}: pretraining it first (k3 demo's code, the agent base recipe)")
-            t0 = time.monotonic()
-            from k3.cli.train import AGENT_BASE_CONFIG, AGENT_BASE_STEPS, demo_main
-            if demo_main(["--out", str(self.base)], recipe=(AGENT_BASE_CONFIG, AGENT_BASE_STEPS)) != 0:
-                raise RuntimeError("the demo's pretraining failed")
+        t0 = time.monotonic()
+        if ensure_base(self.base, log):
             times["pretrain_s"] = time.monotonic() - t0
         log(f"== synthesizing SFT conversations ({', '.join(f'{f}: {n} seeds' for f, n in self.train_seeds.items())} × 3 efforts)")
         t0 = time.monotonic()
@@ -190,6 +186,18 @@ def format_table(report: dict) -> str:
     t = report["times"]
     lines.append("times: " + ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in t.items()))
     return "\n".join(lines)
+
+
+def ensure_base(base: Path, log=print) -> bool:
+    """Pretrain the agent base into ``base`` (``k3 demo``'s code, ``AGENT_BASE_CONFIG``) unless it
+    holds a checkpoint already; True when it was pretrained now."""
+    if _has_checkpoint(base):
+        return False
+    log(f"== no checkpoint in {base}: pretraining it first (k3 demo's code, the agent base recipe)")
+    from k3.cli.train import AGENT_BASE_CONFIG, AGENT_BASE_STEPS, demo_main
+    if demo_main(["--out", str(base)], recipe=(AGENT_BASE_CONFIG, AGENT_BASE_STEPS)) != 0:
+        raise RuntimeError("the demo's pretraining failed")
+    return True
 
 
 def _has_checkpoint(path: Path) -> bool:
