@@ -22,7 +22,8 @@
 
 Writes ``OUT/report.json`` (cells, targets, times, machine, date) and one JSON line per cell to
 ``benchmarks/results/distill_demo.jsonl``. ``--reuse`` keeps the stages whose outputs are there
-(data files, checkpoints, teacher samples, evaluations). ``python benchmarks/docs_tables.py
+(data files, checkpoints, teacher samples, evaluations); the report lists a stage whose outputs
+were all reused under ``reused``, without a time. ``python benchmarks/docs_tables.py
 --save-distill OUT/report.json`` records it under docs/data and renders its table into docs/DISTILL.md.
 
     python benchmarks/distill_demo.py [--base runs/agent-base] [--out runs/distill-demo] [--steps 20]
@@ -137,10 +138,18 @@ def main() -> int:
     def tag(f, e):
         return f"{get_family(f).domain}/{e}"
 
+    reused: list[str] = []
+
     def stage(name):
         t = time.monotonic()
         print(f"== {name}", flush=True)
-        return lambda: times.__setitem__(f"{name}_s", round(time.monotonic() - t + times.get(f"{name}_s", 0), 1))
+
+        def done(ran: bool = True):   # a stage whose outputs were all reused has no time of this run
+            if ran:
+                times[f"{name}_s"] = round(time.monotonic() - t, 1)
+            else:
+                reused.append(name)
+        return done
 
     def sft(init, data, run, steps, batch, include_failed=False):
         from k3.rl.sft import SFTRows
@@ -166,23 +175,22 @@ def main() -> int:
     for f, e in todo:
         rep = synthesize(f, range(seeds[f]), [e], data / f"{f}-{e}.jsonl", workers=a.workers, overwrite=True)
         print(f"   {f}/{e}: {rep.rows} conversations from {rep.episodes} episodes", flush=True)
-    if todo:   # a stage whose outputs were all reused has no time of this run
-        done()
+    done(bool(todo))
 
     # 2. teachers, 3. the student init
     done = stage("teachers")
     teachers = {}   # model name -> (family, effort, run)
+    ran = []
     for f, e in cells:
         name = f"teacher-{f}-{e}"
         teachers[name] = (f, e, out / "teachers" / f"{f}-{e}")
-        sft(base, data / f"{f}-{e}.jsonl", teachers[name][2], a.teacher_steps, a.teacher_batch)
+        ran.append(sft(base, data / f"{f}-{e}.jsonl", teachers[name][2], a.teacher_steps, a.teacher_batch))
     toml = out / "teachers.toml"
     toml.write_text("".join(f'["{tag(f, e)}"]\ncheckpoint = "{run.resolve()}"\n\n' for f, e, run in teachers.values()))
-    done()
+    done(any(r is not None for r in ran))
     done = stage("init")
     init = out / "student-init"
-    sft(base, data, init, a.init_steps, 8)
-    done()
+    done(sft(base, data, init, a.init_steps, 8) is not None)
 
     # the arms' tasks: training seeds, the pattern repeated once per step
     made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(3 * a.steps)]
@@ -196,20 +204,19 @@ def main() -> int:
         common += ["--tasks", str(t)]
 
     def arm(name, main, argv):
+        done = stage(name)
         run = out / name
-        if a.reuse and _has_checkpoint(run):
+        again = not (a.reuse and _has_checkpoint(run))
+        if not again:
             print(f"   {run}: reused", flush=True)
         elif main(argv + ["--out", str(run)] + common) != 0:
             raise SystemExit(f"distill_demo: the {name} arm failed")
+        done(again)
         return [r for r in read_metrics(run) if r["kind"] == "rl"]
 
-    done = stage("distill")
     dist = arm("distill", distill_main, ["--student", str(init), "--teachers", str(toml), "--group", "1",
                                          "--tasks-per-step", "9"])
-    done()
-    done = stage("rl")
     rl = arm("rl", rl_main, ["--from", str(init), "--group", "3", "--tasks-per-step", "3"])
-    done()
 
     # the SFT arm: the teachers' samples on the same task positions and efforts
     done = stage("teacher_samples")
@@ -225,15 +232,15 @@ def main() -> int:
                      "sampling": {"effort": e, "temperature": 1.0, "max_tokens": a.max_tokens}})
     if jobs:
         run_jobs(jobs, workers=a.workers)
-    done()
+    done(bool(jobs))
     done = stage("sft")
     batch = max(1, math.ceil(sum(map(episode_tokens, samples.glob("*.jsonl"))) / (a.steps * 1024)))
     counts = sft(init, samples, out / "sft", a.steps, batch, include_failed=True)
-    done()
+    done(counts is not None)
 
     # 5. evaluation
     done = stage("eval")
-    evaluated = []
+    evaluated, fresh = [], 0
     models = {**{n: run for n, (_, _, run) in teachers.items()}, "init": init, **{m: out / m for m in MODELS[1:]}}
     for name, run in models.items():
         cache = out / "eval" / f"{name}.json"
@@ -241,12 +248,13 @@ def main() -> int:
             mine = json.loads(cache.read_text())
         else:
             mine = evaluate_heldout(run, out, EFFORTS, a.heldout, name, a.workers, a.max_tokens)
+            fresh += 1
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(mine) + "\n")
         print(f"   {name:20} " + " ".join(f"{c['family']}/{c['effort']} {c['passed']}/{c['tasks']}" for c in mine),
               flush=True)
         evaluated += mine
-    done()
+    done(fresh > 0)
 
     def tot(recs, key):
         return sum(r[key] for r in recs)
@@ -266,7 +274,7 @@ def main() -> int:
                     "teacher_batch": a.teacher_batch, "init_steps": a.init_steps, "sft_lr": a.sft_lr,
                     "steps": a.steps, "lr": a.lr, "max_tokens": a.max_tokens, "heldout": a.heldout,
                     "estimator": "exact", "temperature": 1.0},
-        "times": times, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "times": times, "reused": reused, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     res = Path(a.results)

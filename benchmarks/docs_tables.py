@@ -204,7 +204,8 @@ def distill_demo_table(report: dict) -> str:
         f"(exact reverse KL, 9 episodes a step), RL {cp['rl']['trained_tokens']:,} (groups of 3 × 3 tasks), "
         f"SFT {cp['sft']['steps']} steps of {cp['sft']['batch_size']} × 1024 on "
         f"{cp['sft'].get('train_conversations', 0)} teacher samples ({cp['sft'].get('trained_tokens', 0):,} trained "
-        f"tokens an epoch). Times: {times}.",
+        f"tokens an epoch). Times: {times}"
+        + (f" (outputs of an earlier invocation reused: {', '.join(report['reused'])})." if report.get("reused") else "."),
         "", *rows, "",
         f"- Student within 10 % (relative) of each teacher on its own cell: {yes[tg['all_within_10pct']]}"
         + (f"; missed on {', '.join(misses)}." if misses else "."),
