@@ -26,7 +26,7 @@ Writes ``OUT/report.json`` (cells, targets, times, machine, date) and one JSON l
 were all reused under ``reused``, without a time. ``python benchmarks/docs_tables.py
 --save-distill OUT/report.json`` records it under docs/data and renders its table into docs/DISTILL.md.
 
-    python benchmarks/distill_demo.py [--base runs/agent-base] [--out runs/distill-demo] [--steps 20]
+    python benchmarks/distill_demo.py [--base runs/agent-base] [--out runs/distill-demo] [--steps 60] [--reuse]
 """
 
 from __future__ import annotations
@@ -103,10 +103,10 @@ def main() -> int:
     p.add_argument("--seeds", default="arith:600,files:100,code:100", help="SFT training seeds per family")
     p.add_argument("--teacher-steps", type=int, default=150)
     p.add_argument("--teacher-batch", type=int, default=4)
-    p.add_argument("--init-steps", type=int, default=40)
+    p.add_argument("--init-steps", type=int, default=100)
     p.add_argument("--sft-lr", type=float, default=3e-3, help="lr of the teachers' and the init's SFT")
-    p.add_argument("--steps", type=int, default=20, help="steps of each arm")
-    p.add_argument("--lr", type=float, default=5e-4, help="lr of the distill and rl arms")
+    p.add_argument("--steps", type=int, default=60, help="steps of each arm")
+    p.add_argument("--lr", type=float, default=1e-3, help="lr of the distill and rl arms")
     p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn")
     p.add_argument("--heldout", type=int, default=20, help="held-out tasks per family × effort")
     p.add_argument("--workers", type=int, default=2)
@@ -123,7 +123,10 @@ def main() -> int:
     from k3.train.metrics import read_metrics
 
     base, out = Path(a.base), Path(a.out)
-    seeds = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
+    try:
+        seeds = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
+    except ValueError:
+        seeds = {}
     if sorted(seeds) != sorted(PATTERN[:3]) or min(seeds.values()) < 1:
         print(f"distill_demo: --seeds must give each of {', '.join(PATTERN[:3])} at least 1 seed, got {a.seeds}",
               file=sys.stderr)

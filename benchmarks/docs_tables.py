@@ -741,8 +741,8 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         if src:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(src) / "rows.jsonl", dst)
-    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_distill, DISTILL_DATA), (a.save_hybrid, HYBRID_DATA), (a.save_vision, VISION_DATA),
-                     (a.save_sustain, SUSTAIN_DATA)):
+    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_distill, DISTILL_DATA), (a.save_hybrid, HYBRID_DATA),
+                     (a.save_vision, VISION_DATA), (a.save_sustain, SUSTAIN_DATA)):
         if src:
             require_stamp([json.loads(Path(src).read_text())], str(src))
             at(dst).parent.mkdir(parents=True, exist_ok=True)

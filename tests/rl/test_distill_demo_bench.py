@@ -70,6 +70,16 @@ def test_targets_follow_the_issue_on_hand_written_cells():
     assert not tg["ahead_of_baselines"] and not tg["reasoning_ordered"]
 
 
+@pytest.mark.parametrize("seeds", ["arith", "arith:2,files:2", "arith:2,files:2,code:0", "arith:x,files:1,code:1"])
+def test_bad_seeds_are_one_line_before_anything_runs(tmp_path, seeds):
+    """(The nano run below, with all three families, is the control.)"""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "distill_demo.py"), "--seeds", seeds,
+                        "--out", str(tmp_path / "run"), "--base", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--seeds" in r.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "none").exists()
+
+
 @pytest.mark.slow
 def test_the_distill_demo_at_nano_size(tmp_path, make_nano_checkpoint, env_root):
     text = " ".join(json.dumps(get_family(f).solve(get_family(f).spec(s), "max")) for f in FAMS for s in range(2))
