@@ -122,6 +122,32 @@ def test_non_finite_loss_and_grad_steps_are_skipped_and_logged(env):
     assert res.losses[1] is None and res.losses[3] is None
 
 
+def test_a_step_with_zero_gradient_moves_no_weight(env):
+    """An RL step whose groups are all degenerate has advantage 0 everywhere, so every gradient is
+    exactly 0. Muon (and Adam) would still move the weights along the momentum of earlier steps: the
+    optimizer is not stepped then, and the record says so. Here step 2's logits are multiplied by 0
+    (gradient 0, finite loss) after two ordinary steps; the control is step 3, ordinary again."""
+    base, data = env
+    t = Trainer(nano(base, data, "zero", steps=6))
+    snaps, handles = {}, []
+
+    def start(tr, step):
+        for h in handles:
+            h.remove()
+        handles.clear()
+        snaps[step] = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
+        if step == 2:
+            handles.append(tr.model.lm_head.register_forward_hook(lambda m, i, o: o * 0.0))
+
+    t.on_step_start.append(start)
+    assert t.train().status == "done"
+    recs = [r for r in t.metrics.records if r["kind"] == "train"]
+    assert [r.get("no_update") for r in recs] == [None, None, "zero gradient", None, None, None]
+    assert recs[2]["grad_norm"] == 0.0 and recs[3]["lr"] > 0
+    assert all(torch.equal(snaps[2][k], snaps[3][k]) for k in snaps[2])
+    assert not torch.equal(snaps[3]["lm_head.weight"], snaps[4]["lm_head.weight"])   # the control
+
+
 def test_training_stops_after_max_consecutive_skips(env, capsys):
     base, data = env
     t = Trainer(nano(base, data, "diverge", steps=20, max_skips=3))

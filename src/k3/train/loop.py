@@ -12,7 +12,8 @@ Per optimizer step s (0-based; records and checkpoints count completed steps, s 
         (+ MLA max logits: the ForwardStats the forward filled, k3.model.stats)
     g = clip_grad_norm_(params, grad_clip)
     if loss or g is not finite: skip the step (no update, reason logged); stop after max_skips in a row
-    else: optimizer.step(); QK-Clip (if qk_clip); router biases ← balance(stats of step s)
+    else: optimizer.step() (not when every gradient is exactly 0: no update, the record says
+          no_update); QK-Clip (if qk_clip); router biases ← balance(stats of step s)
 
 ``dtype='bf16'`` runs forward and backward under bf16 autocast: the parameters, gradients and
 optimizer state stay fp32 (master weights), and the fp32 islands stay fp32 (router, KDA
@@ -569,7 +570,11 @@ class Trainer:
                     f"(max_skips={tc.max_skips}); last reason: {reason}. " + self._last_good() +
                     "; lower the lr or check the data")
             return rec
-        self.optimizer.step()
+        # every gradient exactly 0 (an RL step whose groups are all degenerate): nothing to learn, and
+        # Muon or Adam would still move the weights along the momentum of earlier steps
+        stepped = grad_norm > 0.0
+        if stepped:
+            self.optimizer.step()
         clip = self.qk_clip.apply() if self.qk_clip is not None else {}
         stats = self.balancer.update()
         self.skips = 0
@@ -583,6 +588,7 @@ class Trainer:
             tokens=self.tokens_seen, tokens_per_s=tokens / dt, threads=threads, grad_norm=grad_norm,
             load_cv=sum(cv) / len(cv) if cv else None, load_cv_layers=cv,
             load_max_over_mean=max(stats["load_max_over_mean"]) if cv else None, **clip,
+            **({} if stepped else {"no_update": "zero gradient"}),
             **({"dropped_slots": stats["dropped_slots"]} if "dropped_slots" in stats else {}))
 
     def _abandon_step(self, data_state: dict, rng: dict) -> None:
