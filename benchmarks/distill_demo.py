@@ -23,7 +23,8 @@
 Writes ``OUT/report.json`` (cells, targets, times, machine, date) and one JSON line per cell to
 ``benchmarks/results/distill_demo.jsonl``. ``--reuse`` keeps the stages whose outputs are there
 (data files, checkpoints, teacher samples, evaluations); the report lists a stage whose outputs
-were all reused under ``reused``, without a time. ``python benchmarks/docs_tables.py
+were all reused under ``reused``, without a time of this run; ``earlier_times`` carries what the
+report of the invocation that made them measured. ``python benchmarks/docs_tables.py
 --save-distill OUT/report.json`` records it under docs/data and renders its table into docs/DISTILL.md.
 
     python benchmarks/distill_demo.py [--base runs/agent-base] [--out runs/distill-demo] [--steps 60] [--reuse]
@@ -69,6 +70,16 @@ def episode_tokens(trajectory: Path) -> int:
     from k3.rl.trajectory import read_trajectory
     seqs = episode_sequences(read_trajectory(trajectory))
     return max((len(q["ids"]) for q in seqs), default=0)
+
+
+def earlier_times(report: Path, reused: list[str]) -> dict[str, float]:
+    """The times an earlier invocation's report (``report``, about to be replaced) measured for the
+    stages this one reused: its own times, else the ones it carried from the invocation before it."""
+    if not reused or not report.is_file():
+        return {}
+    old = json.loads(report.read_text())
+    known = {**old.get("earlier_times", {}), **old.get("times", {})}
+    return {f"{s}_s": known[f"{s}_s"] for s in reused if f"{s}_s" in known}
 
 
 def targets(cells: list[dict], teachers: dict[str, str]) -> dict:
@@ -277,7 +288,8 @@ def main() -> int:
                     "teacher_batch": a.teacher_batch, "init_steps": a.init_steps, "sft_lr": a.sft_lr,
                     "steps": a.steps, "lr": a.lr, "max_tokens": a.max_tokens, "heldout": a.heldout,
                     "estimator": "exact", "temperature": 1.0},
-        "times": times, "reused": reused, "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+        "times": times, "reused": reused, "earlier_times": earlier_times(out / "report.json", reused),
+        "machine": machine(), "date": time.strftime("%Y-%m-%d"),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     res = Path(a.results)

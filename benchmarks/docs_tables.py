@@ -200,12 +200,11 @@ def distill_demo_table(report: dict) -> str:
         f"Held-out pass rate (%), {o['heldout']} tasks per cell, greedy, canonical harness.",
         f"Teachers: {o['teacher_steps']} SFT steps of {o['teacher_batch']} × 1024 tokens on their own cell; "
         f"student init: {o['init_steps']} steps of 8 × 1024 on all nine cells. Arms from the init, "
-        f"{o['steps']} steps each, lr {o['lr']}: distill {cp['distill']['trained_tokens']:,} trained tokens "
-        f"(exact reverse KL, 9 episodes a step), RL {cp['rl']['trained_tokens']:,} (groups of 3 × 3 tasks), "
+        f"{o['steps']} steps each, lr {o['lr']}: distill {cp['distill']['trained_tokens']:,.0f} trained tokens "
+        f"(exact reverse KL, 9 episodes a step), RL {cp['rl']['trained_tokens']:,.0f} (groups of 3 × 3 tasks), "
         f"SFT {cp['sft']['steps']} steps of {cp['sft']['batch_size']} × 1024 on "
         f"{cp['sft'].get('train_conversations', 0)} teacher samples ({cp['sft'].get('trained_tokens', 0):,} trained "
-        f"tokens an epoch). Times: {times}"
-        + (f" (outputs of an earlier invocation reused: {', '.join(report['reused'])})." if report.get("reused") else "."),
+        f"tokens an epoch). Times: {times}" + _earlier(report),
         "", *rows, "",
         f"- Student within 10 % (relative) of each teacher on its own cell: {yes[tg['all_within_10pct']]}"
         + (f"; missed on {', '.join(misses)}." if misses else "."),
@@ -213,6 +212,16 @@ def distill_demo_table(report: dict) -> str:
         f"- Student's reasoning per episode (characters): low {r['low']:.0f}, high {r['high']:.0f}, "
         f"max {r['max']:.0f}; ordered low < high < max: {yes[tg['reasoning_ordered']]}.",
         f"- Student ahead of both baselines on the mean: {yes[tg['ahead_of_baselines']]}."])
+
+
+def _earlier(report: dict) -> str:
+    """The sentence end naming the stages a run reused and the times their own invocation measured."""
+    if not report.get("reused"):
+        return "."
+    had = report.get("earlier_times", {})
+    when = ", ".join(f"{k.removesuffix('_s')} {v:.0f} s" for k, v in had.items())
+    return (f"; reused from an earlier invocation: {', '.join(report['reused'])}"
+            + (f" (which took {when})." if when else "."))
 
 
 def hybrid_table(report: dict) -> str:
