@@ -203,8 +203,9 @@ def distill_demo_table(report: dict) -> str:
         f"{o['steps']} steps each, lr {o['lr']}: distill {cp['distill']['trained_tokens']:,.0f} trained tokens "
         f"(exact reverse KL, 9 episodes a step), RL {cp['rl']['trained_tokens']:,.0f} (groups of 3 × 3 tasks), "
         f"SFT {cp['sft']['steps']} steps of {cp['sft']['batch_size']} × 1024 on "
-        f"{cp['sft'].get('train_conversations', 0)} teacher samples ({cp['sft'].get('trained_tokens', 0):,} trained "
-        f"tokens an epoch). Times: {times}" + _earlier(report),
+        + (f"{cp['sft']['train_conversations']} teacher samples ({cp['sft']['trained_tokens']:,} trained tokens an "
+           "epoch)" if "train_conversations" in cp["sft"] else "the teacher samples (a reused run: not counted)")
+        + f". Times: {times}" + _earlier(report),
         "", *rows, "",
         f"- Student within 10 % (relative) of each teacher on its own cell: {yes[tg['all_within_10pct']]}"
         + (f"; missed on {', '.join(misses)}." if misses else "."),
