@@ -3,10 +3,11 @@
 0. **Base**: the agent base (``--base``; pretrained first when missing, as ``k3 agent-demo`` does).
 1. **Data**: the agent demo's SFT conversations (``k3.rl.synth``: scripted solvers in the real
    harness and sandboxes, passing episodes only), one file per family × effort, on training seeds.
-2. **Teachers**: nine fine-tunes of the agent base (``--base``), each on one cell's file alone: a
-   teacher per (domain, effort) tag (arith = general, files = general_agent, code = coding_agent).
-3. **Student init**: the same base fine-tuned briefly (``--init-steps``) on all nine files: a student
-   that writes well-formed turns but is far from the teachers. All three arms start from it.
+2. **Generalist**: the base fine-tuned on all nine files (``--general-steps``; the agent demo's SFT
+   recipe by default). It is both the teachers' start and the student init: all three arms start from it.
+3. **Teachers**: nine further fine-tunes of the generalist, each on one cell's file alone
+   (``--teacher-steps`` at ``--teacher-lr``): a teacher per (domain, effort) tag (arith = general,
+   files = general_agent, code = coding_agent).
 4. **Arms at the same student compute** (the same steps, 9 episodes a step on the same task
    positions and efforts; the SFT arm's batch is sized so that its steps see each teacher sample once):
    - ``distill``: ``k3 distill`` from the nine teachers (exact reverse KL, groups of 1, 9 tasks a step);
@@ -17,8 +18,10 @@
      off as in the other arms).
    The task list repeats a 9-position pattern whose position p has effort p mod 3, so that every
    step of every arm covers all nine (family, effort) cells.
+   Each arm has its own lr: ``--lr`` (distill), ``--teacher-lr`` (the SFT arm, as the teachers'
+   fine-tunes from the generalist) and ``--rl-lr``.
 5. **Evaluation**: held-out seeds of every cell, greedy, the canonical harness (the agent demo's
-   ``evaluate_heldout``), for every teacher, the student init and the three arms.
+   ``evaluate_heldout``), for every teacher, the student init (the generalist) and the three arms.
 
 Writes ``OUT/report.json`` (cells, targets, times, machine, date) and one JSON line per cell to
 ``benchmarks/results/distill_demo.jsonl``. ``--reuse`` keeps the stages whose outputs are there
@@ -112,12 +115,15 @@ def main() -> int:
     p.add_argument("--base", default="runs/agent-base", help="the agent base (pretrained first when missing)")
     p.add_argument("--out", default="runs/distill-demo")
     p.add_argument("--seeds", default="arith:600,files:100,code:100", help="SFT training seeds per family")
-    p.add_argument("--teacher-steps", type=int, default=150)
+    p.add_argument("--general-steps", type=int, default=300, help="SFT steps of the generalist (the student init)")
+    p.add_argument("--general-batch", type=int, default=8)
+    p.add_argument("--sft-lr", type=float, default=3e-3, help="lr of the generalist's SFT")
+    p.add_argument("--teacher-steps", type=int, default=100, help="SFT steps of each teacher from the generalist")
     p.add_argument("--teacher-batch", type=int, default=4)
-    p.add_argument("--init-steps", type=int, default=100)
-    p.add_argument("--sft-lr", type=float, default=3e-3, help="lr of the teachers' and the init's SFT")
+    p.add_argument("--teacher-lr", type=float, default=1e-3, help="lr of the teachers' SFT and of the SFT arm")
     p.add_argument("--steps", type=int, default=60, help="steps of each arm")
-    p.add_argument("--lr", type=float, default=1e-3, help="lr of the distill and rl arms")
+    p.add_argument("--lr", type=float, default=5e-4, help="lr of the distill arm")
+    p.add_argument("--rl-lr", type=float, default=3e-4, help="lr of the rl arm")
     p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn")
     p.add_argument("--heldout", type=int, default=20, help="held-out tasks per family × effort")
     p.add_argument("--workers", type=int, default=2)
@@ -126,7 +132,7 @@ def main() -> int:
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "distill_demo.jsonl"))
     a = p.parse_args()
 
-    from k3.cli.agent_demo import _has_checkpoint, ensure_base, evaluate_heldout, machine
+    from k3.cli.agent_demo import _has_checkpoint, ensure_base, evaluate_heldout, fine_tune, local_job, machine
     from k3.cli.rl import distill_main, rl_main
     from k3.rl.rollout import run_jobs
     from k3.rl.synth import synthesize
@@ -165,22 +171,12 @@ def main() -> int:
                 reused.append(name)
         return done
 
-    def sft(init, data, run, steps, batch, include_failed=False):
-        from k3.rl.sft import SFTRows
-        from k3.train.config import TrainConfig
-        from k3.train.loop import Trainer
+    def sft(init, data, run, steps, batch, lr, include_failed=False):
         if a.reuse and _has_checkpoint(run):
             print(f"   {run}: reused", flush=True)
             return None
-        tc = TrainConfig.build(None, {
-            "init_from": str(init), "sft_data": str(data), "out": str(run), "steps": steps, "batch_size": batch,
-            "curriculum": [[0, 1024]], "lr": a.sft_lr, "warmup_frac": 0.05, "decay_frac": 0.5,
-            "eval_interval": 0, "val_percent": 0, "ckpt_interval": 0, "threads": a.threads, "log_interval": 50,
-            "include_failed": include_failed})
-        trainer = Trainer(tc, overwrite=True, read_rows=SFTRows())
-        print("   " + trainer.corpus.summary(), flush=True)
-        trainer.train()
-        return trainer.corpus.counts()
+        return fine_tune(init, data, run, steps, batch, lr, a.threads, include_failed=include_failed,
+                         log=lambda m: print(m, flush=True))[1]
 
     # 1. data
     done = stage("data")
@@ -191,27 +187,28 @@ def main() -> int:
         print(f"   {f}/{e}: {rep.rows} conversations from {rep.episodes} episodes", flush=True)
     done(bool(todo))
 
-    # 2. teachers, 3. the student init
+    # 2. the generalist (the student init), 3. the teachers from it
+    done = stage("init")
+    init = out / "student-init"
+    done(sft(base, data, init, a.general_steps, a.general_batch, a.sft_lr) is not None)
     done = stage("teachers")
     teachers = {}   # model name -> (family, effort, run)
     ran = []
     for f, e in cells:
         name = f"teacher-{f}-{e}"
         teachers[name] = (f, e, out / "teachers" / f"{f}-{e}")
-        ran.append(sft(base, data / f"{f}-{e}.jsonl", teachers[name][2], a.teacher_steps, a.teacher_batch))
+        ran.append(sft(init, data / f"{f}-{e}.jsonl", teachers[name][2], a.teacher_steps, a.teacher_batch,
+                       a.teacher_lr))
     toml = out / "teachers.toml"
     toml.write_text("".join(f'["{tag(f, e)}"]\ncheckpoint = "{run.resolve()}"\n\n' for f, e, run in teachers.values()))
     done(any(r is not None for r in ran))
-    done = stage("init")
-    init = out / "student-init"
-    done(sft(base, data, init, a.init_steps, 8) is not None)
 
     # the arms' tasks: training seeds, the pattern repeated once per step
     made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(3 * a.steps)]
             for f in seeds}
     tasks = task_list(made, a.steps)
     efforts = [e for _, e in cell_order()] * a.steps
-    common = ["--effort", "all", "--max-tokens", str(a.max_tokens), "--lr", str(a.lr), "--steps", str(a.steps),
+    common = ["--effort", "all", "--max-tokens", str(a.max_tokens), "--steps", str(a.steps),
               "--workers", str(a.workers), "--threads", str(a.threads), "--ckpt-interval", "0", "--no-rollouts",
               "--no-randomize", "--overwrite"]
     for _, t in tasks:
@@ -229,8 +226,8 @@ def main() -> int:
         return [r for r in read_metrics(run) if r["kind"] == "rl"]
 
     dist = arm("distill", distill_main, ["--student", str(init), "--teachers", str(toml), "--group", "1",
-                                         "--tasks-per-step", "9"])
-    rl = arm("rl", rl_main, ["--from", str(init), "--group", "3", "--tasks-per-step", "3"])
+                                         "--tasks-per-step", "9", "--lr", str(a.lr)])
+    rl = arm("rl", rl_main, ["--from", str(init), "--group", "3", "--tasks-per-step", "3", "--lr", str(a.rl_lr)])
 
     # the SFT arm: the teachers' samples on the same task positions and efforts
     done = stage("teacher_samples")
@@ -241,15 +238,13 @@ def main() -> int:
         dst = samples / f"{i:04d}-{t.name}.{e}.jsonl"
         if a.reuse and dst.is_file():
             continue
-        jobs.append({"task": str(t), "provider": {"kind": "local", "ckpt": str(by_cell[(fam, e)])},
-                     "seed": i, "harness": None, "backend": "namespace", "label": f"{fam}/{e}", "out": str(dst),
-                     "sampling": {"effort": e, "temperature": 1.0, "max_tokens": a.max_tokens}})
+        jobs.append(local_job(t, by_cell[(fam, e)], dst, f"{fam}/{e}", e, 1.0, a.max_tokens, seed=i))
     if jobs:
         run_jobs(jobs, workers=a.workers)
     done(bool(jobs))
     done = stage("sft")
     batch = max(1, math.ceil(sum(map(episode_tokens, samples.glob("*.jsonl"))) / (a.steps * 1024)))
-    counts = sft(init, samples, out / "sft", a.steps, batch, include_failed=True)
+    counts = sft(init, samples, out / "sft", a.steps, batch, a.teacher_lr, include_failed=True)
     done(counts is not None)
 
     # 5. evaluation
@@ -284,9 +279,10 @@ def main() -> int:
                     "rl": {"steps": len(rl), "sampled_tokens": tot(rl, "sampled_tokens"),
                            "trained_tokens": tot(rl, "trained_tokens")},
                     "sft": {"steps": a.steps, "batch_size": batch, "seq_len": 1024, **(counts or {})}},
-        "options": {"base": str(base), "seeds": seeds, "teacher_steps": a.teacher_steps,
-                    "teacher_batch": a.teacher_batch, "init_steps": a.init_steps, "sft_lr": a.sft_lr,
-                    "steps": a.steps, "lr": a.lr, "max_tokens": a.max_tokens, "heldout": a.heldout,
+        "options": {"base": str(base), "seeds": seeds, "general_steps": a.general_steps,
+                    "general_batch": a.general_batch, "sft_lr": a.sft_lr, "teacher_steps": a.teacher_steps,
+                    "teacher_batch": a.teacher_batch, "teacher_lr": a.teacher_lr, "steps": a.steps, "lr": a.lr,
+                    "rl_lr": a.rl_lr, "max_tokens": a.max_tokens, "heldout": a.heldout,
                     "estimator": "exact", "temperature": 1.0},
         "times": times, "reused": reused, "earlier_times": earlier_times(out / "report.json", reused),
         "machine": machine(), "date": time.strftime("%Y-%m-%d"),

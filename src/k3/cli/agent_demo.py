@@ -33,7 +33,8 @@ from typing import Sequence
 
 from k3.rl.eval_rows import machine
 
-__all__ = ["agent_demo_main", "AgentDemo", "ensure_base", "episode_stats", "evaluate_heldout", "machine"]
+__all__ = ["agent_demo_main", "AgentDemo", "ensure_base", "episode_stats", "evaluate_heldout", "fine_tune",
+           "local_job", "machine"]
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -78,17 +79,8 @@ class AgentDemo:
 
         log(f"== SFT: {self.steps} steps of {self.batch_size} × {self.seq_len} tokens from {self.base}")
         t0 = time.monotonic()
-        from k3.rl.sft import SFTRows
-        from k3.train.config import TrainConfig
-        from k3.train.loop import Trainer
-        tc = TrainConfig.build(None, {
-            "init_from": str(self.base), "sft_data": str(data), "out": str(self.out / "sft"),
-            "steps": self.steps, "batch_size": self.batch_size, "curriculum": [[0, self.seq_len]],
-            "lr": self.lr, "warmup_frac": 0.05, "decay_frac": 0.5, "eval_interval": 0, "val_percent": 2,
-            "ckpt_interval": 0, "threads": self.threads, "log_interval": 20})
-        trainer = Trainer(tc, overwrite=True, read_rows=SFTRows())
-        log("   " + trainer.corpus.summary())
-        res = trainer.train()
+        res, counts = fine_tune(self.base, data, self.out / "sft", self.steps, self.batch_size, self.lr,
+                                self.threads, seq_len=self.seq_len, val_percent=2, log_interval=20, log=log)
         times["sft_s"] = time.monotonic() - t0
         log(f"   final val loss {res.val['val_loss']:.3f}" if res.val else "   (no validation split)")
 
@@ -102,7 +94,7 @@ class AgentDemo:
         times["total_s"] = time.monotonic() - t_all
         report = {"cells": cells, "times": {k: round(v, 1) for k, v in times.items()},
                   "sft": {"steps": self.steps, "batch_size": self.batch_size, "seq_len": self.seq_len,
-                          "lr": self.lr, **trainer.corpus.counts(),
+                          "lr": self.lr, **counts,
                           "harness_seeds": None if self.harness_seeds is None else
                           [self.harness_seeds[0], self.harness_seeds[-1]],
                           "final_val_loss": res.val["val_loss"] if res.val else None},
@@ -134,10 +126,8 @@ def evaluate_heldout(ckpt: Path, out: Path, efforts, n: int, model: str, workers
         for seed in range(HELDOUT_START, HELDOUT_START + n):
             d = f.generate(seed, tasks, overwrite=True)
             for e in efforts:
-                jobs.append({"task": str(d), "provider": {"kind": "local", "ckpt": str(ckpt)}, "seed": None,
-                             "harness": harness, "backend": "namespace", "label": f"{fam}/{e}",
-                             "out": str(where / f"{d.name}.{e}.jsonl"),
-                             "sampling": {"effort": e, "temperature": 0.0, "max_tokens": max_tokens}})
+                jobs.append(local_job(d, ckpt, where / f"{d.name}.{e}.jsonl", f"{fam}/{e}", e, 0.0, max_tokens,
+                                      harness=harness))
     results = run_jobs(jobs, workers=workers)
     cells = []
     for fam in FAMILIES:
@@ -154,6 +144,35 @@ def evaluate_heldout(ckpt: Path, out: Path, efforts, n: int, model: str, workers
                           "reasoning_chars": sum(s["reasoning_chars"] for s in stats) / max(len(stats), 1),
                           "errors": [r.get("detail") for _, r in mine if r["status"] == "error"][:3]})
     return cells
+
+
+def local_job(task: Path, ckpt: Path, out: Path, label: str, effort: str, temperature: float, max_tokens: int,
+              seed: int | None = None, harness: int | None = None) -> dict:
+    """One ``run_jobs`` episode of ``task`` by the checkpoint ``ckpt`` in process (``LocalEngine``),
+    in the namespace sandbox, its trajectory written to ``out``."""
+    return {"task": str(task), "provider": {"kind": "local", "ckpt": str(ckpt)}, "seed": seed, "harness": harness,
+            "backend": "namespace", "label": label, "out": str(out),
+            "sampling": {"effort": effort, "temperature": temperature, "max_tokens": max_tokens}}
+
+
+def fine_tune(init: Path, data: Path, out: Path, steps: int, batch_size: int, lr: float, threads, *,
+              seq_len: int = 1024, val_percent: int = 0, include_failed: bool = False, log_interval: int = 50,
+              log=print):
+    """``k3 sft`` of ``init`` on ``data`` (a conversations file or folder) into ``out``: the one Trainer,
+    packed rows, the demos' schedule (5 % warm-up, decay over the last half, no mid-run checkpoint).
+    Returns the Trainer's result and the corpus counts."""
+    from k3.rl.sft import SFTRows
+    from k3.train.config import TrainConfig
+    from k3.train.loop import Trainer
+    tc = TrainConfig.build(None, {
+        "init_from": str(init), "sft_data": str(data), "out": str(out), "steps": steps, "batch_size": batch_size,
+        "curriculum": [[0, seq_len]], "lr": lr, "warmup_frac": 0.05, "decay_frac": 0.5, "eval_interval": 0,
+        "val_percent": val_percent, "ckpt_interval": 0, "threads": threads, "log_interval": log_interval,
+        "include_failed": include_failed})
+    trainer = Trainer(tc, overwrite=True, read_rows=SFTRows())
+    log("   " + trainer.corpus.summary())
+    res = trainer.train()
+    return res, trainer.corpus.counts()
 
 
 def episode_stats(trajectory: str | os.PathLike) -> dict:
