@@ -198,11 +198,13 @@ def distill_demo_table(report: dict) -> str:
     return "\n".join([
         f"Measured {report['date']} on {report['machine']} (`docs/data/distill_demo.json`). "
         f"Held-out pass rate (%), {o['heldout']} tasks per cell, greedy, canonical harness.",
-        f"Teachers: {o['teacher_steps']} SFT steps of {o['teacher_batch']} × 1024 tokens on their own cell; "
-        f"student init: {o['init_steps']} steps of 8 × 1024 on all nine cells. Arms from the init, "
-        f"{o['steps']} steps each, lr {o['lr']}: distill {cp['distill']['trained_tokens']:,.0f} trained tokens "
-        f"(exact reverse KL, 9 episodes a step), RL {cp['rl']['trained_tokens']:,.0f} (groups of 3 × 3 tasks), "
-        f"SFT {cp['sft']['steps']} steps of {cp['sft']['batch_size']} × 1024 on "
+        f"Student init: the generalist, {o['general_steps']} SFT steps of {o['general_batch']} × 1024 tokens on "
+        f"all nine cells at lr {o['sft_lr']}; teachers: it, fine-tuned {o['teacher_steps']} steps of "
+        f"{o['teacher_batch']} × 1024 on their own cell at lr {o['teacher_lr']}. Arms from the init, "
+        f"{o['steps']} steps each: distill at lr {o['lr']}, {cp['distill']['trained_tokens']:,.0f} trained tokens "
+        f"(exact reverse KL, 9 episodes a step); RL at lr {o['rl_lr']}, {cp['rl']['trained_tokens']:,.0f} "
+        f"(groups of 3 × 3 tasks); SFT at lr {o['teacher_lr']}, {cp['sft']['steps']} steps of "
+        f"{cp['sft']['batch_size']} × 1024 on "
         + (f"{cp['sft']['train_conversations']} teacher samples ({cp['sft']['trained_tokens']:,} trained tokens an "
            "epoch)" if "train_conversations" in cp["sft"] else "the teacher samples (a reused run: not counted)")
         + f". Times: {times}" + _earlier(report),

@@ -89,8 +89,8 @@ def test_the_distill_demo_at_nano_size(tmp_path, make_nano_checkpoint, env_root)
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "distill_demo.py"), "--out", str(out), "--base", str(base),
            "--seeds", "arith:2,files:2,code:2", "--teacher-steps", "1", "--teacher-batch", "1",
-           "--general-steps", "1", "--general-batch", "1", "--steps", "1", "--max-tokens", "6", "--heldout", "0", "--threads", "1",
-           "--results", str(tmp_path / "results.jsonl")]
+           "--general-steps", "1", "--general-batch", "1", "--steps", "1", "--max-tokens", "6", "--heldout", "0",
+           "--threads", "1", "--results", str(tmp_path / "results.jsonl")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
