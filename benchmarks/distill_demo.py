@@ -148,6 +148,15 @@ def main() -> int:
         print(f"distill_demo: --seeds must give each of {', '.join(PATTERN[:3])} at least 1 seed, got {a.seeds}",
               file=sys.stderr)
         return 2
+    bad = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(a, k)}"
+           for k, low in (("general_steps", 1), ("general_batch", 1), ("teacher_steps", 1), ("teacher_batch", 1),
+                          ("steps", 1), ("max_tokens", 1), ("workers", 1), ("heldout", 0))
+           if getattr(a, k) < low]
+    bad += [f"--{k.replace('_', '-')} must be > 0, got {getattr(a, k)}"
+            for k in ("sft_lr", "teacher_lr", "lr", "rl_lr") if not getattr(a, k) > 0]
+    if bad:
+        print(f"distill_demo: {bad[0]}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     cells = [(f, e) for f in seeds for e in EFFORTS]
     times: dict[str, float] = {}

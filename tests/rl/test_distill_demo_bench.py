@@ -82,6 +82,17 @@ def test_bad_seeds_are_one_line_before_anything_runs(tmp_path, seeds):
     assert not (tmp_path / "run").exists() and not (tmp_path / "none").exists()
 
 
+@pytest.mark.parametrize("flag,value", [("--general-steps", "0"), ("--teacher-batch", "-1"), ("--heldout", "-1"),
+                                        ("--rl-lr", "0"), ("--lr", "nan")])
+def test_bad_sizes_and_rates_are_one_line_before_anything_runs(tmp_path, flag, value):
+    """(The nano run below, with each of these at a valid value, is the control.)"""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "distill_demo.py"), flag, value,
+                        "--out", str(tmp_path / "run"), "--base", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and flag in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "none").exists()
+
+
 @pytest.mark.slow
 def test_the_distill_demo_at_nano_size(tmp_path, make_nano_checkpoint, env_root):
     text = " ".join(json.dumps(get_family(f).solve(get_family(f).spec(s), "max")) for f in FAMS for s in range(2))
