@@ -111,13 +111,15 @@ def targets(cells: list[dict], teachers: dict[str, str]) -> dict:
 
 
 def main() -> int:
+    from k3.cli.agent_demo import SFT_BATCH, SFT_LR, SFT_STEPS, TRAIN_SEEDS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="runs/agent-base", help="the agent base (pretrained first when missing)")
     p.add_argument("--out", default="runs/distill-demo")
-    p.add_argument("--seeds", default="arith:600,files:100,code:100", help="SFT training seeds per family")
-    p.add_argument("--general-steps", type=int, default=300, help="SFT steps of the generalist (the student init)")
-    p.add_argument("--general-batch", type=int, default=8)
-    p.add_argument("--sft-lr", type=float, default=3e-3, help="lr of the generalist's SFT")
+    p.add_argument("--seeds", default=",".join(f"{f}:{n}" for f, n in TRAIN_SEEDS.items()),
+                   help="SFT training seeds per family")
+    p.add_argument("--general-steps", type=int, default=SFT_STEPS, help="SFT steps of the generalist (student init)")
+    p.add_argument("--general-batch", type=int, default=SFT_BATCH)
+    p.add_argument("--sft-lr", type=float, default=SFT_LR, help="lr of the generalist's SFT")
     p.add_argument("--teacher-steps", type=int, default=100, help="SFT steps of each teacher from the generalist")
     p.add_argument("--teacher-batch", type=int, default=4)
     p.add_argument("--teacher-lr", type=float, default=1e-3, help="lr of the teachers' SFT and of the SFT arm")

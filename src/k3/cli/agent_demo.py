@@ -37,6 +37,8 @@ __all__ = ["agent_demo_main", "AgentDemo", "ensure_base", "episode_stats", "eval
            "local_job", "machine"]
 
 REPO = Path(__file__).resolve().parents[3]
+SFT_STEPS, SFT_BATCH, SFT_LR = 300, 8, 3e-3   # the agent demo's SFT recipe (rows of 1024 tokens)
+TRAIN_SEEDS = {"arith": 600, "files": 100, "code": 100}   # its training seeds 0..n-1 per family
 
 
 @dataclass
@@ -248,15 +250,15 @@ def agent_demo_main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", default="runs/agent-base", help="pretrained run to start from (trained first if "
                                                                "missing, with the agent base recipe)")
     p.add_argument("--out", default="runs/agent-demo")
-    p.add_argument("--arith-seeds", type=int, default=600)
-    p.add_argument("--files-seeds", type=int, default=100)
-    p.add_argument("--code-seeds", type=int, default=100)
+    p.add_argument("--arith-seeds", type=int, default=TRAIN_SEEDS["arith"])
+    p.add_argument("--files-seeds", type=int, default=TRAIN_SEEDS["files"])
+    p.add_argument("--code-seeds", type=int, default=TRAIN_SEEDS["code"])
     p.add_argument("--heldout", type=int, default=20, help="held-out tasks per family × effort")
     p.add_argument("--control", type=int, default=3, help="held-out tasks per family for the base model")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int, default=SFT_STEPS)
+    p.add_argument("--batch-size", type=int, default=SFT_BATCH)
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=SFT_LR)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn")
     p.add_argument("--threads", default="auto")
