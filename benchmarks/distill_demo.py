@@ -44,27 +44,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PATTERN = ("arith", "files", "code", "files", "code", "arith", "code", "arith", "files")  # position p: effort p % 3
 MODELS = ("init", "distill", "sft", "rl")
 CURVE_KEYS = ("step", "reward_mean", "pass_rate", "kl_teacher", "kl_by_tag", "pass_by_tag", "reasoning_by_tag",
               "groups_degenerate", "reasoning_tokens")
-
-
-def cell_order(pattern=PATTERN) -> list[tuple[str, str]]:
-    """(family, effort) of each position of the task pattern (effort = EFFORTS[p % 3])."""
-    from k3.tasks.families import EFFORTS
-    return [(f, EFFORTS[p % len(EFFORTS)]) for p, f in enumerate(pattern)]
-
-
-def task_list(made: dict[str, list], blocks: int, pattern=PATTERN) -> list[tuple[str, object]]:
-    """(family, task) of ``blocks`` repetitions of the pattern, each family's tasks taken in order."""
-    nxt = {f: 0 for f in made}
-    out = []
-    for _ in range(blocks):
-        for f in pattern:
-            out.append((f, made[f][nxt[f]]))
-            nxt[f] += 1
-    return out
 
 
 def episode_tokens(trajectory: Path) -> int:
@@ -138,7 +120,7 @@ def main() -> int:
     from k3.cli.rl import distill_main, rl_main
     from k3.rl.rollout import run_jobs
     from k3.rl.synth import synthesize
-    from k3.tasks.families import EFFORTS, get_family
+    from k3.tasks.families import CELL_PATTERN, EFFORTS, cell_order, cell_task_list, get_family
     from k3.train.metrics import read_metrics
 
     base, out = Path(a.base), Path(a.out)
@@ -146,8 +128,8 @@ def main() -> int:
         seeds = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
     except ValueError:
         seeds = {}
-    if sorted(seeds) != sorted(PATTERN[:3]) or min(seeds.values()) < 1:
-        print(f"distill_demo: --seeds must give each of {', '.join(PATTERN[:3])} at least 1 seed, got {a.seeds}",
+    if sorted(seeds) != sorted(CELL_PATTERN[:3]) or min(seeds.values()) < 1:
+        print(f"distill_demo: --seeds must give each of {', '.join(CELL_PATTERN[:3])} at least 1 seed, got {a.seeds}",
               file=sys.stderr)
         return 2
     bad = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(a, k)}"
@@ -217,7 +199,7 @@ def main() -> int:
     # the arms' tasks: training seeds, the pattern repeated once per step
     made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(3 * a.steps)]
             for f in seeds}
-    tasks = task_list(made, a.steps)
+    tasks = cell_task_list(made, a.steps)
     efforts = [e for _, e in cell_order()] * a.steps
     common = ["--effort", "all", "--max-tokens", str(a.max_tokens), "--steps", str(a.steps),
               "--workers", str(a.workers), "--threads", str(a.threads), "--ckpt-interval", "0", "--no-rollouts",

@@ -149,6 +149,10 @@ def rl_demo_table(report: dict) -> str:
             ratio = f"{a['pass_rate'] / b['pass_rate']:.2f}×" if b["pass_rate"] else "–"
             rows.append(f"| {f} | {e} | {b['passed']}/{b['tasks']} ({100 * b['pass_rate']:.0f} %) | "
                         f"{a['passed']}/{a['tasks']} ({100 * a['pass_rate']:.0f} %) | {ratio} |")
+        b, a = ({k: sum(cells[(m, f, e)][k] for e in efforts) for k in ("passed", "tasks")} for m in ("sft", "rl"))
+        ratio = f"{a['passed'] / b['passed']:.2f}×" if b["passed"] else "–"
+        rows.append(f"| **{f}** | **all** | **{b['passed']}/{b['tasks']} ({100 * b['passed'] / b['tasks']:.0f} %)** | "
+                    f"**{a['passed']}/{a['tasks']} ({100 * a['passed'] / a['tasks']:.0f} %)** | **{ratio}** |")
     spread = ["| family | SFT: pass rate per harness seed (std) | RL: pass rate per harness seed (std) |",
               "|---|---|---|"]
     for f in fams:
@@ -163,12 +167,19 @@ def rl_demo_table(report: dict) -> str:
         f"Measured {report['date']} on {report['machine']} (`docs/data/rl_demo.json`).",
         f"RL: {rl['steps']} steps in {t['rl_s'] / 60:.1f} min (budget {rl['minutes']:g} min), groups of "
         f"{rl['group']}, {rl['tasks_per_step']} tasks per step, lr {rl['lr']}, effort {rl['effort']}, "
-        f"temperature {rl['temperature']}, harness randomization on, {rl['workers']} rollout workers; tasks "
+        f"temperature {rl['temperature']}, harness randomization on"
+        f"{_canonical(rl)}, {rl['workers']} rollout workers; tasks "
         f"{', '.join(rl['tasks'])}. Evaluation: {ev['heldout']} held-out tasks per cell, greedy, canonical "
         f"harness; the spread at effort {ev['spread_effort']} over {ev['harness_seeds']} harness seeds.",
         f"Sampling {sp['sampled_tokens_per_s']:.0f} tokens/s ({sp['sampled_tokens']:,} tokens), training "
         f"{sp['trained_tokens_per_s']:.0f} tokens/s ({sp['trained_tokens']:,.0f} tokens). Times: {times}.",
         f"Mean reward by step: {pts}.", "", *rows, "", *spread])
+
+
+def _canonical(rl: dict) -> str:
+    """How many of an RL demo's groups sampled on the canonical harness (none before ``canonical``)."""
+    c = rl.get("canonical", 0)
+    return f" ({c:g} of the groups on the canonical harness)" if c else ""
 
 
 def distill_demo_table(report: dict) -> str:

@@ -4,10 +4,12 @@
    harness, greedy: the agent demo's evaluation), and at ``--spread-effort`` under each of
    ``--harness-seeds`` harness randomization seeds (the spread across "exam rooms").
 2. **RL**: ``k3 rl`` from that checkpoint on the families' training seeds (held-out seeds are
-   refused by ``k3 rl`` itself), generated into ``OUT/train-tasks`` and passed interleaved (a step
-   takes consecutive tasks: arith 0, files 0, code 0, arith 1, ...), every effort, harness
-   randomization on, for at most ``--minutes`` of wall time: when a step ends past the budget,
-   the run's last step is that one. The "before" evaluation is kept in ``OUT/before.json`` and
+   refused by ``k3 rl`` itself), generated into ``OUT/train-tasks`` and passed in the cell pattern
+   of ``k3.tasks.families.cell_task_list`` (a step takes consecutive tasks and the efforts cycle
+   per group, so each nine groups meet all nine family × effort cells; plain interleaving would
+   pair each family with one effort), harness randomization on with ``--canonical`` of the groups
+   on the canonical harness (every second one at 0.5), for at most ``--minutes`` of wall time: when
+   a step ends past the budget, the run's last step is that one. The "before" evaluation is kept in ``OUT/before.json`` and
    reused by a rerun with the same checkpoint and evaluation options.
 3. **After**: the same evaluations of the RL checkpoint.
 
@@ -49,11 +51,13 @@ def main() -> int:
     p.add_argument("--out", default="runs/rl-demo")
     p.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget of the RL run (<= 20)")
     p.add_argument("--max-steps", type=int, default=400)
-    p.add_argument("--seeds", default="arith:100,files:30,code:30",
-                   help="training seeds per family, FAMILY:N,... (interleaved into the task list)")
+    p.add_argument("--seeds", default="arith:30,files:30,code:30",
+                   help="training seeds per family, FAMILY:N,... (N // 3 blocks of the cell pattern)")
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--tasks-per-step", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--canonical", type=float, default=0.5,
+                   help="the fraction of groups sampled on the canonical harness (k3 rl --canonical)")
     p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn (as the evaluation)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--heldout", type=int, default=20, help="held-out tasks per family × effort")
@@ -105,15 +109,19 @@ def main() -> int:
 
     print(f"== k3 rl for at most {a.minutes:g} minutes", flush=True)
     run = out / "rl"
-    from k3.tasks.families import get_family
+    from k3.tasks.families import CELL_PATTERN, cell_task_list, get_family
     counts = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
+    if sorted(counts) != sorted(set(CELL_PATTERN)) or min(counts.values()) < 3:
+        print(f"rl_demo: --seeds must give each of {', '.join(sorted(set(CELL_PATTERN)))} at least 3 seeds, "
+              f"got {a.seeds}", file=sys.stderr)
+        return 2
     made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(n)]
             for f, n in counts.items()}
-    order = [made[f][i] for i in range(max(counts.values())) for f in counts if i < counts[f]]
-    tasks = [str(t) for t in order]
+    blocks = min(counts.values()) // 3
+    tasks = [str(t) for _, t in cell_task_list(made, blocks)]
     argv = ["--from", str(sft), "--out", str(run), "--overwrite", "--group", str(a.group),
             "--tasks-per-step", str(a.tasks_per_step), "--effort", "all", "--max-tokens", str(a.max_tokens),
-            "--lr", str(a.lr), "--steps", str(a.max_steps), "--workers", str(a.workers),
+            "--lr", str(a.lr), "--canonical", str(a.canonical), "--steps", str(a.max_steps), "--workers", str(a.workers),
             "--threads", a.threads, "--ckpt-interval", "10", "--no-rollouts"]
     for t in tasks:
         argv += ["--tasks", t]
@@ -144,7 +152,8 @@ def main() -> int:
     report = {
         "cells": before + after, "harness_cells": before_seeds + after_seeds,
         "spread": {"sft": spread(before_seeds), "rl": spread(after_seeds)},
-        "curve": [{k: r.get(k) for k in ("step", "reward_mean", "pass_rate", "reward_by_family", "groups_degenerate",
+        "curve": [{k: r.get(k) for k in ("step", "reward_mean", "pass_rate", "pass_rate_canonical",
+                                         "pass_rate_randomized", "reward_by_family", "groups_degenerate",
                                          "lost", "verifier_failed", "entropy", "reasoning_tokens", "tool_calls")}
                   for r in rl],
         "speed": {"sampled_tokens": tot("sampled_tokens"), "sample_s": tot("sample_s"),
@@ -152,10 +161,10 @@ def main() -> int:
                   "trained_tokens": tot("trained_tokens"), "train_s": tot("train_s"),
                   "trained_tokens_per_s": tot("trained_tokens") / max(tot("train_s"), 1e-9)},
         "hacks": hacks[-1] if hacks else None,
-        "rl": {"steps": len(rl), "tasks": [f"{f}:0:{n}" for f, n in counts.items()], "interleaved": True,
+        "rl": {"steps": len(rl), "tasks": [f"{f}:0:{3 * blocks}" for f in counts], "order": "cell pattern",
                "group": a.group, "tasks_per_step": a.tasks_per_step,
                "lr": a.lr, "max_tokens": a.max_tokens, "workers": a.workers, "minutes": a.minutes,
-               "effort": "all", "temperature": 1.0, "randomize": True},
+               "effort": "all", "temperature": 1.0, "randomize": True, "canonical": a.canonical},
         "eval": {"heldout": a.heldout, "harness_seeds": a.harness_seeds, "spread_effort": a.spread_effort,
                  "temperature": 0.0},
         "times": {k: round(v, 1) for k, v in times.items()},

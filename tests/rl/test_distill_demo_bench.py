@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from k3.tasks.families import EFFORTS, get_family
+from k3.errors import ConfigError
+from k3.tasks.families import EFFORTS, cell_order, cell_task_list, get_family
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMS = ("arith", "files", "code")
@@ -39,13 +40,15 @@ def test_the_pattern_puts_every_cell_in_each_step_of_both_arms():
     (arith, files, code, ...) pairs each family with one effort only."""
     cells = set(itertools.product(FAMS, EFFORTS))
     made = {f: [f"{f}{i}" for i in range(6)] for f in FAMS}
-    order = D.task_list(made, 2)
+    order = cell_task_list(made, 2)
     got = [(f, EFFORTS[p % 3]) for p, (f, _) in enumerate(order)]
     assert set(got[:9]) == set(got[9:]) == cells and len(set(got[:9])) == 9
-    assert set(D.cell_order()) == cells
+    assert set(cell_order()) == cells
     assert [t for _, t in order[:3]] == ["arith0", "files0", "code0"] and order[5] == ("arith", "arith1")
     plain = [(f, EFFORTS[p % 3]) for p, f in enumerate(FAMS * 3)]
     assert len(set(plain)) == 3
+    with pytest.raises(ConfigError, match="code: 5 tasks, 6 needed"):   # 2 blocks take 6 of each family
+        cell_task_list({**made, "code": made["code"][:5]}, 2)
 
 
 def test_targets_follow_the_issue_on_hand_written_cells():

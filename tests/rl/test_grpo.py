@@ -119,6 +119,35 @@ def test_the_learner_trains_the_sampled_tokens_at_the_recorded_logprobs(letters,
     assert n == stats["sampled_tokens"] and worst <= 1e-4 and shifted > 1e-2
 
 
+def _harness_seeds(run, step):
+    """slot -> the harness seeds recorded in the trajectory headers of a step's episodes."""
+    out: dict[int, list] = {}
+    for f in sorted((run / "rollouts" / f"step-{step:06d}").glob("*.jsonl")):
+        head = read_trajectory(f)[0]
+        out.setdefault(int(f.name.split("-")[0]), []).append(head["conditions"]["harness"]["seed"])
+    return out
+
+
+def test_canonical_groups_sample_on_the_canonical_harness(letters, learned, tmp_path, sandboxes):
+    """--canonical 0.5 with two groups a step: the second group of every step runs on the
+    canonical harness (seed None in its trajectories' headers, the record ``run_episode`` writes),
+    the first on one randomized harness per episode; the step logs the pass rate of each kind.
+    The control: the default run (``learned``) recorded a randomized harness for every episode."""
+    d, sft, task = letters
+    run = tmp_path / "run"
+    assert rl_main(rl_argv(sft, task, run, "--canonical", "0.5", "--tasks-per-step", "2", "--ckpt-interval", "0",
+                           steps=2, group=2)) == 0   # the later flag of a repeated one wins
+    for step in (1, 2):
+        seeds = _harness_seeds(run, step)
+        assert seeds[1] == [None, None], seeds
+        assert len(seeds[0]) == 2 and all(isinstance(s, int) for s in seeds[0]) and seeds[0][0] != seeds[0][1]
+    for r in rl_records(run):
+        assert r["pass_rate_canonical"] is not None and r["pass_rate_randomized"] is not None
+    control = _harness_seeds(learned, 1)[0]
+    assert len(control) == 8 and all(isinstance(s, int) for s in control)
+    assert all(r["pass_rate_canonical"] is None for r in rl_records(learned))
+
+
 def _tokenizer(run):
     from k3.data.tokenizer import Tokenizer
     return Tokenizer.load(run / "checkpoint" / "tokenizer.json")
@@ -263,6 +292,8 @@ def test_lost_episodes_and_crashing_verifiers_are_counted_not_fatal(letters, tmp
     (["--backend", "local"], "does not isolate"),
     (["--nproc", "0"], "--nproc must be > 0"),
     (["--temperature", "0"], "--temperature must be > 0"),
+    (["--canonical", "1.5"], "--canonical must be a fraction in [0, 1]"),
+    (["--canonical", "0.5", "--no-randomize"], "--canonical has no effect with --no-randomize"),
 ])
 def test_bad_input_is_one_line(letters, tmp_path, capsys, extra, message):
     d, sft, task = letters

@@ -59,6 +59,8 @@ def _parser(kind: str = "rl") -> argparse.ArgumentParser:
     p.add_argument("--micro-tokens", type=int, default=8192, help="padded tokens per micro-batch")
     p.add_argument("--no-randomize", dest="randomize", action="store_false",
                    help="the canonical harness for every episode (default: seeded randomization)")
+    p.add_argument("--canonical", type=float, default=0.0, metavar="F",
+                   help="with randomization: the fraction of groups sampled on the canonical harness (default 0)")
     p.add_argument("--backend", default="namespace", help="sandbox backend: namespace | vm")
     p.add_argument("--workers", type=int, default=1,
                    help="episodes at once (> 1: worker processes, each loading the step's weights)")
@@ -98,12 +100,13 @@ def _rl_config(args):
                efforts=efforts, temperature=args.temperature, max_tokens=args.max_tokens,
                context_tokens=args.context_tokens, eps_low=args.eps_low, eps_high=args.eps_high,
                beta=args.beta, scale_std=args.scale_std, micro_tokens=args.micro_tokens,
-               randomize=args.randomize, backend=args.backend, workers=args.workers, ray=args.ray,
+               randomize=args.randomize, canonical=args.canonical, backend=args.backend, workers=args.workers, ray=args.ray,
                seed=args.seed or 0,
                keep_rollouts=args.keep_rollouts, **extra).validate()
 
 
-_RL_FLAGS = ("tasks", "effort", "beta", "scale_std", "micro_tokens", "randomize", "backend", "keep_rollouts",
+_RL_FLAGS = ("tasks", "effort", "beta", "scale_std", "micro_tokens", "randomize", "canonical", "backend",
+             "keep_rollouts",
              "workers", "ray",
              "group", "tasks_per_step", "temperature", "max_tokens", "context_tokens", "eps_low", "eps_high")
 _DISTILL_FLAGS = ("teachers", "estimator", "top_k", "reward_weight")

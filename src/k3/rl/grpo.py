@@ -9,7 +9,10 @@ What a step learns from:
    the policy is loaded into an ``Engine`` and driven through ``LocalEngine`` and the real harness
    and sandboxes (``k3.rl.rollout.run_episode``, the path ``k3 task run`` takes). Every episode has
    its own seed (from the run seed, step, task slot and member), used for its sampling and, with
-   ``randomize``, for its harness randomization. A group has one effort (the efforts cycle).
+   ``randomize``, for its harness randomization. A group has one effort (the efforts cycle) and
+   one harness kind: with ``canonical`` = f > 0, the fraction f of the run's groups (every 1/f-th)
+   samples on the canonical harness and the rest randomized, so that a policy that passes only
+   the canonical "exam room" still gets groups with unequal rewards to learn from.
 2. **Rewards** come only from the clean-room verifier (the episode's score). A verifier that
    crashes scores 0 (``k3.tasks.verify``). An episode whose harness or sandbox failed is *lost*:
    counted, left out of its group; a group with fewer than 2 episodes left is dropped and counted.
@@ -75,6 +78,7 @@ class RLConfig:
     scale_std: bool = False
     micro_tokens: int = 8192        # padded tokens per micro-batch (memory bound of one forward)
     randomize: bool = True          # harness randomization, seeded per episode
+    canonical: float = 0.0          # with randomize: the fraction of groups on the canonical harness
     backend: str = "namespace"
     workers: int = 1                # episodes at once: >1 in worker processes (or Ray tasks), each
     ray: bool = False               # loading the step's weights from OUT/rollouts/policy
@@ -102,7 +106,24 @@ class RLConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a number >= 0, got {v!r}")
         if self.backend == "local":
             raise ConfigError("--backend local does not isolate the agent; RL needs namespace or vm")
+        c = self.canonical
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c <= 1:
+            raise ConfigError(f"--canonical must be a fraction in [0, 1], got {c!r}")
+        if c > 0 and not self.randomize:
+            raise ConfigError("--canonical has no effect with --no-randomize (every group is canonical)")
         return self
+
+    def is_canonical(self, group: int) -> bool:
+        """Whether the run's ``group``-th group (step * tasks_per_step + slot) samples on the
+        canonical harness: the groups where floor(n * canonical) steps up, so that any first n
+        groups hold floor(n * canonical) canonical ones (1/2: every second; 1/3: every third)."""
+        if not self.randomize:
+            return True
+        return math.floor((group + 1) * self.canonical + 1e-9) > math.floor(group * self.canonical + 1e-9)
+
+    def harness_of(self, group: int, seed: int) -> int | None:
+        """The harness seed of an episode of the run's ``group``-th group (None: canonical)."""
+        return None if self.is_canonical(group) else seed
 
     def min_group(self) -> int:
         """Episodes a group needs (group-relative advantages: 2)."""
@@ -449,13 +470,15 @@ class GRPOObjective:
         del state
         tasks = [trainer.corpus.tasks[(step * rl.tasks_per_step + j) % len(trainer.corpus.tasks)]
                  for j in range(rl.tasks_per_step)]
-        plan = []   # (slot, task, member, effort, seed, trajectory path)
+        plan = []   # (slot, task, member, effort, seed, harness seed, trajectory path)
         for slot, task in enumerate(tasks):
             effort = rl.efforts[(step * rl.tasks_per_step + slot) % len(rl.efforts)]
             for member in range(rl.group):
                 path = (trainer.run_dir / "rollouts" / f"step-{step + 1:06d}" / f"{slot}-{task.id}-{member}.jsonl"
                         if rl.keep_rollouts else None)
-                plan.append((slot, task, member, effort, episode_seed(rl.seed, step, slot, member), path))
+                seed = episode_seed(rl.seed, step, slot, member)
+                plan.append((slot, task, member, effort, seed, rl.harness_of(step * rl.tasks_per_step + slot, seed),
+                             path))
         sampling = {"temperature": rl.temperature, "max_tokens": rl.max_tokens, "context_tokens": rl.context_tokens}
         rank, world = trainer.rank, trainer.world
         mine = plan[rank::world]                      # under torchrun each process samples its share
@@ -466,17 +489,16 @@ class GRPOObjective:
             provider = LocalEngine(Engine(policy.to(trainer.device), tokenizer=trainer.tokenizer),
                                    name=f"policy-step{step}")
             try:
-                for slot, task, member, effort, seed, path in mine:
+                for slot, task, member, effort, seed, harness, path in mine:
                     if trainer.stop_requested() is not None:   # the trainer drops this step and saves
                         break
                     w = TrajectoryWriter(path)
                     try:
                         s = run_episode(task.root, provider, w, sandboxes=self._sandboxes(rank),
-                                        harness=seed if rl.randomize else None, seed=seed, effort=effort,
-                                        **sampling)
-                        episodes.append(_episode(slot, task, effort, s, w.records))
+                                        harness=harness, seed=seed, effort=effort, **sampling)
+                        episodes.append(_episode(slot, task, effort, harness, s, w.records))
                     except Exception as e:  # noqa: BLE001 - a lost episode is counted, never fatal
-                        episodes.append(_episode(slot, task, effort, lost=f"{type(e).__name__}: {e}"))
+                        episodes.append(_episode(slot, task, effort, harness, lost=f"{type(e).__name__}: {e}"))
                     finally:
                         w.close()
             finally:
@@ -525,9 +547,9 @@ class GRPOObjective:
         trainer.gather_objects(None)   # the weights are written before any process's jobs load them
         scratch = Path(tempfile.mkdtemp(prefix="k3rl-", dir=trainer.run_dir / "rollouts"))
         jobs = []
-        for i, (slot, task, member, effort, seed, path) in enumerate(plan):
+        for i, (slot, task, member, effort, seed, harness, path) in enumerate(plan):
             jobs.append({"task": str(task.root), "provider": {"kind": "local", "ckpt": str(wdir)},
-                         "seed": seed, "harness": seed if rl.randomize else None, "backend": rl.backend,
+                         "seed": seed, "harness": harness, "backend": rl.backend,
                          "out": str(path or scratch / f"{i}.jsonl"), "sampling": {**sampling, "effort": effort},
                          "threads": torch.get_num_threads()})   # the numbers of the in-process path
         try:
@@ -536,9 +558,9 @@ class GRPOObjective:
             except Exception as e:  # noqa: BLE001 - a pool that broke (a worker died): all counted lost
                 results = [{"status": "error", "detail": f"the rollout workers failed: {type(e).__name__}: {e}"}
                            for _ in jobs]
-            return [_episode(slot, task, effort, lost=res.get("detail")) if res.get("status") == "error"
-                    else _episode(slot, task, effort, res, read_trajectory(job["out"]))
-                    for (slot, task, member, effort, seed, path), job, res in zip(plan, jobs, results)]
+            return [_episode(slot, task, effort, harness, lost=res.get("detail")) if res.get("status") == "error"
+                    else _episode(slot, task, effort, harness, res, read_trajectory(job["out"]))
+                    for (slot, task, member, effort, seed, harness, path), job, res in zip(plan, jobs, results)]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
 
@@ -580,12 +602,15 @@ class GRPOObjective:
         fam: dict[str, list[float]] = {}
         for e in kept:
             fam.setdefault(e["family"], []).append(e["reward"])
+        by_harness = {k: [e["reward"] >= 1.0 for e in kept if (e["harness"] is None) == (k == "canonical")]
+                      for k in ("canonical", "randomized")}
         stats = {"episodes": len(episodes), "lost": len(lost), "groups_dropped": len(dropped),
                  "verifier_failed": sum(bool(e.get("verifier_failed")) for e in kept),
                  "groups_degenerate": degenerate,
                  "reward_mean": sum(rewards) / len(rewards) if rewards else None,
                  "pass_rate": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else None,
                  "reward_by_family": {f: sum(v) / len(v) for f, v in sorted(fam.items())},
+                 **{f"pass_rate_{k}": sum(v) / len(v) if v else None for k, v in by_harness.items()},
                  "reasoning_tokens": sum(reasoning) / len(reasoning) if reasoning else None,
                  "tool_calls": sum(calls) / len(calls) if calls else None,
                  "turns": turns, "sampled_tokens": sampled, "sequences": len(seqs)}
@@ -674,13 +699,13 @@ class GRPOObjective:
                       f"sampler diff {row['sampler_max_abs_diff']:.1e}")
 
 
-def _episode(slot: int, task, effort, summary: dict | None = None, records: list | None = None,
-             lost: str | None = None) -> dict:
-    """One sampled episode as the step uses it: its group (slot), reward and records from the
-    episode's summary, or lost (reward None, with why)."""
+def _episode(slot: int, task, effort, harness: int | None, summary: dict | None = None,
+             records: list | None = None, lost: str | None = None) -> dict:
+    """One sampled episode as the step uses it: its group (slot), harness seed (None: canonical),
+    reward and records from the episode's summary, or lost (reward None, with why)."""
     from k3.tasks.verify import verifier_failed
 
-    ep = {"slot": slot, "task": task.id, "family": family_of(task.id), "effort": effort}
+    ep = {"slot": slot, "task": task.id, "family": family_of(task.id), "effort": effort, "harness": harness}
     if summary is None:
         return {**ep, "reward": None, "status": "lost", "detail": lost, "records": []}
     return {**ep, "reward": float(summary["score"]), "status": summary["status"], "records": records,

@@ -17,6 +17,10 @@ vision tower can run them (a text-only ``ChatFormat`` refuses their conversation
 ``chainN`` (``k3.tasks.families.chain.Chain(N)``, the ``k3 eval sustain`` workload of N dependent
 steps) is found by ``get_family`` too, for SFT data of short chains; it is in neither dict.
 
+``CELL_PATTERN`` / ``cell_order`` / ``cell_task_list``: a task order for runs whose efforts cycle
+per group (``k3 rl`` and ``k3 distill`` with ``--effort all``), so that each block of nine tasks
+meets all nine (family, effort) cells instead of pairing each family with one effort.
+
 ``family.generate(seed, out_dir)`` writes ``out_dir/<family>-<seed>/`` deterministically;
 ``family.solve(task_dir_or_spec, effort)`` gives the scripted solver's transcript turns. Seeds
 below ``HELDOUT_START`` are training seeds, the rest held out (``split_of``).
@@ -37,7 +41,7 @@ from k3.tasks.families.page import Page
 
 __all__ = ["FAMILIES", "VISION_FAMILIES", "get_family",
            "Family", "HELDOUT_START", "SPLITS", "DOMAINS", "EFFORTS", "META_FILE",
-           "split_of", "check_seed", "read_meta"]
+           "split_of", "check_seed", "read_meta", "CELL_PATTERN", "cell_order", "cell_task_list"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (Arith(), Files(), Code())}
 VISION_FAMILIES: dict[str, Family] = {f.name: f for f in (Page(),)}
@@ -54,3 +58,29 @@ def get_family(name: str) -> Family:
     close = difflib.get_close_matches(str(name), list(known), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ConfigError(f"unknown task family {name!r} (known: {', '.join(known)}, chainN for N in 1..999){hint}")
+
+
+# Position p of the pattern runs at effort EFFORTS[p % 3]; each family sits once at each residue.
+CELL_PATTERN = ("arith", "files", "code", "files", "code", "arith", "code", "arith", "files")
+
+
+def cell_order(pattern=CELL_PATTERN) -> list[tuple[str, str]]:
+    """(family, effort) of each position of ``pattern`` (effort = EFFORTS[p % 3])."""
+    return [(f, EFFORTS[p % len(EFFORTS)]) for p, f in enumerate(pattern)]
+
+
+def cell_task_list(made: dict[str, list], blocks: int, pattern=CELL_PATTERN) -> list[tuple[str, object]]:
+    """(family, task) of ``blocks`` repetitions of ``pattern``, each family's tasks (``made[family]``)
+    taken in order; a family with too few tasks is refused, naming it."""
+    need = {f: blocks * pattern.count(f) for f in set(pattern)}
+    short = sorted(f for f, n in need.items() if len(made.get(f, ())) < n)
+    if short:
+        raise ConfigError(", ".join(f"{f}: {len(made.get(f, ()))} tasks, {need[f]} needed" for f in short)
+                          + f" ({blocks} blocks of the cell pattern)")
+    nxt = {f: 0 for f in need}
+    out = []
+    for _ in range(blocks):
+        for f in pattern:
+            out.append((f, made[f][nxt[f]]))
+            nxt[f] += 1
+    return out
