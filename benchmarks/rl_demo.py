@@ -9,8 +9,8 @@
    per group, so each nine groups meet all nine family × effort cells; plain interleaving would
    pair each family with one effort), harness randomization on with ``--canonical`` of the groups
    on the canonical harness (every second one at 0.5), for at most ``--minutes`` of wall time: when
-   a step ends past the budget, the run's last step is that one. The "before" evaluation is kept in ``OUT/before.json`` and
-   reused by a rerun with the same checkpoint and evaluation options.
+   a step ends past the budget, the run's last step is that one. The "before" evaluation is kept
+   in ``OUT/before.json`` and reused by a rerun with the same checkpoint and evaluation options.
 3. **After**: the same evaluations of the RL checkpoint.
 
 Writes ``OUT/report.json`` (cells before and after, the reward curve, sampling and training
@@ -121,7 +121,8 @@ def main() -> int:
     tasks = [str(t) for _, t in cell_task_list(made, blocks)]
     argv = ["--from", str(sft), "--out", str(run), "--overwrite", "--group", str(a.group),
             "--tasks-per-step", str(a.tasks_per_step), "--effort", "all", "--max-tokens", str(a.max_tokens),
-            "--lr", str(a.lr), "--canonical", str(a.canonical), "--steps", str(a.max_steps), "--workers", str(a.workers),
+            "--lr", str(a.lr), "--canonical", str(a.canonical), "--steps", str(a.max_steps),
+            "--workers", str(a.workers),
             "--threads", a.threads, "--ckpt-interval", "10", "--no-rollouts"]
     for t in tasks:
         argv += ["--tasks", t]

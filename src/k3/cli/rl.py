@@ -100,14 +100,14 @@ def _rl_config(args):
                efforts=efforts, temperature=args.temperature, max_tokens=args.max_tokens,
                context_tokens=args.context_tokens, eps_low=args.eps_low, eps_high=args.eps_high,
                beta=args.beta, scale_std=args.scale_std, micro_tokens=args.micro_tokens,
-               randomize=args.randomize, canonical=args.canonical, backend=args.backend, workers=args.workers, ray=args.ray,
+               randomize=args.randomize, canonical=args.canonical, backend=args.backend, workers=args.workers,
+               ray=args.ray,
                seed=args.seed or 0,
                keep_rollouts=args.keep_rollouts, **extra).validate()
 
 
 _RL_FLAGS = ("tasks", "effort", "beta", "scale_std", "micro_tokens", "randomize", "canonical", "backend",
-             "keep_rollouts",
-             "workers", "ray",
+             "keep_rollouts", "workers", "ray",
              "group", "tasks_per_step", "temperature", "max_tokens", "context_tokens", "eps_low", "eps_high")
 _DISTILL_FLAGS = ("teachers", "estimator", "top_k", "reward_weight")
 
