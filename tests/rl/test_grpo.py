@@ -101,7 +101,7 @@ def test_the_learner_trains_the_sampled_tokens_at_the_recorded_logprobs(letters,
         records = read_trajectory(f)
         end = next(r for r in records if r["type"] == "end")
         eps.append({"slot": 0, "task": "letter", "family": "letter", "effort": None, "reward": end["score"],
-                    "records": records})
+                    "harness": records[0]["conditions"]["harness"]["seed"], "records": records})
     assert len(eps) == 8 and 0 < sum(e["reward"] for e in eps) < 8     # a group with something to learn
     micros, stats = obj._micro_batches(eps)
     worst, shifted, n = 0.0, 0.0, 0
