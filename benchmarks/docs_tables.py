@@ -8,7 +8,9 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``rl_demo`` (docs/RL.md) from ``docs/data/rl_demo.json``, the report of one
   ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``);
 - ``distill_demo`` (docs/DISTILL.md) from ``docs/data/distill_demo.json``, the report of one
-  ``benchmarks/distill_demo.py`` run (``runs/distill-demo/report.json`` copied there by ``--save-distill``);
+  ``benchmarks/distill_demo.py`` run (``runs/distill-demo/report.json`` copied there by ``--save-distill``),
+  and ``distill_demo_steps120`` from ``docs/data/distill_demo_steps120.json`` (a ``--steps 120`` run,
+  ``--save-distill-120``);
 - ``eval_harness`` (docs/EVAL.md) from ``docs/data/eval_harness.jsonl``, the rows of one
   ``k3 eval harness`` run (``RUN/rows.jsonl`` copied there by ``--save-eval RUN``), and
   ``eval_harness_randomized`` from ``docs/data/eval_harness_randomized.jsonl`` (``--save-eval-randomized``);
@@ -63,6 +65,7 @@ RL_DATA = ROOT / "docs" / "data" / "rl_demo.json"
 RL_DOC = ROOT / "docs" / "RL.md"
 DISTILL_DATA = ROOT / "docs" / "data" / "distill_demo.json"
 DISTILL_DOC = ROOT / "docs" / "DISTILL.md"
+DISTILL_LONG_DATA = ROOT / "docs" / "data" / "distill_demo_steps120.json"   # the same demo, 120 steps an arm
 HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
 SUSTAIN_DATA = ROOT / "docs" / "data" / "sustain.json"
 EVAL_DOC = ROOT / "docs" / "EVAL.md"
@@ -176,16 +179,22 @@ def rl_demo_table(report: dict) -> str:
         f"Mean reward by step: {pts}.", "", *rows, "", *spread])
 
 
+def distill_demo_long_table(report: dict) -> str:
+    """``distill_demo_table`` of the 120-step run."""
+    return distill_demo_table(report, "docs/data/distill_demo_steps120.json")
+
+
 def _canonical(rl: dict) -> str:
     """How many of an RL demo's groups sampled on the canonical harness (none before ``canonical``)."""
     c = rl.get("canonical", 0)
     return f" ({c:g} of the groups on the canonical harness)" if c else ""
 
 
-def distill_demo_table(report: dict) -> str:
+def distill_demo_table(report: dict, source: str = "docs/data/distill_demo.json") -> str:
     """Held-out pass rate of every teacher, the student init, the distilled student and the two
     baselines on each (family, effort) cell, each teacher's own cell in bold; the issue's targets,
-    the student's reasoning length per effort, the arms' compute and the times."""
+    the student's reasoning length per effort, the arms' compute and the times (``source``: the
+    report's file, named in the table's first line)."""
     rate = {(c["model"], f"{c['family']}/{c['effort']}"): c for c in report["cells"]}
     names = list(dict.fromkeys(f"{c['family']}/{c['effort']}" for c in report["cells"]))
     tg, o, cp = report["targets"], report["options"], report["compute"]
@@ -207,7 +216,7 @@ def distill_demo_table(report: dict) -> str:
     r = tg["student_reasoning_chars"]
     times = ", ".join(f"{key.removesuffix('_s')} {v:.0f} s" for key, v in report["times"].items())
     return "\n".join([
-        f"Measured {report['date']} on {report['machine']} (`docs/data/distill_demo.json`). "
+        f"Measured {report['date']} on {report['machine']} (`{source}`). "
         f"Held-out pass rate (%), {o['heldout']} tasks per cell, greedy, canonical harness.",
         f"Student init: the generalist, {o['general_steps']} SFT steps of {o['general_batch']} × 1024 tokens on "
         f"all nine cells at lr {o['sft_lr']}; teachers: it, fine-tuned {o['teacher_steps']} steps of "
@@ -709,6 +718,8 @@ def main() -> int:
     p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
     p.add_argument("--save-distill", help="a benchmarks/distill_demo.py report.json to record as "
                                           "docs/data/distill_demo.json first")
+    p.add_argument("--save-distill-120", help="a benchmarks/distill_demo.py --steps 120 report.json to record as "
+                                              "docs/data/distill_demo_steps120.json first")
     p.add_argument("--save-hybrid", help="a benchmarks/hybrid_retrieval.py report.json (its plot beside it) to "
                                          "record as docs/data/hybrid_retrieval.json / .png first")
     p.add_argument("--save-sustain", help="a benchmarks/sustain.py report.json (its plot beside it) to record as "
@@ -764,7 +775,8 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         if src:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(src) / "rows.jsonl", dst)
-    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_distill, DISTILL_DATA), (a.save_hybrid, HYBRID_DATA),
+    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_distill, DISTILL_DATA),
+                     (a.save_distill_120, DISTILL_LONG_DATA), (a.save_hybrid, HYBRID_DATA),
                      (a.save_vision, VISION_DATA), (a.save_sustain, SUSTAIN_DATA)):
         if src:
             require_stamp([json.loads(Path(src).read_text())], str(src))
@@ -782,6 +794,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
     tables = [  # (data, doc, block, render, reader): each table rendered when its data is there
         (at(RL_DATA), at(RL_DOC), "rl_demo", rl_demo_table, report),
         (at(DISTILL_DATA), at(DISTILL_DOC), "distill_demo", distill_demo_table, report),
+        (at(DISTILL_LONG_DATA), at(DISTILL_DOC), "distill_demo_steps120", distill_demo_long_table, report),
         (eval_rows, at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),
         (at(EVAL_ROWS_RANDOMIZED), at(EVAL_DOC), "eval_harness_randomized", eval_harness_randomized_table, read_rows),
         (micro, at(README), "micro", micro_table, read_rows),

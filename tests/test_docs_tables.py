@@ -48,6 +48,9 @@ def _blocks():
     if T.DISTILL_DATA.exists():
         out.append((T.DISTILL_DOC, "distill_demo", T.DISTILL_DATA,
                     T.distill_demo_table(json.loads(T.DISTILL_DATA.read_text()))))
+    if T.DISTILL_LONG_DATA.exists():
+        out.append((T.DISTILL_DOC, "distill_demo_steps120", T.DISTILL_LONG_DATA,
+                    T.distill_demo_long_table(json.loads(T.DISTILL_LONG_DATA.read_text()))))
     if T.EVAL_ROWS.exists():
         out.append((T.EVAL_DOC, "eval_harness", T.EVAL_ROWS, T.eval_harness_table(_rows(T.EVAL_ROWS))))
     if T.EVAL_ROWS_RANDOMIZED.exists():
@@ -104,8 +107,8 @@ def test_the_readme_and_docs_are_what_rerendering_gives(tmp_path):
     """Rendering every table again (``docs_tables.py`` with no --save, on a copy) changes no file."""
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copyfile(T.README, tmp_path / "README.md")
-    none = argparse.Namespace(**{k: None for k in ("save", "save_rl", "save_distill", "save_hybrid", "save_eval", "save_vision",
-                                                   "save_sustain", "save_eval_randomized",
+    none = argparse.Namespace(**{k: None for k in ("save", "save_rl", "save_distill", "save_distill_120",
+                                                   "save_hybrid", "save_eval", "save_vision", "save_sustain", "save_eval_randomized",
                                                    "save_speed", "save_micro", "save_demo", "save_ablations")})
     T.render_all(none, tmp_path)
     for f in [tmp_path / "README.md", *(tmp_path / "docs").glob("*.md")]:
