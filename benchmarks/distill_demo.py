@@ -120,17 +120,15 @@ def main() -> int:
     from k3.cli.rl import distill_main, rl_main
     from k3.rl.rollout import run_jobs
     from k3.rl.synth import synthesize
-    from k3.tasks.families import CELL_PATTERN, EFFORTS, cell_order, cell_task_list, get_family
+    from k3.errors import ConfigError
+    from k3.tasks.families import EFFORTS, cell_order, cell_task_list, family_counts, get_family
     from k3.train.metrics import read_metrics
 
     base, out = Path(a.base), Path(a.out)
     try:
-        seeds = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
-    except ValueError:
-        seeds = {}
-    if sorted(seeds) != sorted(CELL_PATTERN[:3]) or min(seeds.values()) < 1:
-        print(f"distill_demo: --seeds must give each of {', '.join(CELL_PATTERN[:3])} at least 1 seed, got {a.seeds}",
-              file=sys.stderr)
+        seeds = family_counts(a.seeds, 1)
+    except ConfigError as e:
+        print(f"distill_demo: {e}", file=sys.stderr)
         return 2
     bad = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(a, k)}"
            for k, low in (("general_steps", 1), ("general_batch", 1), ("teacher_steps", 1), ("teacher_batch", 1),

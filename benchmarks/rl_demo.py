@@ -69,9 +69,15 @@ def main() -> int:
 
     from k3.cli.agent_demo import evaluate_heldout, machine
     from k3.cli.rl import rl_main
-    from k3.tasks.families import EFFORTS
+    from k3.errors import ConfigError
+    from k3.tasks.families import EFFORTS, cell_task_list, family_counts, get_family
     from k3.train.metrics import read_metrics
 
+    try:   # before anything runs: the "before" evaluation alone takes minutes
+        counts = family_counts(a.seeds, 3)
+    except ConfigError as e:
+        print(f"rl_demo: {e}", file=sys.stderr)
+        return 2
     sft, out = Path(a.sft), Path(a.out)
     if not (sft / "checkpoint").is_dir():
         print(f"rl_demo: {sft} holds no checkpoint (run make agent-demo first)", file=sys.stderr)
@@ -109,12 +115,6 @@ def main() -> int:
 
     print(f"== k3 rl for at most {a.minutes:g} minutes", flush=True)
     run = out / "rl"
-    from k3.tasks.families import CELL_PATTERN, cell_task_list, get_family
-    counts = {f: int(n) for f, n in (x.split(":") for x in a.seeds.split(","))}
-    if sorted(counts) != sorted(set(CELL_PATTERN)) or min(counts.values()) < 3:
-        print(f"rl_demo: --seeds must give each of {', '.join(sorted(set(CELL_PATTERN)))} at least 3 seeds, "
-              f"got {a.seeds}", file=sys.stderr)
-        return 2
     made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(n)]
             for f, n in counts.items()}
     blocks = min(counts.values()) // 3

@@ -85,6 +85,19 @@ def test_bad_seeds_are_one_line_before_anything_runs(tmp_path, seeds):
     assert not (tmp_path / "run").exists() and not (tmp_path / "none").exists()
 
 
+@pytest.mark.parametrize("seeds,refused", [("arith:3,files:3", True), ("arith:3,files:2,code:3", True),
+                                           ("arith:x,files:3,code:3", True), ("arith:3,files:3,code:3", False)])
+def test_the_rl_demo_refuses_bad_seeds_before_its_evaluation(tmp_path, seeds, refused):
+    """The RL demo checks --seeds before anything runs; the control (valid seeds) passes that check
+    and is refused next for its missing SFT checkpoint."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rl_demo.py"), "--seeds", seeds,
+                        "--out", str(tmp_path / "run"), "--sft", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert ("--seeds" in r.stderr) == refused and ("holds no checkpoint" in r.stderr) != refused, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flag,value", [("--general-steps", "0"), ("--teacher-batch", "-1"), ("--heldout", "-1"),
                                         ("--rl-lr", "0"), ("--lr", "nan")])
 def test_bad_sizes_and_rates_are_one_line_before_anything_runs(tmp_path, flag, value):

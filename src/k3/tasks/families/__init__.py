@@ -41,7 +41,8 @@ from k3.tasks.families.page import Page
 
 __all__ = ["FAMILIES", "VISION_FAMILIES", "get_family",
            "Family", "HELDOUT_START", "SPLITS", "DOMAINS", "EFFORTS", "META_FILE",
-           "split_of", "check_seed", "read_meta", "CELL_PATTERN", "cell_order", "cell_task_list"]
+           "split_of", "check_seed", "read_meta", "CELL_PATTERN", "cell_order", "cell_task_list",
+           "family_counts"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (Arith(), Files(), Code())}
 VISION_FAMILIES: dict[str, Family] = {f.name: f for f in (Page(),)}
@@ -84,3 +85,16 @@ def cell_task_list(made: dict[str, list], blocks: int, pattern=CELL_PATTERN) -> 
             out.append((f, made[f][nxt[f]]))
             nxt[f] += 1
     return out
+
+
+def family_counts(spec: str, minimum: int) -> dict[str, int]:
+    """``FAMILY:N,...`` -> {family: N} for exactly the families of ``FAMILIES``, each N >= ``minimum``;
+    anything else is refused with one line naming what is expected."""
+    try:
+        counts = {f: int(n) for f, n in (x.split(":") for x in spec.split(","))}
+    except ValueError:
+        counts = {}
+    if sorted(counts) != sorted(FAMILIES) or min(counts.values()) < minimum:
+        raise ConfigError(f"--seeds must give each of {', '.join(FAMILIES)} at least {minimum} "
+                          f"seed{'s' * (minimum != 1)} (FAMILY:N,...), got {spec}")
+    return counts
