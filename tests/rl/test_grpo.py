@@ -119,6 +119,49 @@ def test_the_learner_trains_the_sampled_tokens_at_the_recorded_logprobs(letters,
     assert n == stats["sampled_tokens"] and worst <= 1e-4 and shifted > 1e-2
 
 
+def test_zero_advantage_episodes_are_left_out_without_changing_the_gradient(letters, learned):
+    """A degenerate group (all rewards equal) has advantage 0 at every token: without the KL
+    penalty its surrogate's gradient is exactly 0, so the learner skips its forward. Checked
+    against the full batch's gradient, computed with the loss formula directly; the control is
+    beta > 0, where the same episodes carry the KL gradient and stay in the step."""
+    from k3.ops.policy_loss import clipped_policy_loss
+    d, sft, task = letters
+    eps = []
+    for f in sorted((learned / "rollouts" / "step-000001").glob("*.jsonl")):
+        records = read_trajectory(f)
+        end = next(r for r in records if r["type"] == "end")
+        for slot, reward in ((0, end["score"]), (1, 1.0)):     # slot 1: the same episodes, all passed
+            eps.append({"slot": slot, "task": "letter", "family": "letter", "effort": None, "reward": reward,
+                        "harness": None, "records": records})
+    assert 0 < sum(e["reward"] for e in eps[0::2]) < 8          # slot 0 has something to learn
+    fmt = ChatFormat(_tokenizer(sft))
+    skip, keep = GRPOObjective(RLConfig(tasks=[str(task)])), GRPOObjective(RLConfig(tasks=[str(task)], beta=0.1))
+    skip.fmt = keep.fmt = fmt
+    (m_skip, st_skip), (m_keep, st_keep) = skip._micro_batches([dict(e) for e in eps]), keep._micro_batches(
+        [dict(e) for e in eps])
+    per_ep = len(episode_sequences(eps[0]["records"]))
+    assert st_skip["groups_degenerate"] == st_keep["groups_degenerate"] == 1
+    assert st_skip["sequences"] == 8 * per_ep and st_skip["sequences_zero_advantage"] == 8 * per_ep
+    assert st_keep["sequences"] == 16 * per_ep and st_keep["sequences_zero_advantage"] == 0
+    assert sum(x.shape[0] for x, *_ in m_skip) == 8 * per_ep and sum(x.shape[0] for x, *_ in m_keep) == 16 * per_ep
+    model = _model(sft)
+
+    def grad(micros):   # Σ over the micro-batches of the token-summed surrogate, by the formula
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y, old, adv in micros:
+            m = y != IGNORE_INDEX
+            lp = torch.log_softmax(model(x).logits.float(), -1).gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            loss, st = clipped_policy_loss(lp, old, adv, m.float())
+            (loss * st["tokens"]).backward()
+            total += st["tokens"]
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), total
+    g_skip, n_skip = grad(m_skip)
+    g_keep, n_keep = grad(m_keep)
+    assert n_keep == 2 * n_skip and float(g_skip.norm()) > 0
+    assert torch.allclose(g_skip, g_keep, atol=1e-6, rtol=1e-4), float((g_skip - g_keep).abs().max())
+
+
 def _harness_seeds(run, step):
     """slot -> the harness seeds recorded in the trajectory headers of a step's episodes."""
     out: dict[int, list] = {}

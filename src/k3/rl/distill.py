@@ -231,6 +231,9 @@ class DistillObjective(GRPOObjective):
     def uses_rewards(self) -> bool:
         return self.rl.reward_weight > 0
 
+    def trains_zero_advantage(self) -> bool:
+        return True    # the teacher KL is on every sampled token, whatever its advantage
+
     def tag_id(self, episode: dict) -> int:
         return self.task_tags[(episode["task"], episode["effort"])]
 

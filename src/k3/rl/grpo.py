@@ -583,7 +583,7 @@ class GRPOObjective:
                                                torch.tensor([e["slot"] for e in train_eps]), rl.scale_std)
             for e, a in zip(train_eps, adv.tolist()):
                 e["advantage"] = a
-        seqs, sampled, reasoning, calls, turns = [], 0, [], [], 0
+        seqs, sampled, reasoning, calls, turns, idle = [], 0, [], [], 0, 0
         for e in kept:
             ts = [r for r in e["records"] if r.get("type") == "turn"]
             turns += len(ts)
@@ -595,7 +595,11 @@ class GRPOObjective:
                 r_tok += toks.index(end_think) if end_think in toks else len(toks)
             reasoning.append(r_tok)
             if "advantage" in e:
-                for sq in episode_sequences(e["records"]):
+                sqs = episode_sequences(e["records"])
+                if e["advantage"] == 0.0 and not self.trains_zero_advantage():
+                    idle += len(sqs)   # its gradient is exactly 0: not worth a forward and backward
+                    continue
+                for sq in sqs:
                     seqs.append((sq, e["advantage"], self.tag_id(e)))
         micros = self._pack(seqs)
         rewards = [e["reward"] for e in kept]
@@ -613,7 +617,8 @@ class GRPOObjective:
                  **{f"pass_rate_{k}": sum(v) / len(v) if v else None for k, v in by_harness.items()},
                  "reasoning_tokens": sum(reasoning) / len(reasoning) if reasoning else None,
                  "tool_calls": sum(calls) / len(calls) if calls else None,
-                 "turns": turns, "sampled_tokens": sampled, "sequences": len(seqs)}
+                 "turns": turns, "sampled_tokens": sampled, "sequences": len(seqs),
+                 "sequences_zero_advantage": idle}
         stats.update(self.episode_stats(kept, reasoning))
         return micros, stats
 
@@ -624,6 +629,12 @@ class GRPOObjective:
 
     def uses_rewards(self) -> bool:
         return True
+
+    def trains_zero_advantage(self) -> bool:
+        """Whether an episode of advantage 0 (every episode of a degenerate group) still has a
+        gradient: only through the KL penalty. Without it, its clipped surrogate is 0 at every
+        token whatever the ratio, so it is left out of the step (as DAPO's dynamic sampling does)."""
+        return self.rl.beta > 0
 
     def tag_id(self, episode: dict) -> int:
         """The index of the teacher of an episode's tokens (RL: none)."""
