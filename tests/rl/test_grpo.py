@@ -407,23 +407,46 @@ def test_episodes_in_worker_processes_are_the_ones_sampled_in_process(letters, t
     its engine; the step's rollouts (tokens, logprobs, rewards) equal those sampled in process."""
     d, sft, task = letters
     runs = {}
-    for w in (1, 2):
+    for w in (1, 2):   # two steps: the workers, kept from step 1, must sample step 2 with its new weights
         runs[w] = tmp_path / f"w{w}"
-        assert rl_main(rl_argv(sft, task, runs[w], "--workers", str(w), steps=1, group=4)) == 0
+        assert rl_main(rl_argv(sft, task, runs[w], "--workers", str(w), steps=2, group=4)) == 0
 
-    def samples(run):
+    def samples(run, step=1):
         out = []
-        for f in sorted((run / "rollouts" / "step-000001").glob("*.jsonl")):
+        for f in sorted((run / "rollouts" / f"step-{step:06d}").glob("*.jsonl")):
             recs = read_trajectory(f)
             out.append(([r["metadata"]["sample"] for r in recs if r["type"] == "turn"],
                         next(r["score"] for r in recs if r["type"] == "end")))
         return out
 
-    a, b = samples(runs[1]), samples(runs[2])
-    assert len(a) == 4 and a == b
-    ra, rb = rl_records(runs[1])[0], rl_records(runs[2])[0]
-    assert (ra["reward_mean"], ra["loss"], ra["lost"]) == (rb["reward_mean"], rb["loss"], rb["lost"]) and rb["lost"] == 0
-    assert rb["sampler_max_abs_diff"] <= 1e-4
+    for step in (1, 2):
+        a, b = samples(runs[1], step), samples(runs[2], step)
+        assert len(a) == 4 and a == b, step
+        ra, rb = rl_records(runs[1])[step - 1], rl_records(runs[2])[step - 1]
+        assert (ra["reward_mean"], ra["loss"], ra["lost"]) == (rb["reward_mean"], rb["loss"], rb["lost"])
+        assert rb["lost"] == 0 and rb["sampler_max_abs_diff"] <= 1e-4
+    # control: step 2's weights differ from step 1's, so a worker that kept step 1's engine would
+    # have recorded other logprobs for the same tokens
+    first = next(r for r in read_metrics(runs[1]) if r["kind"] == "train")
+    assert "no_update" not in first and first["grad_norm"] > 0
+
+
+def test_a_worker_keeps_one_engine_per_weights_version(letters):
+    """job_provider: the jobs of one step (one version) share the engine a worker loaded; a new
+    version (the next step's weights) loads the checkpoint again and closes the old engine; a
+    spec without a version is the job's own, as before."""
+    from k3.rl import rollout
+    sft = letters[1]
+    a, owned_a = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-1"})
+    b, owned_b = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-1"})
+    assert a is b and not owned_a and not owned_b
+    c, _ = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-2"})
+    assert c is not a and not a.engine._thread.is_alive() and c.engine._thread.is_alive()
+    d, owned_d = rollout.job_provider({"kind": "local", "ckpt": str(sft)})
+    assert d is not c and owned_d
+    d.close()
+    c.close()
+    rollout._KEPT.clear()
 
 
 def test_the_kl_penalty_is_to_the_starting_weights_kept_in_the_run(letters, tmp_path, sandboxes):

@@ -302,6 +302,7 @@ class GRPOObjective:
         when resuming (the options come from the checkpoint)."""
         self.rl, self.log = (rl.validate() if rl is not None else None), log
         self.sandboxes = None
+        self.pool = None     # the rollout worker processes (--workers > 1), kept from step to step
         self.run_dir: Path | None = None
         self.reference = None
         self.step_stats: dict = {}
@@ -432,6 +433,9 @@ class GRPOObjective:
         self.reference = ref.to(trainer.device).eval().requires_grad_(False)
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
         if self.sandboxes is not None:
             self.sandboxes.close()
             self.sandboxes = None
@@ -529,13 +533,15 @@ class GRPOObjective:
 
     def _sample_in_workers(self, trainer, policy, plan, sampling) -> list[dict]:
         """The step's episodes as ``k3.rl.rollout`` jobs (a process pool of ``workers``, or Ray
-        tasks): the weights go to OUT/rollouts/policy once, each job loads them into its own
-        engine and runs one episode alone (so its numbers do not depend on the others)."""
+        tasks): the weights go to OUT/rollouts/policy once, and each worker loads them into one
+        engine per step (``job_provider``: the job's ``version`` is the step) that runs its
+        episodes one at a time, each alone in it, as the in-process path does. The pool is kept
+        from step to step and shut down by ``close``."""
         import shutil
         import tempfile
 
         from k3.checkpoint import save_pretrained
-        from k3.rl.rollout import run_jobs
+        from k3.rl.rollout import run_jobs, worker_pool
         from k3.rl.trajectory import read_trajectory
 
         rl = self.rl
@@ -548,16 +554,22 @@ class GRPOObjective:
         scratch = Path(tempfile.mkdtemp(prefix="k3rl-", dir=trainer.run_dir / "rollouts"))
         jobs = []
         for i, (slot, task, member, effort, seed, harness, path) in enumerate(plan):
-            jobs.append({"task": str(task.root), "provider": {"kind": "local", "ckpt": str(wdir)},
+            jobs.append({"task": str(task.root),
+                         "provider": {"kind": "local", "ckpt": str(wdir), "version": f"{id(self)}-{trainer.step}"},
                          "seed": seed, "harness": harness, "backend": rl.backend,
                          "out": str(path or scratch / f"{i}.jsonl"), "sampling": {**sampling, "effort": effort},
                          "threads": torch.get_num_threads()})   # the numbers of the in-process path
         try:
             try:
-                results = run_jobs(jobs, rl.workers, rl.ray)
+                if not rl.ray and self.pool is None:
+                    self.pool = worker_pool(rl.workers)
+                results = run_jobs(jobs, rl.workers, rl.ray, pool=self.pool)
             except Exception as e:  # noqa: BLE001 - a pool that broke (a worker died): all counted lost
                 results = [{"status": "error", "detail": f"the rollout workers failed: {type(e).__name__}: {e}"}
                            for _ in jobs]
+                if self.pool is not None:   # the next step starts fresh workers
+                    self.pool.shutdown(wait=False, cancel_futures=True)
+                    self.pool = None
             return [_episode(slot, task, effort, harness, lost=res.get("detail")) if res.get("status") == "error"
                     else _episode(slot, task, effort, harness, res, read_trajectory(job["out"]))
                     for (slot, task, member, effort, seed, harness, path), job, res in zip(plan, jobs, results)]

@@ -37,7 +37,7 @@ from k3.tasks.format import load_task, load_transcript
 from k3.rl.trajectory import VERSION, ReplayProvider, ReplayReport, TrajectoryWriter, compare, read_trajectory
 from k3.tasks.verify import Sandboxes, agent_sandbox, collect_submission, verify
 
-__all__ = ["run_episode", "rollout", "run_jobs", "make_provider", "replay"]
+__all__ = ["run_episode", "rollout", "run_jobs", "worker_pool", "make_provider", "job_provider", "replay"]
 
 
 def make_provider(spec: dict):
@@ -50,6 +50,29 @@ def make_provider(spec: dict):
     if kind == "local":
         return LocalEngine.from_checkpoint(spec["ckpt"])
     raise ConfigError(f"provider kind must be scripted, openai or local, got {kind!r}")
+
+
+_KEPT: dict = {}   # this process's provider of a versioned local checkpoint: {"key", "provider"}
+
+
+def job_provider(spec: dict):
+    """(provider, owned) for a job: ``owned`` ones are the job's to close. A local checkpoint with a
+    ``version`` (k3 rl: the run and step whose weights were saved there) is kept for the next job
+    of the same version in this process, so a worker loads each step's weights once and samples
+    its episodes with one engine, as the in-process path does (the engine keeps no state between
+    requests: no prefix cache). A new version closes the kept one and loads the weights again."""
+    version = spec.get("version") if spec.get("kind") == "local" else None
+    if version is None:
+        return make_provider(spec), True
+    key = (str(spec["ckpt"]), str(version))
+    if _KEPT.get("key") != key:
+        old = _KEPT.pop("provider", None)
+        _KEPT.pop("key", None)
+        if old is not None:
+            old.close()
+        provider = make_provider(spec)
+        _KEPT.update(key=key, provider=provider)
+    return _KEPT["provider"], False
 
 
 def run_episode(task_dir, provider, writer: TrajectoryWriter, *, backend: str = "namespace",
@@ -169,12 +192,12 @@ def _rounded(d):
 
 def rollout(job: dict) -> dict:
     """The picklable entry a worker runs: one job dict -> its summary (with label/expect/out)."""
-    writer, provider = TrajectoryWriter(job.get("out")), None
+    writer, provider, owned = TrajectoryWriter(job.get("out")), None, False
     try:
         if job.get("threads"):
             import torch
             torch.set_num_threads(int(job["threads"]))
-        provider = make_provider(job["provider"])
+        provider, owned = job_provider(job["provider"])
         s = run_episode(job["task"], provider, writer, backend=job.get("backend", "namespace"),
                         harness=job.get("harness", job.get("seed")), yolo=job.get("yolo", False),
                         seed=job.get("seed"),
@@ -184,24 +207,34 @@ def rollout(job: dict) -> dict:
              "detail": f"{type(e).__name__}: {e}", "timings": {}}
     finally:
         writer.close()
-        if provider is not None:
+        if provider is not None and owned:
             provider.close()
     return {**s, "label": job.get("label", ""), "expect": job.get("expect"), "out": job.get("out")}
 
 
-def run_jobs(jobs: list[dict], workers: int = 1, use_ray: bool = False) -> list[dict]:
-    """Every job's summary, in the order given."""
+def worker_pool(workers: int):
+    """A pool of ``workers`` fresh (spawned) processes that run ``rollout`` jobs; a caller that
+    runs jobs again and again (k3 rl: every step) keeps it, saving each step the start of its
+    workers (an interpreter and torch's import, about 2 s each on 2 cores)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+
+
+def run_jobs(jobs: list[dict], workers: int = 1, use_ray: bool = False, pool=None) -> list[dict]:
+    """Every job's summary, in the order given (``pool``: a ``worker_pool`` to run them in,
+    instead of one of ``workers`` started for these jobs alone)."""
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     if use_ray:
         return _run_ray(jobs, workers)
+    if pool is not None:
+        return list(pool.map(rollout, jobs))
     if workers == 1:
         return [rollout(j) for j in jobs]
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-        return list(pool.map(rollout, jobs))
+    with worker_pool(workers) as own:
+        return list(own.map(rollout, jobs))
 
 
 def _run_ray(jobs: list[dict], workers: int) -> list[dict]:
