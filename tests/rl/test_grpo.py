@@ -431,6 +431,46 @@ def test_episodes_in_worker_processes_are_the_ones_sampled_in_process(letters, t
     assert "no_update" not in first and first["grad_norm"] > 0
 
 
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if os.getpgid(int(p)) == pgid:
+                    out.append(int(p))
+            except ProcessLookupError:
+                pass
+    return out
+
+
+def test_ctrl_c_stops_a_run_with_kept_workers_and_leaves_no_process(letters, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) reaches the kept rollout workers too: the
+    run still ends with 130, its saved steps intact, and no worker outlives it. The control is the
+    same run's worker processes alive between steps before the signal."""
+    d, sft, task = letters
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "k3", "rl", *rl_argv(sft, task, run, "--workers", "2", steps=40, group=4)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "rollouts" / "step-000003").is_dir():   # steps 1 and 2 trained
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the run did not reach step 3"
+            time.sleep(0.05)
+        assert len(_group_members(proc.pid)) >= 3            # the run and its two workers
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 128 + signal.SIGINT, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while _group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group_members(proc.pid) == []
+    assert [r["step"] for r in rl_records(run)][:2] == [1, 2]
+
+
 def test_a_worker_keeps_one_engine_per_weights_version(letters):
     """job_provider: the jobs of one step (one version) share the engine a worker loaded; a new
     version (the next step's weights) loads the checkpoint again and closes the old engine; a
