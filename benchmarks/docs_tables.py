@@ -175,13 +175,23 @@ def rl_demo_table(report: dict) -> str:
         f"{', '.join(rl['tasks'])}. Evaluation: {ev['heldout']} held-out tasks per cell, greedy, canonical "
         f"harness; the spread at effort {ev['spread_effort']} over {ev['harness_seeds']} harness seeds.",
         f"Sampling {sp['sampled_tokens_per_s']:.0f} tokens/s ({sp['sampled_tokens']:,} tokens), training "
-        f"{sp['trained_tokens_per_s']:.0f} tokens/s ({sp['trained_tokens']:,.0f} tokens). Times: {times}.",
+        f"{sp['trained_tokens_per_s']:.0f} tokens/s ({sp['trained_tokens']:,.0f} tokens){_left_out(sp)}. "
+        f"Times: {times}.",
         f"Mean reward by step: {pts}.", "", *rows, "", *spread])
 
 
 def distill_demo_long_table(report: dict) -> str:
     """``distill_demo_table`` of the 120-step run."""
     return distill_demo_table(report, "docs/data/distill_demo_steps120.json")
+
+
+def _left_out(sp: dict) -> str:
+    """The RL demo's updated steps and the sequences of advantage 0 it left out of the update
+    (reports before that rule have neither)."""
+    if "steps_updated" not in sp:
+        return ""
+    return (f"; {sp['steps_updated']} steps updated the weights, {sp['sequences']:,} sequences trained and "
+            f"{sp['sequences_zero_advantage']:,} of advantage 0 left out")
 
 
 def _canonical(rl: dict) -> str:
