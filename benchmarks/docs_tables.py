@@ -6,7 +6,9 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``agent_demo`` (docs/POSTTRAINING.md) from ``docs/data/agent_demo.json``, the report of one
   ``k3 agent-demo`` run (``runs/agent-demo/report.json`` copied there by ``--save``);
 - ``rl_demo`` (docs/RL.md) from ``docs/data/rl_demo.json``, the report of one
-  ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``);
+  ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``), and
+  ``rl_demo_low_lr`` from ``docs/data/rl_demo_low_lr.json`` (the same demo at a lower ``--lr``,
+  ``--save-rl-low-lr``);
 - ``distill_demo`` (docs/DISTILL.md) from ``docs/data/distill_demo.json``, the report of one
   ``benchmarks/distill_demo.py`` run (``runs/distill-demo/report.json`` copied there by ``--save-distill``),
   and ``distill_demo_steps120`` from ``docs/data/distill_demo_steps120.json`` (a ``--steps 120`` run,
@@ -40,6 +42,7 @@ the benchmarks and the demo and calls this with every ``--save-*``. ``--root DIR
 a copy, e.g. of a short pipeline check whose figures must not reach the docs).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
+                                     [--save-rl-low-lr runs/rl-demo-lr1e-4/report.json]
                                      [--save-distill runs/distill-demo/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
                                      [--save-sustain runs/sustain/report.json] [--save-eval-randomized RUN]
@@ -62,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data" / "agent_demo.json"
 DOC = ROOT / "docs" / "POSTTRAINING.md"
 RL_DATA = ROOT / "docs" / "data" / "rl_demo.json"
+RL_LOW_LR_DATA = ROOT / "docs" / "data" / "rl_demo_low_lr.json"   # the same demo at a lower lr
 RL_DOC = ROOT / "docs" / "RL.md"
 DISTILL_DATA = ROOT / "docs" / "data" / "distill_demo.json"
 DISTILL_DOC = ROOT / "docs" / "DISTILL.md"
@@ -138,9 +142,9 @@ def vision_demo_table(report: dict) -> str:
         "", "| kind | vision | text-only control |", "|---|---|---|", *rows])
 
 
-def rl_demo_table(report: dict) -> str:
+def rl_demo_table(report: dict, source: str = "docs/data/rl_demo.json") -> str:
     """Held-out pass rates before (SFT) and after RL per family × effort, the spread over harness
-    seeds, the reward curve in brief, speeds and times."""
+    seeds, the reward curve in brief, speeds and times (``source``: the report's file)."""
     cells = {(c["model"], c["family"], c["effort"]): c for c in report["cells"]}
     fams = list(dict.fromkeys(c["family"] for c in report["cells"]))
     efforts = list(dict.fromkeys(c["effort"] for c in report["cells"]))
@@ -167,7 +171,7 @@ def rl_demo_table(report: dict) -> str:
     pts = ", ".join(f"{c['step']}: {c['reward_mean']:.2f}" for c in curve[::k] if c["reward_mean"] is not None)
     times = ", ".join(f"{key.removesuffix('_s')} {v:.0f} s" for key, v in t.items())
     return "\n".join([
-        f"Measured {report['date']} on {report['machine']} (`docs/data/rl_demo.json`).",
+        f"Measured {report['date']} on {report['machine']} (`{source}`).",
         f"RL: {rl['steps']} steps in {t['rl_s'] / 60:.1f} min (budget {rl['minutes']:g} min), groups of "
         f"{rl['group']}, {rl['tasks_per_step']} tasks per step, lr {rl['lr']}, effort {rl['effort']}, "
         f"temperature {rl['temperature']}, harness randomization on"
@@ -178,6 +182,11 @@ def rl_demo_table(report: dict) -> str:
         f"{sp['trained_tokens_per_s']:.0f} tokens/s ({sp['trained_tokens']:,.0f} tokens){_left_out(sp)}. "
         f"Times: {times}.",
         f"Mean reward by step: {pts}.", "", *rows, "", *spread])
+
+
+def rl_demo_low_lr_table(report: dict) -> str:
+    """``rl_demo_table`` of the run at a lower lr."""
+    return rl_demo_table(report, "docs/data/rl_demo_low_lr.json")
 
 
 def distill_demo_long_table(report: dict) -> str:
@@ -726,6 +735,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--save", help="a k3 agent-demo report.json to record as docs/data/agent_demo.json first")
     p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
+    p.add_argument("--save-rl-low-lr", help="a benchmarks/rl_demo.py report.json of a run at a lower --lr to record "
+                                            "as docs/data/rl_demo_low_lr.json first")
     p.add_argument("--save-distill", help="a benchmarks/distill_demo.py report.json to record as "
                                           "docs/data/distill_demo.json first")
     p.add_argument("--save-distill-120", help="a benchmarks/distill_demo.py --steps 120 report.json to record as "
@@ -785,7 +796,8 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         if src:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(src) / "rows.jsonl", dst)
-    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_distill, DISTILL_DATA),
+    for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_rl_low_lr, RL_LOW_LR_DATA),
+                     (a.save_distill, DISTILL_DATA),
                      (a.save_distill_120, DISTILL_LONG_DATA), (a.save_hybrid, HYBRID_DATA),
                      (a.save_vision, VISION_DATA), (a.save_sustain, SUSTAIN_DATA)):
         if src:
@@ -803,6 +815,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
 
     tables = [  # (data, doc, block, render, reader): each table rendered when its data is there
         (at(RL_DATA), at(RL_DOC), "rl_demo", rl_demo_table, report),
+        (at(RL_LOW_LR_DATA), at(RL_DOC), "rl_demo_low_lr", rl_demo_low_lr_table, report),
         (at(DISTILL_DATA), at(DISTILL_DOC), "distill_demo", distill_demo_table, report),
         (at(DISTILL_LONG_DATA), at(DISTILL_DOC), "distill_demo_steps120", distill_demo_long_table, report),
         (eval_rows, at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),
