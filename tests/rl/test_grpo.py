@@ -477,16 +477,22 @@ def test_a_worker_keeps_one_engine_per_weights_version(letters):
     spec without a version is the job's own, as before."""
     from k3.rl import rollout
     sft = letters[1]
-    a, owned_a = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-1"})
-    b, owned_b = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-1"})
-    assert a is b and not owned_a and not owned_b
-    c, _ = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-2"})
-    assert c is not a and not a.engine._thread.is_alive() and c.engine._thread.is_alive()
-    d, owned_d = rollout.job_provider({"kind": "local", "ckpt": str(sft)})
-    assert d is not c and owned_d
-    d.close()
-    c.close()
-    rollout._KEPT.clear()
+    opened = []
+    try:
+        a, owned_a = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-1"})
+        b, owned_b = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-1"})
+        opened.append(a)
+        assert a is b and not owned_a and not owned_b
+        c, _ = rollout.job_provider({"kind": "local", "ckpt": str(sft), "version": "run-2"})
+        opened.append(c)
+        assert c is not a and not a.engine._thread.is_alive() and c.engine._thread.is_alive()
+        d, owned_d = rollout.job_provider({"kind": "local", "ckpt": str(sft)})
+        opened.append(d)
+        assert d is not c and owned_d
+    finally:
+        for p in opened:
+            p.close()
+        rollout._KEPT.clear()
 
 
 def test_the_kl_penalty_is_to_the_starting_weights_kept_in_the_run(letters, tmp_path, sandboxes):
