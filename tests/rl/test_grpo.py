@@ -471,6 +471,50 @@ def test_ctrl_c_stops_a_run_with_kept_workers_and_leaves_no_process(letters, tmp
     assert [r["step"] for r in rl_records(run)][:2] == [1, 2]
 
 
+def _spawned_workers(pid: int) -> list[int]:
+    """The multiprocessing worker processes (spawn) among ``pid``'s children."""
+    out = []
+    for c in open(f"/proc/{pid}/task/{pid}/children").read().split():
+        try:
+            cmd = open(f"/proc/{c}/cmdline", "rb").read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            out.append(int(c))
+    return out
+
+
+def test_a_rollout_worker_killed_mid_run_counts_its_episodes_lost_and_the_run_goes_on(letters, tmp_path):
+    """A kept worker process killed (SIGKILL) while the run samples: the episodes its pool had not
+    returned are counted lost in that step's record, never silently dropped, and the next step
+    starts fresh workers whose episodes are all kept (the control: lost 0 after, and before)."""
+    d, sft, task = letters
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "k3", "rl", *rl_argv(sft, task, run, "--workers", "2", steps=5, group=4)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "rollouts" / "step-000002").is_dir():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.02)
+        workers = _spawned_workers(proc.pid)
+        assert workers, "no rollout worker process to kill"
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=240) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    recs = rl_records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    lost = [r["lost"] for r in recs]
+    hit = next(i for i, n in enumerate(lost) if n > 0)        # the step the kill reached (2 or 3)
+    assert lost[0] == 0 and hit in (1, 2) and lost[hit] <= 4 and all(n == 0 for n in lost[hit + 1:]), lost
+    assert recs[hit]["episodes"] == 4                         # lost ones are in the count, not dropped
+    print("lost per step", lost)
+
+
 def test_a_worker_keeps_one_engine_per_weights_version(letters):
     """job_provider: the jobs of one step (one version) share the engine a worker loaded; a new
     version (the next step's weights) loads the checkpoint again and closes the old engine; a
