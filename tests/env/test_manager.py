@@ -57,6 +57,31 @@ def test_a_name_is_there_before_the_backend_starts_and_survives_state_rewrites(m
         assert seen == {"name": None} and [s["name"] for s in manager.list()] == [None] and anon.id
 
 
+def test_close_owned_removes_what_its_owner_left_half_made_and_nothing_else(manager):
+    """A driver killed while making a sandbox leaves a named directory without a state (and its
+    cgroups): its owner's next ``close_owned`` removes it, with the owner's live ones; another
+    owner's half-made sandbox and an unnamed live one are kept (the controls)."""
+    from k3.env.cgroups import Cgroup
+    from k3.tasks.verify import Sandboxes
+
+    mine = Sandboxes("namespace", manager.root, owner="k3rl-aaa")
+    live_mine = mine.create()
+    half_mine = manager._new_id("k3rl-aaa-0123456789ab")
+    cg = Cgroup(manager.cgroup_name(half_mine))
+    cg.create(Limits())
+    half_theirs = manager._new_id("k3rl-bbb-0123456789ab")
+    other = manager.create()
+    try:
+        closed = mine.close_owned()
+        assert sorted(closed) == sorted([live_mine.id, half_mine])
+        assert not os.path.exists(manager.sandbox_dir(half_mine)) and not any(os.path.isdir(d) for d in cg.dirs)
+        assert os.path.isdir(manager.sandbox_dir(half_theirs))
+        assert [s["id"] for s in manager.list()] == [other.id] and other.exec("true").ok
+    finally:
+        other.close()
+        manager.remove_unmade(half_theirs)
+
+
 def test_gc_removes_a_sandbox_its_creator_died_making(manager):
     """No state yet (the creator was killed before the backend wrote it): gc removes its
     directory and its cgroups; a sandbox with a state beside it is kept (the control)."""

@@ -155,6 +155,33 @@ class SandboxManager:
                 continue
         return out
 
+    def unmade(self) -> list[tuple[str, str | None]]:
+        """(id, name) of every sandbox directory without a state: one being made now, or one whose
+        maker died while making it."""
+        d = os.path.join(self.root, "sandboxes")
+        out = []
+        for sid in sorted(os.listdir(d)):
+            if not os.path.exists(os.path.join(d, sid, "state.json")):
+                try:
+                    with open(os.path.join(d, sid, NAME_FILE)) as f:
+                        name = f.read()
+                except OSError:
+                    name = None
+                out.append((sid, name))
+        return out
+
+    def remove_unmade(self, sid: str) -> None:
+        """Remove a sandbox whose maker died while making it (only then: a live maker's sandbox
+        would be pulled from under it): its cgroups (named after its id, the namespace backend's),
+        their processes killed, and its directory."""
+        from k3.env.cgroups import Cgroup, detect_layout
+
+        cg = Cgroup(self.cgroup_name(sid), detect_layout())
+        if any(os.path.isdir(x) for x in cg.dirs):
+            cg.kill_all()
+            cg.remove()
+        shutil.rmtree(self.sandbox_dir(sid), ignore_errors=True)
+
     def remove(self, id_or_name: str) -> None:
         self.get(id_or_name).close()
 
@@ -173,17 +200,8 @@ class SandboxManager:
         remove sandbox directories without a state (and their cgroups), then layers/objects
         nothing references."""
         closed = []
-        d = os.path.join(self.root, "sandboxes")
-        for sid in os.listdir(d):
-            if not os.path.exists(os.path.join(d, sid, "state.json")):
-                # a sandbox whose creator died while making it (before its state was written): its
-                # cgroups are named after its id (the namespace backend's), their processes killed
-                from k3.env.cgroups import Cgroup, detect_layout
-                cg = Cgroup(self.cgroup_name(sid), detect_layout())
-                if any(os.path.isdir(x) for x in cg.dirs):
-                    cg.kill_all()
-                    cg.remove()
-                shutil.rmtree(os.path.join(d, sid), ignore_errors=True)
+        for sid, _ in self.unmade():
+            self.remove_unmade(sid)
         for state in self.list():
             cls = get_backend(state["backend"])
             alive = getattr(cls, "alive", None)

@@ -303,6 +303,7 @@ class GRPOObjective:
         self.rl, self.log = (rl.validate() if rl is not None else None), log
         self.sandboxes = None
         self.pool = None     # the rollout worker processes (--workers > 1), kept from step to step
+        self._worker_owner: str | None = None   # the name prefix of their sandboxes
         self.run_dir: Path | None = None
         self.reference = None
         self.step_stats: dict = {}
@@ -404,6 +405,21 @@ class GRPOObjective:
         mid-episode leaves live ones, which rank 0 of the next start closes (``build_data``)."""
         return "k3rl-" + hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
 
+    def _drop_pool(self, wait: bool) -> None:
+        """Shut the rollout workers down, then close the sandboxes of theirs that a killed worker
+        left (they are named after the run: ``_worker_owner``); none of theirs is in use by then."""
+        from k3.tasks.verify import Sandboxes
+
+        self.pool.shutdown(wait=wait, cancel_futures=True)
+        self.pool = None
+        try:
+            left = Sandboxes(self.rl.backend, owner=self._worker_owner).close_owned()
+        except (K3Error, OSError) as e:   # never fatal to the run: what is left is k3 env gc's
+            self.log(f"could not close the sandboxes killed rollout workers left ({e}); `k3 env gc` removes them")
+            return
+        if left:
+            self.log(f"closed {len(left)} sandboxes that killed rollout workers left")
+
     def _sandboxes(self, rank: int = 0):
         if self.sandboxes is None:
             from k3.tasks.verify import Sandboxes
@@ -434,8 +450,7 @@ class GRPOObjective:
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-            self.pool = None
+            self._drop_pool(wait=True)
         if self.sandboxes is not None:
             self.sandboxes.close()
             self.sandboxes = None
@@ -552,11 +567,12 @@ class GRPOObjective:
             trainer.tokenizer.save(wdir)
         trainer.gather_objects(None)   # the weights are written before any process's jobs load them
         scratch = Path(tempfile.mkdtemp(prefix="k3rl-", dir=trainer.run_dir / "rollouts"))
+        self._worker_owner = f"{self._owner()}-r{trainer.rank}w"   # its workers' sandboxes
         jobs = []
         for i, (slot, task, member, effort, seed, harness, path) in enumerate(plan):
             jobs.append({"task": str(task.root),
                          "provider": {"kind": "local", "ckpt": str(wdir), "version": f"{id(self)}-{trainer.step}"},
-                         "seed": seed, "harness": harness, "backend": rl.backend,
+                         "seed": seed, "harness": harness, "backend": rl.backend, "owner": self._worker_owner,
                          "out": str(path or scratch / f"{i}.jsonl"), "sampling": {**sampling, "effort": effort},
                          "threads": torch.get_num_threads()})   # the numbers of the in-process path
         try:
@@ -568,8 +584,7 @@ class GRPOObjective:
                 results = [{"status": "error", "detail": f"the rollout workers failed: {type(e).__name__}: {e}"}
                            for _ in jobs]
                 if self.pool is not None:   # the next step starts fresh workers
-                    self.pool.shutdown(wait=False, cancel_futures=True)
-                    self.pool = None
+                    self._drop_pool(wait=True)
             return [_episode(slot, task, effort, harness, lost=res.get("detail")) if res.get("status") == "error"
                     else _episode(slot, task, effort, harness, res, read_trajectory(job["out"]))
                     for (slot, task, member, effort, seed, harness, path), job, res in zip(plan, jobs, results)]

@@ -198,9 +198,11 @@ def rollout(job: dict) -> dict:
             import torch
             torch.set_num_threads(int(job["threads"]))
         provider, owned = job_provider(job["provider"])
-        s = run_episode(job["task"], provider, writer, backend=job.get("backend", "namespace"),
+        backend = job.get("backend", "namespace")
+        s = run_episode(job["task"], provider, writer, backend=backend,
                         harness=job.get("harness", job.get("seed")), yolo=job.get("yolo", False),
                         seed=job.get("seed"),
+                        sandboxes=Sandboxes(backend, owner=job["owner"]) if job.get("owner") else None,
                         **job.get("sampling", {}))
     except Exception as e:  # noqa: BLE001 - one broken rollout is reported (status error), not fatal to a suite
         s = {"task": Path(job["task"]).name, "score": 0.0, "status": "error",

@@ -118,7 +118,8 @@ class Sandboxes:
         return self.manager.create(self._images[image], limits, backend=self.backend, nested=nested, name=name)
 
     def close_owned(self) -> list[str]:
-        """Close every sandbox of this owner (one an earlier, killed driver left); their ids."""
+        """Close every sandbox of this owner, and remove one its maker died while making: what an
+        earlier, killed driver left (call it only when no process of this owner runs); their ids."""
         if self.owner is None:
             return []
         closed = []
@@ -126,6 +127,10 @@ class Sandboxes:
             if str(st.get("name") or "").startswith(self.owner + "-"):
                 self.manager.get(st["id"]).close()
                 closed.append(st["id"])
+        for sid, name in self.manager.unmade():
+            if str(name or "").startswith(self.owner + "-"):
+                self.manager.remove_unmade(sid)
+                closed.append(sid)
         return closed
 
     def close(self) -> None:
