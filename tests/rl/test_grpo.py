@@ -521,6 +521,7 @@ def test_a_rollout_worker_killed_mid_run_counts_its_episodes_lost_and_the_run_go
     # the run closes the sandboxes of its killed worker; one whose cgroup was still busy is left
     # to `k3 env gc` (the run says so), after which nothing may remain (the fixture checks)
     if "k3 env gc" in (tmp_path / "stdout.txt").read_text() + proc.stderr.read().decode():
+        print("the run left a sandbox to k3 env gc")
         sandboxes.manager.gc()
 
 
