@@ -259,15 +259,10 @@ def test_resume_after_sigkill_mid_step_gives_the_same_weights_and_rewards(letter
     argv = rl_argv(sft, task, tmp_path / "straight", steps=3, group=4)
     assert rl_main(argv) == 0
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "k3", "rl", *rl_argv(sft, task, killed, steps=3, group=4)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    step2 = killed / "rollouts" / "step-000002"
+    proc = _start_rl_until(rl_argv(sft, task, killed, steps=3, group=4),   # step 1 saved, step 2 sampling
+                           lambda: step2.is_dir() and any(step2.glob("*.jsonl")), "step 2")
     try:
-        deadline = time.monotonic() + 240
-        step2 = killed / "rollouts" / "step-000002"
-        while not (step2.is_dir() and any(step2.glob("*.jsonl"))):   # step 1 saved, step 2 sampling
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
@@ -280,9 +275,9 @@ def test_resume_after_sigkill_mid_step_gives_the_same_weights_and_rewards(letter
     wa, wb = _model(tmp_path / "straight").state_dict(), _model(killed).state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not torch.equal(wa["lm_head.weight"], _model(sft).state_dict()["lm_head.weight"])  # it did train
-    # SIGKILL can land while a sandbox is being made (no state yet): the resumed run closes the
-    # named ones of this run it finds; what has no state is `k3 env gc`'s (the fixture then checks
-    # that nothing is left)
+    # SIGKILL can land while a sandbox is being made: the resumed run closes this run's sandboxes,
+    # half-made (no state yet) ones included; `k3 env gc` stays the fallback for what it could not
+    # close (the fixture then checks that nothing is left)
     sandboxes.manager.gc()
 
 
@@ -431,6 +426,25 @@ def test_episodes_in_worker_processes_are_the_ones_sampled_in_process(letters, t
     assert "no_update" not in first and first["grad_norm"] > 0
 
 
+def _start_rl_until(argv, ready, what: str, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    """``k3 rl argv`` in a session of its own, once ``ready()`` holds (polled for at most 240 s;
+    a run that exits or takes longer fails the test and is killed)."""
+    cmd = [sys.executable, "-m", "k3", "rl", *argv]
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while not ready():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, f"the run did not reach {what}"
+            time.sleep(0.02)
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        raise
+    return proc
+
+
 def _group_members(pgid: int) -> list[int]:
     out = []
     for p in os.listdir("/proc"):
@@ -450,14 +464,9 @@ def test_ctrl_c_stops_a_run_with_kept_workers_and_leaves_no_process(letters, tmp
     between steps before the signal."""
     d, sft, task = letters
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "k3", "rl", *rl_argv(sft, task, run, "--workers", "2", steps=40, group=4)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    proc = _start_rl_until(rl_argv(sft, task, run, "--workers", "2", steps=40, group=4),   # steps 1 and 2 trained
+                           lambda: (run / "rollouts" / "step-000003").is_dir(), "step 3")
     try:
-        deadline = time.monotonic() + 240
-        while not (run / "rollouts" / "step-000003").is_dir():   # steps 1 and 2 trained
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the run did not reach step 3"
-            time.sleep(0.05)
         assert len(_group_members(proc.pid)) >= 3            # the run and its two workers
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 128 + signal.SIGINT, proc.stderr.read().decode()[-2000:]
@@ -494,24 +503,18 @@ def test_a_rollout_worker_killed_mid_run_counts_its_episodes_lost_and_the_run_go
     line saying so (the ``sandboxes`` fixture checks that nothing remains)."""
     d, sft, task = letters
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "k3", "rl", *rl_argv(sft, task, run, "--workers", "2", steps=5, group=4)]
-    out = open(tmp_path / "stdout.txt", "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not (run / "rollouts" / "step-000002").is_dir():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the run did not reach step 2"
-            time.sleep(0.02)
-        workers = _spawned_workers(proc.pid)
-        assert workers, "no rollout worker process to kill"
-        os.kill(workers[0], signal.SIGKILL)
-        assert proc.wait(timeout=240) == 0, proc.stderr.read().decode()[-2000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-        out.close()
+    with open(tmp_path / "stdout.txt", "w") as out:
+        proc = _start_rl_until(rl_argv(sft, task, run, "--workers", "2", steps=5, group=4),
+                               lambda: (run / "rollouts" / "step-000002").is_dir(), "step 2", stdout=out)
+        try:
+            workers = _spawned_workers(proc.pid)
+            assert workers, "no rollout worker process to kill"
+            os.kill(workers[0], signal.SIGKILL)
+            assert proc.wait(timeout=240) == 0, proc.stderr.read().decode()[-2000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
     recs = rl_records(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
     lost = [r["lost"] for r in recs]

@@ -405,12 +405,12 @@ class GRPOObjective:
         mid-episode leaves live ones, which rank 0 of the next start closes (``build_data``)."""
         return "k3rl-" + hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
 
-    def _drop_pool(self, wait: bool) -> None:
+    def _drop_pool(self) -> None:
         """Shut the rollout workers down, then close the sandboxes of theirs that a killed worker
         left (they are named after the run: ``_worker_owner``); none of theirs is in use by then."""
         from k3.tasks.verify import Sandboxes
 
-        self.pool.shutdown(wait=wait, cancel_futures=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool = None
         try:
             left = Sandboxes(self.rl.backend, owner=self._worker_owner).close_owned()
@@ -450,7 +450,7 @@ class GRPOObjective:
 
     def close(self) -> None:
         if self.pool is not None:
-            self._drop_pool(wait=True)
+            self._drop_pool()
         if self.sandboxes is not None:
             self.sandboxes.close()
             self.sandboxes = None
@@ -584,7 +584,7 @@ class GRPOObjective:
                 results = [{"status": "error", "detail": f"the rollout workers failed: {type(e).__name__}: {e}"}
                            for _ in jobs]
                 if self.pool is not None:   # the next step starts fresh workers
-                    self._drop_pool(wait=True)
+                    self._drop_pool()
             return [_episode(slot, task, effort, harness, lost=res.get("detail")) if res.get("status") == "error"
                     else _episode(slot, task, effort, harness, res, read_trajectory(job["out"]))
                     for (slot, task, member, effort, seed, harness, path), job, res in zip(plan, jobs, results)]
