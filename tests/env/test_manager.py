@@ -82,6 +82,32 @@ def test_close_owned_removes_what_its_owner_left_half_made_and_nothing_else(mana
         manager.remove_unmade(half_theirs)
 
 
+def test_close_owned_tries_every_sandbox_and_names_the_one_it_could_not_close(manager):
+    """A cgroup that cannot be removed (here: it holds a child cgroup, so rmdir is EBUSY, as a
+    cgroup whose killed processes have not exited yet is) keeps its own sandbox, not the owner's
+    others: those are removed, and the error names the one left. Control: once the cgroup can go,
+    the next ``close_owned`` removes it."""
+    from k3.env.cgroups import Cgroup
+    from k3.tasks.verify import Sandboxes
+
+    mine = Sandboxes("namespace", manager.root, owner="k3rl-ccc")
+    busy, free = (manager._new_id(f"k3rl-ccc-{i}123456789ab") for i in range(2))
+    cgs = {sid: Cgroup(manager.cgroup_name(sid)) for sid in (busy, free)}
+    for cg in cgs.values():
+        cg.create(Limits())
+    child = os.path.join(cgs[busy].dirs[0], "held")
+    os.mkdir(child)
+    try:
+        with pytest.raises(SandboxError, match=f"closed 1 sandboxes of k3rl-ccc, could not close 1 \\({busy}: "):
+            mine.close_owned()
+        assert not os.path.exists(manager.sandbox_dir(free)) and not any(os.path.isdir(d) for d in cgs[free].dirs)
+        assert os.path.isdir(manager.sandbox_dir(busy)) and os.path.isdir(cgs[busy].dirs[0])
+    finally:
+        os.rmdir(child)
+    assert mine.close_owned() == [busy]
+    assert not os.path.exists(manager.sandbox_dir(busy)) and not any(os.path.isdir(d) for d in cgs[busy].dirs)
+
+
 def test_gc_removes_a_sandbox_its_creator_died_making(manager):
     """No state yet (the creator was killed before the backend wrote it): gc removes its
     directory and its cgroups; a sandbox with a state beside it is kept (the control)."""

@@ -281,6 +281,40 @@ def test_resume_after_sigkill_mid_step_gives_the_same_weights_and_rewards(letter
     sandboxes.manager.gc()
 
 
+def test_a_sandbox_an_earlier_start_left_that_cannot_be_closed_does_not_stop_the_run(letters, tmp_path, capsys,
+                                                                                   sandboxes):
+    """An earlier start of the run, killed, left a half-made sandbox whose cgroup cannot be removed
+    yet (it holds a child cgroup: rmdir is EBUSY). The new start logs a line naming ``k3 env gc``
+    and trains; control: once the cgroup can go, the next start (the resume) closes it."""
+    from k3.env import Limits
+    from k3.env.cgroups import Cgroup
+
+    d, sft, task = letters
+    run = tmp_path / "run"
+    run.mkdir()
+    obj = GRPOObjective(RLConfig(tasks=[str(task)]))
+    obj.run_dir = run
+    mgr = sandboxes.manager
+    sid = mgr._new_id(f"{obj._owner()}-r0-0123456789ab")
+    cg = Cgroup(mgr.cgroup_name(sid))
+    cg.create(Limits())
+    held = os.path.join(cg.dirs[0], "held")
+    os.mkdir(held)
+    try:
+        assert rl_main(rl_argv(sft, task, run, steps=1, group=2)) == 0
+        out = capsys.readouterr().out
+        assert "could not close every sandbox an earlier, interrupted start of this run left" in out
+        assert "`k3 env gc` removes them" in out and sid in out
+        assert [r["step"] for r in rl_records(run)] == [1] and os.path.isdir(mgr.sandbox_dir(sid))
+    finally:
+        os.rmdir(held)
+    assert rl_main(["--resume", str(run), "--steps", "2", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "closed 1 sandboxes an earlier, interrupted start of this run left" in out
+    assert not os.path.exists(mgr.sandbox_dir(sid)) and not any(os.path.isdir(x) for x in cg.dirs)
+    assert [r["step"] for r in rl_records(run)] == [1, 2]
+
+
 def test_a_forgeable_reward_refuses_the_run(letters, tmp_path, capsys, sandboxes):
     d, sft, _ = letters
     loose = make_letter_task(tmp_path / "tasks", "letter-loose", accept=("A", "B"))

@@ -345,10 +345,7 @@ class GRPOObjective:
         trainer.data = RolloutData(self)
         trainer.on_step_end.append(self._log_step)
         if trainer.rank == 0:   # before any process of this start makes one (the others wait for rank 0)
-            from k3.tasks.verify import Sandboxes
-            left = Sandboxes(self.rl.backend, owner=self._owner()).close_owned()
-            if left:
-                self.log(f"closed {len(left)} sandboxes an earlier, interrupted start of this run left")
+            self._close_left(self._owner(), "an earlier, interrupted start of this run")
 
     def micro_batches(self, trainer) -> int:
         return trainer.data.prepare(trainer)
@@ -408,17 +405,23 @@ class GRPOObjective:
     def _drop_pool(self) -> None:
         """Shut the rollout workers down, then close the sandboxes of theirs that a killed worker
         left (they are named after the run: ``_worker_owner``); none of theirs is in use by then."""
-        from k3.tasks.verify import Sandboxes
-
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool = None
+        self._close_left(self._worker_owner, "killed rollout workers")
+
+    def _close_left(self, owner: str, who: str) -> None:
+        """Close the sandboxes named after ``owner`` that ``who`` left (``Sandboxes.close_owned``);
+        never fatal to the run: its own sandboxes have other names, and what cannot be closed now (a
+        cgroup still busy) is ``k3 env gc``'s, which the log line names."""
+        from k3.tasks.verify import Sandboxes
+
         try:
-            left = Sandboxes(self.rl.backend, owner=self._worker_owner).close_owned()
-        except (K3Error, OSError) as e:   # never fatal to the run: what is left is k3 env gc's
-            self.log(f"could not close the sandboxes killed rollout workers left ({e}); `k3 env gc` removes them")
+            left = Sandboxes(self.rl.backend, owner=owner).close_owned()
+        except (K3Error, OSError) as e:
+            self.log(f"could not close every sandbox {who} left ({e}); `k3 env gc` removes them")
             return
         if left:
-            self.log(f"closed {len(left)} sandboxes that killed rollout workers left")
+            self.log(f"closed {len(left)} sandboxes {who} left")
 
     def _sandboxes(self, rank: int = 0):
         if self.sandboxes is None:

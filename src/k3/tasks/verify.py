@@ -41,7 +41,7 @@ from pathlib import Path
 
 from k3.env.sandbox import Limits, Sandbox, SandboxError
 from k3.tasks.vharness import LAYERS
-from k3.errors import ConfigError
+from k3.errors import ConfigError, K3Error
 
 __all__ = ["Verdict", "Submission", "Sandboxes", "agent_sandbox", "collect_submission", "verify",
            "verifier_failed", "VERIFIER_FAILURES", "glob_regex", "VERIFIER_ENV", "MAX_SUBMIT_FILE",
@@ -119,18 +119,29 @@ class Sandboxes:
 
     def close_owned(self) -> list[str]:
         """Close every sandbox of this owner, and remove one its maker died while making: what an
-        earlier, killed driver left (call it only when no process of this owner runs); their ids."""
+        earlier, killed driver left (call it only when no process of this owner runs); their ids.
+        Each is tried: one that cannot be closed (a cgroup still busy) does not keep the others,
+        and a ``SandboxError`` naming those left follows (``k3 env gc`` removes them later)."""
         if self.owner is None:
             return []
-        closed = []
+        closed, failed = [], []
+
+        def attempt(sid: str, close) -> None:
+            try:
+                close()
+                closed.append(sid)
+            except (K3Error, OSError) as e:
+                failed.append(f"{sid}: {e}")
+
         for st in self.manager.list():
             if str(st.get("name") or "").startswith(self.owner + "-"):
-                self.manager.get(st["id"]).close()
-                closed.append(st["id"])
+                attempt(st["id"], self.manager.get(st["id"]).close)
         for sid, name in self.manager.unmade():
             if str(name or "").startswith(self.owner + "-"):
-                self.manager.remove_unmade(sid)
-                closed.append(sid)
+                attempt(sid, lambda sid=sid: self.manager.remove_unmade(sid))
+        if failed:
+            raise SandboxError(f"closed {len(closed)} sandboxes of {self.owner}, could not close "
+                               f"{len(failed)} ({'; '.join(failed)})")
         return closed
 
     def close(self) -> None:
