@@ -6,12 +6,14 @@ against the effort the prompt renders); a missing tag, a teacher with another vo
 options: one line before the first step."""
 
 import json
+import threading
 
 import pytest
 import torch
 
 from k3.cli.rl import distill_main
 from k3.cli.train import sft_main
+from k3.rl.distill import RemoteTeacher
 from k3.train.metrics import read_metrics
 from taskdirs import make_letter_task
 
@@ -138,6 +140,10 @@ def test_bad_input_is_one_line_before_the_first_step(models, tmp_path, capsys, m
     remote = tmp_path / "remote.toml"
     remote.write_text('["general/low"]\nurl = "http://127.0.0.1:1/v1"\nmodel = "k3"\n')
     fails(argv(student, remote, task, tmp_path / "r3"), "is remote: it gives the logprobs of given tokens only")
+    for bad in ("0", "true", '"4"', "1000"):
+        remote.write_text(f'["general/low"]\nurl = "http://127.0.0.1:1/v1"\nmodel = "k3"\nconcurrency = {bad}\n')
+        fails(argv(student, remote, task, tmp_path / "r3c", "--estimator", "sampled"),
+              "concurrency must be an int in 1..256")
     fails(argv(student, ok, task, tmp_path / "r4", "--estimator", "forward"), "--estimator must be one of")
     fails(argv(student, ok, task, tmp_path / "r5", "--estimator", "sampled", "--top-k", "4"), "--top-k applies")
     fails(argv(student, ok, task, tmp_path / "r6", "--beta", "0.1"), "--beta")
@@ -161,25 +167,49 @@ def test_bad_input_is_one_line_before_the_first_step(models, tmp_path, capsys, m
 
 
 def test_a_remote_teacher_scores_as_the_same_checkpoint_in_process(models, tmp_path, capsys, make_nano_checkpoint,
-                                                                   sandboxes):
+                                                                   monkeypatch, sandboxes):
     """``k3 serve`` of the teacher as a remote teacher (sampled estimator): the step's KL per tag
-    and loss equal those of the same checkpoint loaded in process; a server of a model with
-    another tokenizer is refused by the probe, a dead endpoint fails naming the teacher."""
+    and loss equal those of the same checkpoint loaded in process, with requests 4 at a time (more
+    than one in flight) and one at a time; a server of a model with another tokenizer is refused
+    by the probe, a dead endpoint fails naming the teacher."""
     from k3.serve.launch import launch
 
     d, student, teach_a, _, task = models
     local = tmp_path / "local"
     assert distill_main(argv(student, teachers_toml(tmp_path / "l.toml", **{"general/low": teach_a}), task, local,
                              "--estimator", "sampled", steps=1)) == 0
+    # requests in flight, counted around the real client's call (the server answers them)
+    lock, flight = threading.Lock(), {"now": 0, "max": 0}
+    score = RemoteTeacher._score
+
+    def counted(self, ids):
+        with lock:
+            flight["now"] += 1
+            flight["max"] = max(flight["max"], flight["now"])
+        try:
+            return score(self, ids)
+        finally:
+            with lock:
+                flight["now"] -= 1
+
+    monkeypatch.setattr(RemoteTeacher, "_score", counted)
+    peaks = {}
     with launch(teach_a, "--model-name", "teacher", threads=1) as srv:
         remote = tmp_path / "r.toml"
-        remote.write_text(f'["general/low"]\nurl = "{srv.url}/v1"\nmodel = "teacher"\n')
-        run = tmp_path / "remote"
-        assert distill_main(argv(student, remote, task, run, "--estimator", "sampled", steps=1)) == 0
-    a, b = records(local)[0], records(run)[0]
-    assert a["sampled_tokens"] == b["sampled_tokens"] > 0
-    assert abs(a["kl_by_tag"]["general/low"] - b["kl_by_tag"]["general/low"]) <= 1e-4, (a, b)
-    assert abs(a["loss"] - b["loss"]) <= 1e-4
+        for conc in (4, 1):   # 4: the default; 1: one request at a time (the control)
+            remote.write_text(f'["general/low"]\nurl = "{srv.url}/v1"\nmodel = "teacher"\n'
+                              + (f"concurrency = {conc}\n" if conc != 4 else ""))
+            flight["max"] = 0
+            run = tmp_path / f"remote{conc}"
+            assert distill_main(argv(student, remote, task, run, "--estimator", "sampled", steps=1)) == 0
+            peaks[conc] = flight["max"]
+    assert peaks[4] > 1 and peaks[1] == 1, peaks
+    a = records(local)[0]
+    for conc in (4, 1):
+        b = records(tmp_path / f"remote{conc}")[0]
+        assert a["sampled_tokens"] == b["sampled_tokens"] > 0
+        assert abs(a["kl_by_tag"]["general/low"] - b["kl_by_tag"]["general/low"]) <= 1e-4, (conc, a, b)
+        assert abs(a["loss"] - b["loss"]) <= 1e-4, conc
     capsys.readouterr()
     other = make_nano_checkpoint(tmp_path / "other", "Zebra quartz jumps; vexing fog. " * 3)[0]
     with launch(other, "--model-name", "other", threads=1) as srv:

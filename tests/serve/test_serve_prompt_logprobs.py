@@ -60,10 +60,14 @@ def test_bad_combinations_are_400_naming_the_field(client):
         client.completions.create(model="nano", prompt="the", max_tokens=2, logprobs=21)
 
 
-@pytest.mark.parametrize("chunk", [512, 5])
+@pytest.mark.parametrize("chunk", [512, 5, "last token alone"])
 def test_engine_prompt_logprobs_equal_the_forward_whatever_the_chunking(ckpt, chunk):
+    """"last token alone": the prompt's last chunk is its last token, which predicts no prompt
+    token (as a prompt one token past a prefix-cache block boundary is cut)."""
     _, model, tok = ckpt
     ids = tok.encode(PROMPT * 2)
+    if chunk == "last token alone":
+        chunk = len(ids) - 1
     want = _forward_logprobs(model.eval(), ids)
     with Engine(model, tokenizer=tok, prefill_chunk=chunk, prefix_cache_bytes=1 << 20) as eng:
         first = eng.generate([ids], {"max_tokens": 1, "temperature": 0})[0]   # fills the prefix cache

@@ -152,7 +152,8 @@ class ModelRunner:
             req.prompt_lps = [None]
         lp = torch.log_softmax(logits.float(), -1)
         nxt = req.prompt[req.pos + 1: end + 1]          # the token each position predicts
-        got = lp[torch.arange(len(nxt)), torch.tensor(nxt, device=lp.device)].tolist()
+        # (empty when the chunk is the prompt's last token alone: it predicts no prompt token)
+        got = lp[torch.arange(len(nxt)), torch.tensor(nxt, dtype=torch.long, device=lp.device)].tolist()
         alts = lp[:len(nxt)].topk(min(top, lp.shape[-1])) if top else None
         for j, v in enumerate(got):
             req.prompt_lps.append((v, list(zip(alts.indices[j].tolist(), alts.values[j].tolist())) if top else []))

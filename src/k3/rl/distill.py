@@ -86,7 +86,7 @@ def read_teachers(path: str | Path) -> dict[str, dict]:
                               f"and an effort of {EFFORTS}")
         if not isinstance(t, dict):
             raise ConfigError(f"{path}: [{tag!r}] must be a table")
-        remote = {"url", "model", "api_key_env", "timeout"}
+        remote = {"url", "model", "api_key_env", "timeout", "concurrency"}
         unknown = sorted(set(t) - {"checkpoint"} - remote)
         if unknown:
             raise ConfigError(f"{path}: [{tag!r}]: unknown key {unknown[0]!r} (allowed: checkpoint, or "
@@ -104,7 +104,11 @@ def read_teachers(path: str | Path) -> dict[str, dict]:
                 raise ConfigError(f"{path}: [{tag!r}]: timeout must be a number of seconds > 0, got {to!r}")
             if "api_key_env" in t and not isinstance(t["api_key_env"], str):
                 raise ConfigError(f"{path}: [{tag!r}]: api_key_env must be a variable name")
-            out[tag] = {"url": t["url"].rstrip("/"), "model": t["model"], "timeout": float(to),
+            conc = t.get("concurrency", RemoteTeacher.CONCURRENCY)
+            if isinstance(conc, bool) or not isinstance(conc, int) or not 1 <= conc <= 256:
+                raise ConfigError(f"{path}: [{tag!r}]: concurrency must be an int in 1..256 (requests in "
+                                  f"flight), got {conc!r}")
+            out[tag] = {"url": t["url"].rstrip("/"), "model": t["model"], "timeout": float(to), "concurrency": conc,
                         **({"api_key_env": t["api_key_env"]} if "api_key_env" in t else {})}
             continue
         if not isinstance(t.get("checkpoint"), str) or not t["checkpoint"]:
@@ -291,15 +295,19 @@ class DistillObjective(GRPOObjective):
 
 class RemoteTeacher:
     """A teacher behind an OpenAI-compatible ``/v1/completions`` that scores given token ids
-    (``echo`` + ``logprobs``, ``max_tokens`` 0: what ``k3 serve`` answers). Each request is tried
-    3 times (1 s, 2 s apart); then the step fails with an error naming the teacher."""
+    (``echo`` + ``logprobs``, ``max_tokens`` 0: what ``k3 serve`` answers), one row per request,
+    up to ``concurrency`` requests in flight (a server that batches, as ``k3 serve`` and vLLM do,
+    scores them together). Each request is tried 3 times (1 s, 2 s apart); then the step fails
+    with an error naming the teacher."""
 
     TRIES = 3
+    CONCURRENCY = 4     # requests in flight, unless teachers.toml says otherwise
 
     def __init__(self, tag: str, spec: dict, tokenizer):
         import os
 
         self.tag, self.url, self.model, self.timeout = tag, spec["url"], spec["model"], spec["timeout"]
+        self.concurrency = spec.get("concurrency", self.CONCURRENCY)   # a run saved before the key: the default
         key = os.environ.get(spec["api_key_env"], "") if spec.get("api_key_env") else ""
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.probe(tokenizer)
@@ -351,17 +359,31 @@ class RemoteTeacher:
 
     def token_logprobs(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """[B, T]: the teacher's logprob of each target y (0 where y is IGNORE_INDEX), one request
-        per row (its ids up to its last target)."""
+        per row (its ids up to its last target), ``concurrency`` at a time; the first row that fails
+        fails the call (the requests in flight are let finish, none new is sent)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         out = torch.zeros(y.shape, dtype=torch.float32)
+        rows = []
         for b in range(y.shape[0]):
             pos = (y[b] != IGNORE_INDEX).nonzero().squeeze(-1)
-            if not pos.numel():
-                continue
-            last = int(pos[-1])
-            ids = x[b, :last + 1].tolist() + [int(y[b, last])]
-            vals = self._score(ids)["logprobs"]
-            for k in pos.tolist():
-                out[b, k] = vals[k + 1]
+            if pos.numel():
+                last = int(pos[-1])
+                rows.append((b, pos.tolist(), x[b, :last + 1].tolist() + [int(y[b, last])]))
+        if not rows:
+            return out
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(rows)),
+                                thread_name_prefix=f"teacher-{self.tag}") as pool:
+            futures = [pool.submit(self._score, ids) for _, _, ids in rows]
+            try:
+                for (b, pos, _), fut in zip(rows, futures):
+                    vals = fut.result()["logprobs"]
+                    for k in pos:
+                        out[b, k] = vals[k + 1]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
         return out
 
 
