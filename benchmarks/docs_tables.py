@@ -8,7 +8,8 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``rl_demo`` (docs/RL.md) from ``docs/data/rl_demo.json``, the report of one
   ``benchmarks/rl_demo.py`` run (``runs/rl-demo/report.json`` copied there by ``--save-rl``), and
   ``rl_demo_low_lr`` from ``docs/data/rl_demo_low_lr.json`` (the same demo at a lower ``--lr``,
-  ``--save-rl-low-lr``);
+  ``--save-rl-low-lr``) and ``rl_demo_arith`` from ``docs/data/rl_demo_arith.json`` (its budget on
+  arith alone, ``--only arith:N``; ``--save-rl-arith``);
 - ``distill_demo`` (docs/DISTILL.md) from ``docs/data/distill_demo.json``, the report of one
   ``benchmarks/distill_demo.py`` run (``runs/distill-demo/report.json`` copied there by ``--save-distill``),
   and ``distill_demo_steps120`` from ``docs/data/distill_demo_steps120.json`` (a ``--steps 120`` run,
@@ -43,6 +44,7 @@ a copy, e.g. of a short pipeline check whose figures must not reach the docs).
 
     python benchmarks/docs_tables.py [--save runs/agent-demo/report.json] [--save-rl runs/rl-demo/report.json]
                                      [--save-rl-low-lr runs/rl-demo-lr1e-4/report.json]
+                                     [--save-rl-arith runs/rl-demo-arith/report.json]
                                      [--save-distill runs/distill-demo/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
                                      [--save-sustain runs/sustain/report.json] [--save-eval-randomized RUN]
@@ -66,6 +68,7 @@ DATA = ROOT / "docs" / "data" / "agent_demo.json"
 DOC = ROOT / "docs" / "POSTTRAINING.md"
 RL_DATA = ROOT / "docs" / "data" / "rl_demo.json"
 RL_LOW_LR_DATA = ROOT / "docs" / "data" / "rl_demo_low_lr.json"   # the same demo at a lower lr
+RL_ARITH_DATA = ROOT / "docs" / "data" / "rl_demo_arith.json"     # its budget on arith alone
 RL_DOC = ROOT / "docs" / "RL.md"
 DISTILL_DATA = ROOT / "docs" / "data" / "distill_demo.json"
 DISTILL_DOC = ROOT / "docs" / "DISTILL.md"
@@ -187,6 +190,11 @@ def rl_demo_table(report: dict, source: str = "docs/data/rl_demo.json") -> str:
 def rl_demo_low_lr_table(report: dict) -> str:
     """``rl_demo_table`` of the run at a lower lr."""
     return rl_demo_table(report, "docs/data/rl_demo_low_lr.json")
+
+
+def rl_demo_arith_table(report: dict) -> str:
+    """``rl_demo_table`` of the run on arith alone (``rl_demo.py --only arith:N``)."""
+    return rl_demo_table(report, "docs/data/rl_demo_arith.json")
 
 
 def distill_demo_long_table(report: dict) -> str:
@@ -737,6 +745,8 @@ def main() -> int:
     p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
     p.add_argument("--save-rl-low-lr", help="a benchmarks/rl_demo.py report.json of a run at a lower --lr to record "
                                             "as docs/data/rl_demo_low_lr.json first")
+    p.add_argument("--save-rl-arith", help="a benchmarks/rl_demo.py --only arith:N report.json to record as "
+                                           "docs/data/rl_demo_arith.json first")
     p.add_argument("--save-distill", help="a benchmarks/distill_demo.py report.json to record as "
                                           "docs/data/distill_demo.json first")
     p.add_argument("--save-distill-120", help="a benchmarks/distill_demo.py --steps 120 report.json to record as "
@@ -797,6 +807,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(Path(src) / "rows.jsonl", dst)
     for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_rl_low_lr, RL_LOW_LR_DATA),
+                     (a.save_rl_arith, RL_ARITH_DATA),
                      (a.save_distill, DISTILL_DATA),
                      (a.save_distill_120, DISTILL_LONG_DATA), (a.save_hybrid, HYBRID_DATA),
                      (a.save_vision, VISION_DATA), (a.save_sustain, SUSTAIN_DATA)):
@@ -816,6 +827,7 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
     tables = [  # (data, doc, block, render, reader): each table rendered when its data is there
         (at(RL_DATA), at(RL_DOC), "rl_demo", rl_demo_table, report),
         (at(RL_LOW_LR_DATA), at(RL_DOC), "rl_demo_low_lr", rl_demo_low_lr_table, report),
+        (at(RL_ARITH_DATA), at(RL_DOC), "rl_demo_arith", rl_demo_arith_table, report),
         (at(DISTILL_DATA), at(DISTILL_DOC), "distill_demo", distill_demo_table, report),
         (at(DISTILL_LONG_DATA), at(DISTILL_DOC), "distill_demo_steps120", distill_demo_long_table, report),
         (eval_rows, at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),

@@ -13,6 +13,11 @@
    in ``OUT/before.json`` and reused by a rerun with the same checkpoint and evaluation options.
 3. **After**: the same evaluations of the RL checkpoint.
 
+``--only FAMILY:N`` spends the whole budget on one family: RL on its first N training seeds in
+order (``--efforts`` cycled per group, default all three), and both evaluations of that family
+alone (so ``--heldout`` can be larger at the same cost). The family with room to improve is the
+question it answers: does RL move it when nothing else takes the budget.
+
 Writes ``OUT/report.json`` (cells before and after, the reward curve, sampling and training
 tokens/s, the RL options, machine and date) and one JSON line per cell to
 ``benchmarks/results/rl_demo.jsonl``. ``python benchmarks/docs_tables.py --save-rl OUT/report.json``
@@ -65,16 +70,30 @@ def main() -> int:
     p.add_argument("--spread-effort", default="max")
     p.add_argument("--threads", default="1")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "rl_demo.jsonl"))
+    p.add_argument("--only", metavar="FAMILY:N", help="RL on this family's first N training seeds alone, "
+                                                        "and evaluate it alone")
+    p.add_argument("--efforts", default="all", help="the efforts RL cycles per group: all, or a comma list")
     a = p.parse_args()
 
     from k3.cli.agent_demo import evaluate_heldout, machine
     from k3.cli.rl import rl_main
     from k3.errors import ConfigError
-    from k3.tasks.families import EFFORTS, cell_task_list, family_counts, get_family
+    from k3.tasks.families import EFFORTS, FAMILIES, cell_task_list, family_counts, get_family
     from k3.train.metrics import read_metrics
 
     try:   # before anything runs: the "before" evaluation alone takes minutes
-        counts = family_counts(a.seeds, 3)
+        if a.only is None:
+            counts, families = family_counts(a.seeds, 3), list(FAMILIES)
+        else:
+            fam, _, n = a.only.partition(":")
+            if fam not in FAMILIES or not n.isdigit() or int(n) < 1:
+                raise ConfigError(f"--only must be FAMILY:N with a family of {', '.join(FAMILIES)} and N >= 1, "
+                                  f"got {a.only}")
+            counts, families = {fam: int(n)}, [fam]
+        efforts = list(EFFORTS) if a.efforts == "all" else a.efforts.split(",")
+        if not efforts or any(e not in EFFORTS for e in efforts) or len(set(efforts)) != len(efforts):
+            raise ConfigError(f"--efforts must be all or a comma list of distinct {', '.join(EFFORTS)}, "
+                              f"got {a.efforts}")
     except ConfigError as e:
         print(f"rl_demo: {e}", file=sys.stderr)
         return 2
@@ -87,11 +106,11 @@ def main() -> int:
 
     def evaluate(ckpt: Path, model: str) -> tuple[list[dict], list[dict]]:
         t0 = time.monotonic()
-        cells = evaluate_heldout(ckpt, out, EFFORTS, a.heldout, model, a.workers, a.max_tokens)
+        cells = evaluate_heldout(ckpt, out, EFFORTS, a.heldout, model, a.workers, a.max_tokens, families=families)
         seeds = []
         for h in range(1, a.harness_seeds + 1):
             seeds += evaluate_heldout(ckpt, out, (a.spread_effort,), a.heldout, model, a.workers, a.max_tokens,
-                                      harness=h)
+                                      harness=h, families=families)
         times[f"eval_{model}_s"] = time.monotonic() - t0
         for c in cells:
             print(f"  {model:6} {c['family']:6} {c['effort']:5} {c['passed']:>3}/{c['tasks']}", flush=True)
@@ -102,7 +121,8 @@ def main() -> int:
 
     cache = out / "before.json"
     key = {"sft": str(sft.resolve()), "heldout": a.heldout, "harness_seeds": a.harness_seeds,
-           "spread_effort": a.spread_effort, "max_tokens": a.max_tokens}
+           "spread_effort": a.spread_effort, "max_tokens": a.max_tokens,
+           **({} if a.only is None else {"families": families})}
     saved = json.loads(cache.read_text()) if cache.is_file() else None
     if saved is not None and saved["key"] == key:
         print(f"== before: {sft} (from {cache})", flush=True)
@@ -117,10 +137,16 @@ def main() -> int:
     run = out / "rl"
     made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(n)]
             for f, n in counts.items()}
-    blocks = min(counts.values()) // 3
-    tasks = [str(t) for _, t in cell_task_list(made, blocks)]
+    if a.only is None:
+        blocks = min(counts.values()) // 3
+        tasks = [str(t) for _, t in cell_task_list(made, blocks)]
+        names = [f"{f}:0:{3 * blocks}" for f in counts]
+    else:
+        tasks = [str(t) for t in made[families[0]]]
+        names = [f"{families[0]}:0:{counts[families[0]]}"]
     argv = ["--from", str(sft), "--out", str(run), "--overwrite", "--group", str(a.group),
-            "--tasks-per-step", str(a.tasks_per_step), "--effort", "all", "--max-tokens", str(a.max_tokens),
+            "--tasks-per-step", str(a.tasks_per_step), *(x for e in efforts for x in ("--effort", e)),
+            "--max-tokens", str(a.max_tokens),
             "--lr", str(a.lr), "--canonical", str(a.canonical), "--steps", str(a.max_steps),
             "--workers", str(a.workers),
             "--threads", a.threads, "--ckpt-interval", "10", "--no-rollouts"]
@@ -164,10 +190,11 @@ def main() -> int:
                   "sequences": tot("sequences"), "sequences_zero_advantage": tot("sequences_zero_advantage"),
                   "steps_updated": sum("no_update" not in r for r in recs if r["kind"] == "train")},
         "hacks": hacks[-1] if hacks else None,
-        "rl": {"steps": len(rl), "tasks": [f"{f}:0:{3 * blocks}" for f in counts], "order": "cell pattern",
+        "rl": {"steps": len(rl), "tasks": names, "order": "cell pattern" if a.only is None else "seed order",
                "group": a.group, "tasks_per_step": a.tasks_per_step,
                "lr": a.lr, "max_tokens": a.max_tokens, "workers": a.workers, "minutes": a.minutes,
-               "effort": "all", "temperature": 1.0, "randomize": True, "canonical": a.canonical},
+               "effort": "all" if efforts == list(EFFORTS) else ", ".join(efforts), "temperature": 1.0,
+               "randomize": True, "canonical": a.canonical},
         "eval": {"heldout": a.heldout, "harness_seeds": a.harness_seeds, "spread_effort": a.spread_effort,
                  "temperature": 0.0},
         "times": {k: round(v, 1) for k, v in times.items()},

@@ -48,6 +48,9 @@ def _blocks():
     if T.RL_LOW_LR_DATA.exists():
         out.append((T.RL_DOC, "rl_demo_low_lr", T.RL_LOW_LR_DATA,
                     T.rl_demo_low_lr_table(json.loads(T.RL_LOW_LR_DATA.read_text()))))
+    if T.RL_ARITH_DATA.exists():
+        out.append((T.RL_DOC, "rl_demo_arith", T.RL_ARITH_DATA,
+                    T.rl_demo_arith_table(json.loads(T.RL_ARITH_DATA.read_text()))))
     if T.DISTILL_DATA.exists():
         out.append((T.DISTILL_DOC, "distill_demo", T.DISTILL_DATA,
                     T.distill_demo_table(json.loads(T.DISTILL_DATA.read_text()))))
@@ -110,7 +113,7 @@ def test_the_readme_and_docs_are_what_rerendering_gives(tmp_path):
     """Rendering every table again (``docs_tables.py`` with no --save, on a copy) changes no file."""
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copyfile(T.README, tmp_path / "README.md")
-    none = argparse.Namespace(**{k: None for k in ("save", "save_rl", "save_rl_low_lr", "save_distill", "save_distill_120",
+    none = argparse.Namespace(**{k: None for k in ("save", "save_rl", "save_rl_low_lr", "save_rl_arith", "save_distill", "save_distill_120",
                                                    "save_hybrid", "save_eval", "save_vision", "save_sustain", "save_eval_randomized",
                                                    "save_speed", "save_micro", "save_demo", "save_ablations")})
     T.render_all(none, tmp_path)

@@ -112,18 +112,19 @@ class AgentDemo:
 
 
 def evaluate_heldout(ckpt: Path, out: Path, efforts, n: int, model: str, workers: int, max_tokens: int,
-                     harness: int | None = None) -> list[dict]:
-    """Held-out pass rates of ``ckpt``: the first ``n`` held-out seeds of every family × effort,
-    LocalEngine, greedy, through the real harness (the canonical one, or randomized with seed
-    ``harness``) and sandboxes; one cell per family × effort. Tasks go to ``out/heldout``,
-    trajectories to ``out/eval/<model>[-h<harness>]/``."""
+                     harness: int | None = None, families=None) -> list[dict]:
+    """Held-out pass rates of ``ckpt``: the first ``n`` held-out seeds of every family (of
+    ``families``, default all) × effort, LocalEngine, greedy, through the real harness (the
+    canonical one, or randomized with seed ``harness``) and sandboxes; one cell per family × effort.
+    Tasks go to ``out/heldout``, trajectories to ``out/eval/<model>[-h<harness>]/``."""
     from k3.rl.rollout import run_jobs
     from k3.tasks.families import FAMILIES, HELDOUT_START, get_family
 
+    families = list(FAMILIES) if families is None else list(families)
     tasks = out / "heldout"
     where = out / "eval" / (model if harness is None else f"{model}-h{harness}")
     jobs = []
-    for fam in FAMILIES:
+    for fam in families:
         f = get_family(fam)
         for seed in range(HELDOUT_START, HELDOUT_START + n):
             d = f.generate(seed, tasks, overwrite=True)
@@ -132,7 +133,7 @@ def evaluate_heldout(ckpt: Path, out: Path, efforts, n: int, model: str, workers
                                       harness=harness))
     results = run_jobs(jobs, workers=workers)
     cells = []
-    for fam in FAMILIES:
+    for fam in families:
         for e in efforts:
             mine = [(j, r) for j, r in zip(jobs, results) if j["label"] == f"{fam}/{e}"]
             stats = [episode_stats(j["out"]) for j, _ in mine]
