@@ -296,9 +296,9 @@ class DistillObjective(GRPOObjective):
 class RemoteTeacher:
     """A teacher behind an OpenAI-compatible ``/v1/completions`` that scores given token ids
     (``echo`` + ``logprobs``, ``max_tokens`` 0: what ``k3 serve`` answers), one row per request,
-    up to ``concurrency`` requests in flight (a server that batches, as ``k3 serve`` and vLLM do,
-    scores them together). Each request is tried 3 times (1 s, 2 s apart); then the step fails
-    with an error naming the teacher."""
+    up to ``concurrency`` requests in flight (a server that batches requests scores them together;
+    ``k3 serve`` prefills each scoring request alone, so there they interleave). Each request is
+    tried 3 times (1 s, 2 s apart); then the step fails with an error naming the teacher."""
 
     TRIES = 3
     CONCURRENCY = 4     # requests in flight, unless teachers.toml says otherwise

@@ -135,7 +135,7 @@ class Sandboxes:
 
         for st in self.manager.list():
             if str(st.get("name") or "").startswith(self.owner + "-"):
-                attempt(st["id"], self.manager.get(st["id"]).close)
+                attempt(st["id"], lambda sid=st["id"]: self.manager.get(sid).close())
         for sid, name in self.manager.unmade():
             if str(name or "").startswith(self.owner + "-"):
                 attempt(sid, lambda sid=sid: self.manager.remove_unmade(sid))
