@@ -819,37 +819,44 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
         shutil.copyfile(Path(a.save_hybrid).parent / "hybrid_retrieval.png", at(HYBRID_DATA).with_suffix(".png"))
     if a.save_sustain:
         shutil.copyfile(Path(a.save_sustain).parent / "sustain.png", at(SUSTAIN_DATA).with_suffix(".png"))
-    replace_block(at(DOC), "agent_demo", agent_demo_table(json.loads(at(DATA).read_text())))
-    print(f"wrote the agent_demo table of {rel(at(DOC))} from {rel(at(DATA))}")
-    def report(path: Path):
-        return json.loads(path.read_text())
-
-    tables = [  # (data, doc, block, render, reader): each table rendered when its data is there
-        (at(RL_DATA), at(RL_DOC), "rl_demo", rl_demo_table, report),
-        (at(RL_LOW_LR_DATA), at(RL_DOC), "rl_demo_low_lr", rl_demo_low_lr_table, report),
-        (at(RL_ARITH_DATA), at(RL_DOC), "rl_demo_arith", rl_demo_arith_table, report),
-        (at(DISTILL_DATA), at(DISTILL_DOC), "distill_demo", distill_demo_table, report),
-        (at(DISTILL_LONG_DATA), at(DISTILL_DOC), "distill_demo_steps120", distill_demo_long_table, report),
-        (eval_rows, at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),
-        (at(EVAL_ROWS_RANDOMIZED), at(EVAL_DOC), "eval_harness_randomized", eval_harness_randomized_table, read_rows),
-        (micro, at(README), "micro", micro_table, read_rows),
-        (at(DEMO_DATA), at(README), "demo", demo_table, report),
-        (ablations, at(README), "ablations", ablations_table, read_rows),
-        (at(VISION_DATA), at(VISION_DOC), "vision_demo", vision_demo_table, report),
-        (at(HYBRID_DATA), at(EVAL_DOC), "hybrid_retrieval", hybrid_table, report),
-        (at(SUSTAIN_DATA), at(EVAL_DOC), "sustain", sustain_table, report),
-        (at(SCALING_DATA), at(SCALING_DOC), "scaling", scaling_table, report),
-    ]
-    if speed.exists():
-        rows = read_rows(speed)
-        replace_block(at(INFER_DOC), "speed_infer", speed_infer_table(rows))
-        replace_block(at(README), "speed_infer", speed_infer_table(rows))
-        replace_block(at(README), "speed_train", speed_train_table(rows))
-        print(f"wrote the speed tables of {rel(at(INFER_DOC))} and README.md from {rel(speed)}")
-    for data, doc, block, render, reader in tables:
+    for data, doc, block, render, reader in blocks(root):
         if data.exists():
             replace_block(doc, block, render(reader(data)))
             print(f"wrote the {block} table of {rel(doc)} from {rel(data)}")
+
+
+def read_report(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def blocks(root: Path = ROOT) -> list[tuple]:
+    """(data, doc, block, render, reader) of every generated table, with paths under ``root``: the
+    table is ``render(reader(data))``, written between the block's markers in ``doc`` when ``data``
+    exists."""
+    def at(path: Path) -> Path:
+        return root / path.relative_to(ROOT)
+
+    return [
+        (at(SPEED), at(INFER_DOC), "speed_infer", speed_infer_table, read_rows),
+        (at(SPEED), at(README), "speed_infer", speed_infer_table, read_rows),
+        (at(SPEED), at(README), "speed_train", speed_train_table, read_rows),
+        (at(DATA), at(DOC), "agent_demo", agent_demo_table, read_report),
+        (at(RL_DATA), at(RL_DOC), "rl_demo", rl_demo_table, read_report),
+        (at(RL_LOW_LR_DATA), at(RL_DOC), "rl_demo_low_lr", rl_demo_low_lr_table, read_report),
+        (at(RL_ARITH_DATA), at(RL_DOC), "rl_demo_arith", rl_demo_arith_table, read_report),
+        (at(DISTILL_DATA), at(DISTILL_DOC), "distill_demo", distill_demo_table, read_report),
+        (at(DISTILL_LONG_DATA), at(DISTILL_DOC), "distill_demo_steps120", distill_demo_long_table, read_report),
+        (at(EVAL_ROWS), at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),
+        (at(EVAL_ROWS_RANDOMIZED), at(EVAL_DOC), "eval_harness_randomized", eval_harness_randomized_table,
+         read_rows),
+        (at(MICRO), at(README), "micro", micro_table, read_rows),
+        (at(DEMO_DATA), at(README), "demo", demo_table, read_report),
+        (at(ABLATIONS), at(README), "ablations", ablations_table, read_rows),
+        (at(VISION_DATA), at(VISION_DOC), "vision_demo", vision_demo_table, read_report),
+        (at(HYBRID_DATA), at(EVAL_DOC), "hybrid_retrieval", hybrid_table, read_report),
+        (at(SUSTAIN_DATA), at(EVAL_DOC), "sustain", sustain_table, read_report),
+        (at(SCALING_DATA), at(SCALING_DOC), "scaling", scaling_table, read_report),
+    ]
 
 
 if __name__ == "__main__":

@@ -35,50 +35,7 @@ def _rows(path: Path) -> list[dict]:
 
 def _blocks():
     """(doc, block name, its data file, the rendered table) for every block whose data is committed."""
-    out = []
-    if T.SPEED.exists():
-        rows = _rows(T.SPEED)
-        out += [(T.INFER_DOC, "speed_infer", T.SPEED, T.speed_infer_table(rows)),
-                (T.README, "speed_infer", T.SPEED, T.speed_infer_table(rows)),
-                (T.README, "speed_train", T.SPEED, T.speed_train_table(rows))]
-    if T.DATA.exists():
-        out.append((T.DOC, "agent_demo", T.DATA, T.agent_demo_table(json.loads(T.DATA.read_text()))))
-    if T.RL_DATA.exists():
-        out.append((T.RL_DOC, "rl_demo", T.RL_DATA, T.rl_demo_table(json.loads(T.RL_DATA.read_text()))))
-    if T.RL_LOW_LR_DATA.exists():
-        out.append((T.RL_DOC, "rl_demo_low_lr", T.RL_LOW_LR_DATA,
-                    T.rl_demo_low_lr_table(json.loads(T.RL_LOW_LR_DATA.read_text()))))
-    if T.RL_ARITH_DATA.exists():
-        out.append((T.RL_DOC, "rl_demo_arith", T.RL_ARITH_DATA,
-                    T.rl_demo_arith_table(json.loads(T.RL_ARITH_DATA.read_text()))))
-    if T.DISTILL_DATA.exists():
-        out.append((T.DISTILL_DOC, "distill_demo", T.DISTILL_DATA,
-                    T.distill_demo_table(json.loads(T.DISTILL_DATA.read_text()))))
-    if T.DISTILL_LONG_DATA.exists():
-        out.append((T.DISTILL_DOC, "distill_demo_steps120", T.DISTILL_LONG_DATA,
-                    T.distill_demo_long_table(json.loads(T.DISTILL_LONG_DATA.read_text()))))
-    if T.EVAL_ROWS.exists():
-        out.append((T.EVAL_DOC, "eval_harness", T.EVAL_ROWS, T.eval_harness_table(_rows(T.EVAL_ROWS))))
-    if T.EVAL_ROWS_RANDOMIZED.exists():
-        out.append((T.EVAL_DOC, "eval_harness_randomized", T.EVAL_ROWS_RANDOMIZED,
-                    T.eval_harness_randomized_table(_rows(T.EVAL_ROWS_RANDOMIZED))))
-    if T.VISION_DATA.exists():
-        out.append((T.VISION_DOC, "vision_demo", T.VISION_DATA,
-                    T.vision_demo_table(json.loads(T.VISION_DATA.read_text()))))
-    if T.HYBRID_DATA.exists():
-        out.append((T.EVAL_DOC, "hybrid_retrieval", T.HYBRID_DATA,
-                    T.hybrid_table(json.loads(T.HYBRID_DATA.read_text()))))
-    if T.SUSTAIN_DATA.exists():
-        out.append((T.EVAL_DOC, "sustain", T.SUSTAIN_DATA, T.sustain_table(json.loads(T.SUSTAIN_DATA.read_text()))))
-    if T.MICRO.exists():
-        out.append((T.README, "micro", T.MICRO, T.micro_table(_rows(T.MICRO))))
-    if T.DEMO_DATA.exists():
-        out.append((T.README, "demo", T.DEMO_DATA, T.demo_table(json.loads(T.DEMO_DATA.read_text()))))
-    if T.SCALING_DATA.exists():
-        out.append((T.SCALING_DOC, "scaling", T.SCALING_DATA, T.scaling_table(json.loads(T.SCALING_DATA.read_text()))))
-    if T.ABLATIONS.exists():
-        out.append((T.README, "ablations", T.ABLATIONS, T.ablations_table(_rows(T.ABLATIONS))))
-    return out
+    return [(doc, name, data, render(reader(data))) for data, doc, name, render, reader in T.blocks() if data.exists()]
 
 
 def _block(text: str, name: str) -> str | None:
@@ -96,6 +53,18 @@ def test_each_generated_table_is_what_its_data_renders(doc, name, data, rendered
     assert got is not None, f"{doc.name}: no <!-- {name}:begin/end --> block"
     assert got == rendered, (f"{doc.name}'s {name} table differs from {data.relative_to(ROOT)}: "
                              "run python benchmarks/docs_tables.py")
+
+
+def test_every_marked_block_in_the_docs_is_one_the_script_renders():
+    """Each ``<!-- NAME:begin -->`` in README.md and docs/*.md is a block ``docs_tables.blocks()``
+    renders into that file (else its figures could go stale unchecked). Control: a marker the
+    script does not know is found."""
+    known = {(doc, name) for _, doc, name, _, _ in T.blocks()}
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    marked = {(d, m) for d in docs for m in re.findall(r"<!-- ([a-z0-9_]+):begin -->", d.read_text())}
+    assert marked and marked <= known, sorted(str(d.name) + ":" + m for d, m in marked - known)
+    stray = {(docs[0], "made_up_block")}
+    assert not (marked | stray) <= known
 
 
 def test_an_edited_figure_is_caught(tmp_path):
