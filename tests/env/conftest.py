@@ -3,7 +3,7 @@ check after every test: no sandbox directory, cgroup ``k3-<tag>-*``, mount under
 process mentioning the root may outlive the test."""
 
 import pytest
-from env_leaks import leftovers
+from env_leaks import clean_up, leftovers
 
 from k3.env import SandboxManager
 
@@ -18,11 +18,7 @@ def manager(env_root):
     mgr = SandboxManager(env_root)
     yield mgr
     leaked = leftovers(mgr)
-    for s in mgr.list():  # clean up before failing, so one leak does not cascade
-        try:
-            mgr.get(s["id"]).close()
-        except Exception:
-            pass
+    clean_up(mgr)   # before failing, so one leak does not cascade
     assert not leaked, f"leaked: {leaked}"
 
 

@@ -1,5 +1,7 @@
 """What a test may not leave behind: ``leftovers(mgr)`` lists every sandbox directory, cgroup
-``k3-<tag>-*``, mount under the manager root and process naming it that is still there."""
+``k3-<tag>-*``, mount under the manager root and process naming it that is still there;
+``clean_up(mgr)`` removes what it can of that after a test that leaked (so one leak neither
+cascades into the next test nor outlives the session's temporary root)."""
 
 import glob
 import os
@@ -33,3 +35,17 @@ def leftovers(mgr: SandboxManager) -> dict:
     if procs:
         out["processes"] = procs
     return out
+
+
+def clean_up(mgr: SandboxManager) -> None:
+    """Close every sandbox of ``mgr`` and remove every half-made one (no state yet), each tried."""
+    for s in mgr.list():
+        try:
+            mgr.get(s["id"]).close()
+        except Exception:
+            pass
+    for sid, _ in mgr.unmade():
+        try:
+            mgr.remove_unmade(sid)
+        except Exception:
+            pass

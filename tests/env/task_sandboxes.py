@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from env_leaks import leftovers  # same folder: the one leak check, shared with tests/env
+from env_leaks import clean_up, leftovers  # same folder: the one leak check, shared with tests/env
 from k3.tasks.verify import Sandboxes
 
 
@@ -31,11 +31,7 @@ def sandbox_fixtures(prefix: str):
         yield s
         mgr = s.manager
         leaked = leftovers(mgr)
-        for st in mgr.list():
-            try:
-                mgr.get(st["id"]).close()
-            except Exception:
-                pass
+        clean_up(mgr)
         assert not leaked, f"leaked: {leaked}"
 
     return env_root, sandboxes
