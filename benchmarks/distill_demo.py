@@ -99,6 +99,11 @@ def main() -> int:
     p.add_argument("--out", default="runs/distill-demo")
     p.add_argument("--seeds", default=",".join(f"{f}:{n}" for f, n in TRAIN_SEEDS.items()),
                    help="SFT training seeds per family")
+    p.add_argument("--families", default=None,
+                   help="the families whose cells the demo covers (comma-separated; default all three)")
+    p.add_argument("--init", default=None,
+                   help="a checkpoint to take as the student init (the teachers' start) instead of fine-tuning "
+                        "the generalist")
     p.add_argument("--general-steps", type=int, default=SFT_STEPS, help="SFT steps of the generalist (student init)")
     p.add_argument("--general-batch", type=int, default=SFT_BATCH)
     p.add_argument("--sft-lr", type=float, default=SFT_LR, help="lr of the generalist's SFT")
@@ -121,15 +126,19 @@ def main() -> int:
     from k3.rl.rollout import run_jobs
     from k3.rl.synth import synthesize
     from k3.errors import ConfigError
-    from k3.tasks.families import EFFORTS, cell_order, cell_task_list, family_counts, get_family
+    from k3.tasks.families import EFFORTS, cell_order, cell_pattern, cell_task_list, family_counts, get_family
     from k3.train.metrics import read_metrics
 
     base, out = Path(a.base), Path(a.out)
     try:
         seeds = family_counts(a.seeds, 1)
+        pattern = cell_pattern(a.families.split(",") if a.families else seeds)
+        if a.init is not None and not _has_checkpoint(Path(a.init)):
+            raise ConfigError(f"--init {a.init}: no checkpoint there")
     except ConfigError as e:
         print(f"distill_demo: {e}", file=sys.stderr)
         return 2
+    fams = list(dict.fromkeys(pattern))
     bad = [f"--{k.replace('_', '-')} must be >= {low}, got {getattr(a, k)}"
            for k, low in (("general_steps", 1), ("general_batch", 1), ("teacher_steps", 1), ("teacher_batch", 1),
                           ("steps", 1), ("max_tokens", 1), ("workers", 1), ("heldout", 0))
@@ -140,10 +149,10 @@ def main() -> int:
         print(f"distill_demo: {bad[0]}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    cells = [(f, e) for f in seeds for e in EFFORTS]
+    cells = [(f, e) for f in fams for e in EFFORTS]
     times: dict[str, float] = {}
     t0 = time.monotonic()
-    if ensure_base(base):
+    if a.init is None and ensure_base(base):   # the base is only the generalist's start
         times["pretrain_s"] = round(time.monotonic() - t0, 1)
 
     def tag(f, e):
@@ -179,9 +188,12 @@ def main() -> int:
     done(bool(todo))
 
     # 2. the generalist (the student init), 3. the teachers from it
-    done = stage("init")
-    init = out / "student-init"
-    done(sft(base, data, init, a.general_steps, a.general_batch, a.sft_lr) is not None)
+    if a.init is None:
+        done = stage("init")
+        init = out / "student-init"
+        done(sft(base, data, init, a.general_steps, a.general_batch, a.sft_lr) is not None)
+    else:
+        init = Path(a.init)
     done = stage("teachers")
     teachers = {}   # model name -> (family, effort, run)
     ran = []
@@ -195,10 +207,10 @@ def main() -> int:
     done(any(r is not None for r in ran))
 
     # the arms' tasks: training seeds, the pattern repeated once per step
-    made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True) for i in range(3 * a.steps)]
-            for f in seeds}
-    tasks = cell_task_list(made, a.steps)
-    efforts = [e for _, e in cell_order()] * a.steps
+    made = {f: [get_family(f).generate(i, out / "train-tasks", overwrite=True)
+                for i in range(pattern.count(f) * a.steps)] for f in fams}
+    tasks = cell_task_list(made, a.steps, pattern)
+    efforts = [e for _, e in cell_order(pattern)] * a.steps
     common = ["--effort", "all", "--max-tokens", str(a.max_tokens), "--steps", str(a.steps),
               "--workers", str(a.workers), "--threads", str(a.threads), "--ckpt-interval", "0", "--no-rollouts",
               "--no-randomize", "--overwrite"]
@@ -247,7 +259,7 @@ def main() -> int:
         if a.reuse and cache.is_file():
             mine = json.loads(cache.read_text())
         else:
-            mine = evaluate_heldout(run, out, EFFORTS, a.heldout, name, a.workers, a.max_tokens)
+            mine = evaluate_heldout(run, out, EFFORTS, a.heldout, name, a.workers, a.max_tokens, families=fams)
             fresh += 1
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(mine) + "\n")
@@ -270,7 +282,8 @@ def main() -> int:
                     "rl": {"steps": len(rl), "sampled_tokens": tot(rl, "sampled_tokens"),
                            "trained_tokens": tot(rl, "trained_tokens")},
                     "sft": {"steps": a.steps, "batch_size": batch, "seq_len": 1024, **(counts or {})}},
-        "options": {"base": str(base), "seeds": seeds, "general_steps": a.general_steps,
+        "options": {"base": str(base), "init": a.init, "families": fams, "seeds": seeds,
+                    "general_steps": a.general_steps,
                     "general_batch": a.general_batch, "sft_lr": a.sft_lr, "teacher_steps": a.teacher_steps,
                     "teacher_batch": a.teacher_batch, "teacher_lr": a.teacher_lr, "steps": a.steps, "lr": a.lr,
                     "rl_lr": a.rl_lr, "max_tokens": a.max_tokens, "heldout": a.heldout,

@@ -245,8 +245,10 @@ def distill_demo_table(report: dict, source: str = "docs/data/distill_demo.json"
     return "\n".join([
         f"Measured {report['date']} on {report['machine']} (`{source}`). "
         f"Held-out pass rate (%), {o['heldout']} tasks per cell, greedy, canonical harness.",
-        f"Student init: the generalist, {o['general_steps']} SFT steps of {o['general_batch']} × 1024 tokens on "
-        f"all nine cells at lr {o['sft_lr']}; teachers: it, fine-tuned {o['teacher_steps']} steps of "
+        (f"Student init: `{o['init']}`" if o.get("init") else
+           f"Student init: the generalist, {o['general_steps']} SFT steps of {o['general_batch']} × 1024 tokens on "
+           f"all {_count(len(names))} cells at lr {o['sft_lr']}")
+        + f"; teachers: it, fine-tuned {o['teacher_steps']} steps of "
         f"{o['teacher_batch']} × 1024 on their own cell at lr {o['teacher_lr']}. Arms from the init, "
         f"{o['steps']} steps each: distill at lr {o['lr']}, {cp['distill']['trained_tokens']:,.0f} trained tokens "
         f"(exact reverse KL, 9 episodes a step); RL at lr {o['rl_lr']}, {cp['rl']['trained_tokens']:,.0f} "
@@ -258,10 +260,15 @@ def distill_demo_table(report: dict, source: str = "docs/data/distill_demo.json"
         "", *rows, "",
         f"- Student within 10 % (relative) of each teacher on its own cell: {yes[tg['all_within_10pct']]}"
         + (f"; missed on {', '.join(misses)}." if misses else "."),
-        f"- Student above every single teacher on the mean over the nine cells: {yes[tg['above_every_teacher']]}.",
+        f"- Student above every single teacher on the mean over the {_count(len(names))} cells: "
+        f"{yes[tg['above_every_teacher']]}.",
         f"- Student's reasoning per episode (characters): low {r['low']:.0f}, high {r['high']:.0f}, "
         f"max {r['max']:.0f}; ordered low < high < max: {yes[tg['reasoning_ordered']]}.",
         f"- Student ahead of both baselines on the mean: {yes[tg['ahead_of_baselines']]}."])
+
+
+def _count(n: int) -> str:
+    return ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")[n] if n < 10 else str(n)
 
 
 def _earlier(report: dict) -> str:

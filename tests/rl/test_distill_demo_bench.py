@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from k3.errors import ConfigError
-from k3.tasks.families import EFFORTS, cell_order, cell_task_list, get_family
+from k3.tasks.families import CELL_PATTERN, EFFORTS, cell_order, cell_pattern, cell_task_list, get_family
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMS = ("arith", "files", "code")
@@ -49,6 +49,27 @@ def test_the_pattern_puts_every_cell_in_each_step_of_both_arms():
     assert len(set(plain)) == 3
     with pytest.raises(ConfigError, match="code: 5 tasks, 6 needed"):   # 2 blocks take 6 of each family
         cell_task_list({**made, "code": made["code"][:5]}, 2)
+
+
+@pytest.mark.parametrize("fams", [("arith",), ("files", "code"), ("code", "arith"), FAMS])
+def test_the_pattern_of_some_families_holds_each_of_their_cells(fams):
+    """``cell_pattern(families)``: 9 positions of those families only, position p at effort p mod
+    3; every cell of theirs is in it, equally often for 1 or 3 families (counted here by
+    enumeration), and a list of all three gives the demo's own pattern. The control: unknown,
+    repeated or no families are refused."""
+    pat = cell_pattern(fams)
+    assert len(pat) == 9 and set(pat) == set(fams)
+    count = {c: 0 for c in itertools.product(fams, EFFORTS)}
+    for p, f in enumerate(pat):
+        count[(f, EFFORTS[p % 3])] += 1
+    assert min(count.values()) >= 1
+    if len(fams) != 2:
+        assert set(count.values()) == {3 // len(fams)}
+    if len(fams) == 3:
+        assert pat == CELL_PATTERN
+    for bad in (["arith", "maths"], ["arith", "arith"], []):
+        with pytest.raises(ConfigError, match="families must be distinct names"):
+            cell_pattern(bad)
 
 
 def test_targets_follow_the_issue_on_hand_written_cells():
@@ -99,13 +120,15 @@ def test_the_rl_demo_refuses_bad_seeds_before_its_evaluation(tmp_path, seeds, re
 
 
 @pytest.mark.parametrize("flag,value", [("--general-steps", "0"), ("--teacher-batch", "-1"), ("--heldout", "-1"),
-                                        ("--rl-lr", "0"), ("--lr", "nan")])
+                                        ("--rl-lr", "0"), ("--lr", "nan"), ("--families", "arith,maths"),
+                                        ("--families", "code,code"), ("--init", "no-such-run")])
 def test_bad_sizes_and_rates_are_one_line_before_anything_runs(tmp_path, flag, value):
     """(The nano run below, with each of these at a valid value, is the control.)"""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "distill_demo.py"), flag, value,
                         "--out", str(tmp_path / "run"), "--base", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and flag in r.stderr, r.stderr
+    named = flag if flag != "--families" else "families must be"
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and named in r.stderr, r.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "none").exists()
 
 
@@ -138,3 +161,32 @@ def test_the_distill_demo_at_nano_size(tmp_path, make_nano_checkpoint, env_root)
     table = _load("docs_tables").distill_demo_table(report)
     assert report["date"] in table and "| teacher general/low |" in table
     assert table.count("**") >= 2 * 9   # each teacher's own cell in bold
+
+
+@pytest.mark.slow
+def test_the_distill_demo_on_one_family_from_a_given_init(tmp_path, make_nano_checkpoint, env_root):
+    """``--families arith --init CKPT``: no base is pretrained and no generalist fine-tuned; the
+    three arith teachers start from CKPT, every step of the distill arm reaches each of them, and
+    the evaluation, targets and table cover the three arith cells only."""
+    text = " ".join(json.dumps(get_family("arith").solve(get_family("arith").spec(s), "max")) for s in range(2))
+    init, _, _ = make_nano_checkpoint(tmp_path / "init", text)
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "distill_demo.py"), "--out", str(out),
+           "--base", str(tmp_path / "no-base"), "--init", str(init), "--families", "arith",
+           "--seeds", "arith:2,files:2,code:2", "--teacher-steps", "1", "--teacher-batch", "1", "--steps", "1",
+           "--max-tokens", "6", "--heldout", "0", "--threads", "1", "--results", str(tmp_path / "results.jsonl")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert not (tmp_path / "no-base").exists() and not (out / "student-init").exists()
+    report = json.loads((out / "report.json").read_text())
+    tags = {f"general/{e}" for e in EFFORTS}
+    assert {t["tag"] for t in report["teachers"].values()} == tags
+    assert sorted(p.name for p in (out / "data").iterdir()) == [f"arith-{e}.jsonl" for e in sorted(EFFORTS)]
+    assert {c["family"] for c in report["cells"]} == {"arith"} and len(report["cells"]) == 7 * 3
+    assert set(report["curves"]["distill"][0]["kl_by_tag"]) == tags
+    assert len(list((out / "teacher-samples").glob("*.jsonl"))) == 9
+    assert report["options"]["init"] == str(init) and report["options"]["families"] == ["arith"]
+    assert "init_s" not in report["times"]
+    table = _load("docs_tables").distill_demo_table(report)
+    assert f"Student init: `{init}`" in table and "over the three cells" in table
+    assert "| teacher general/high |" in table and "files/" not in table

@@ -41,7 +41,7 @@ from k3.tasks.families.page import Page
 
 __all__ = ["FAMILIES", "VISION_FAMILIES", "get_family",
            "Family", "HELDOUT_START", "SPLITS", "DOMAINS", "EFFORTS", "META_FILE",
-           "split_of", "check_seed", "read_meta", "CELL_PATTERN", "cell_order", "cell_task_list",
+           "split_of", "check_seed", "read_meta", "CELL_PATTERN", "cell_pattern", "cell_order", "cell_task_list",
            "family_counts"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (Arith(), Files(), Code())}
@@ -61,8 +61,21 @@ def get_family(name: str) -> Family:
     raise ConfigError(f"unknown task family {name!r} (known: {', '.join(known)}, chainN for N in 1..999){hint}")
 
 
+def cell_pattern(families) -> tuple[str, ...]:
+    """The 9-position task pattern of ``families`` (a subset of ``FAMILIES``, in that order):
+    position p = 3·b + r runs at effort EFFORTS[r] and holds family ``families[(b + r) % k]``, a
+    Latin square, so that for 1 or 3 families every (family, effort) cell sits in it equally often,
+    and for 2 every cell at least once. Unknown or repeated families are refused."""
+    fams = list(families)
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad or not fams or len(set(fams)) != len(fams):
+        raise ConfigError(f"families must be distinct names of {', '.join(FAMILIES)}, got {', '.join(fams) or 'none'}")
+    fams = [f for f in FAMILIES if f in fams]
+    return tuple(fams[(p // 3 + p % 3) % len(fams)] for p in range(9))
+
+
 # Position p of the pattern runs at effort EFFORTS[p % 3]; each family sits once at each residue.
-CELL_PATTERN = ("arith", "files", "code", "files", "code", "arith", "code", "arith", "files")
+CELL_PATTERN = cell_pattern(FAMILIES)
 
 
 def cell_order(pattern=CELL_PATTERN) -> list[tuple[str, str]]:
