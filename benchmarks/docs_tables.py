@@ -58,6 +58,7 @@ a copy, e.g. of a short pipeline check whose figures must not reach the docs).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -787,9 +788,13 @@ def main() -> int:
     return 0
 
 
+def under(root: Path, path: Path) -> Path:
+    """``path`` (a path of this checkout) at the same place under ``root``."""
+    return root / path.relative_to(ROOT)
+
+
 def render_all(a: argparse.Namespace, root: Path) -> None:
-    def at(path: Path) -> Path:
-        return root / path.relative_to(ROOT)
+    at = functools.partial(under, root)
 
     def rel(path: Path) -> str:
         return str(path.relative_to(root))
@@ -840,8 +845,7 @@ def blocks(root: Path = ROOT) -> list[tuple]:
     """(data, doc, block, render, reader) of every generated table, with paths under ``root``: the
     table is ``render(reader(data))``, written between the block's markers in ``doc`` when ``data``
     exists."""
-    def at(path: Path) -> Path:
-        return root / path.relative_to(ROOT)
+    at = functools.partial(under, root)
 
     return [
         (at(SPEED), at(INFER_DOC), "speed_infer", speed_infer_table, read_rows),
