@@ -23,6 +23,11 @@
 5. **Evaluation**: held-out seeds of every cell, greedy, the canonical harness (the agent demo's
    ``evaluate_heldout``), for every teacher, the student init (the generalist) and the three arms.
 
+``--families`` restricts the demo to those families' cells (their teachers, a pattern of those
+families alone: ``k3.tasks.families.cell_pattern``, evaluation on their cells); ``--init`` takes an
+existing checkpoint as the student init and the teachers' start in place of stage 2 (no base is
+pretrained then).
+
 Writes ``OUT/report.json`` (cells, targets, times, machine, date) and one JSON line per cell to
 ``benchmarks/results/distill_demo.jsonl``. ``--reuse`` keeps the stages whose outputs are there
 (data files, checkpoints, teacher samples, evaluations); the report lists a stage whose outputs
@@ -31,6 +36,7 @@ report of the invocation that made them measured. ``python benchmarks/docs_table
 --save-distill OUT/report.json`` records it under docs/data and renders its table into docs/DISTILL.md.
 
     python benchmarks/distill_demo.py [--base runs/agent-base] [--out runs/distill-demo] [--steps 60] [--reuse]
+        [--families arith --init runs/agent-demo/sft --heldout 60]
 """
 
 from __future__ import annotations
@@ -301,7 +307,7 @@ def main() -> int:
                                  "tasks": c["tasks"], "passed": c["passed"], "machine": report["machine"],
                                  "date": report["date"]}) + "\n")
     tg = report["targets"]
-    print(f"report: {out / 'report.json'}; mean pass over the nine cells: "
+    print(f"report: {out / 'report.json'}; mean pass over the {len(cells)} cells: "
           + ", ".join(f"{k} {v:.2f}" for k, v in tg["mean_over_cells"].items()))
     return 0
 

@@ -13,7 +13,9 @@ rendered from a JSON record under ``docs/data/`` that carries its machine and da
 - ``distill_demo`` (docs/DISTILL.md) from ``docs/data/distill_demo.json``, the report of one
   ``benchmarks/distill_demo.py`` run (``runs/distill-demo/report.json`` copied there by ``--save-distill``),
   and ``distill_demo_steps120`` from ``docs/data/distill_demo_steps120.json`` (a ``--steps 120`` run,
-  ``--save-distill-120``);
+  ``--save-distill-120``), and ``distill_demo_arith`` from ``docs/data/distill_demo_arith.json`` (the
+  demo on arith's three cells alone from the agent demo's SFT checkpoint, ``--families arith --init``;
+  ``--save-distill-arith``);
 - ``eval_harness`` (docs/EVAL.md) from ``docs/data/eval_harness.jsonl``, the rows of one
   ``k3 eval harness`` run (``RUN/rows.jsonl`` copied there by ``--save-eval RUN``), and
   ``eval_harness_randomized`` from ``docs/data/eval_harness_randomized.jsonl`` (``--save-eval-randomized``);
@@ -46,6 +48,7 @@ a copy, e.g. of a short pipeline check whose figures must not reach the docs).
                                      [--save-rl-low-lr runs/rl-demo-lr1e-4/report.json]
                                      [--save-rl-arith runs/rl-demo-arith/report.json]
                                      [--save-distill runs/distill-demo/report.json]
+                                     [--save-distill-arith runs/distill-arith/report.json]
                                      [--save-hybrid runs/hybrid/report.json] [--save-eval RUN]
                                      [--save-sustain runs/sustain/report.json] [--save-eval-randomized RUN]
                                      [--save-vision runs/vision-demo/report.json]
@@ -74,6 +77,7 @@ RL_DOC = ROOT / "docs" / "RL.md"
 DISTILL_DATA = ROOT / "docs" / "data" / "distill_demo.json"
 DISTILL_DOC = ROOT / "docs" / "DISTILL.md"
 DISTILL_LONG_DATA = ROOT / "docs" / "data" / "distill_demo_steps120.json"   # the same demo, 120 steps an arm
+DISTILL_ARITH_DATA = ROOT / "docs" / "data" / "distill_demo_arith.json"   # the demo on arith's cells alone
 HYBRID_DATA = ROOT / "docs" / "data" / "hybrid_retrieval.json"
 SUSTAIN_DATA = ROOT / "docs" / "data" / "sustain.json"
 EVAL_DOC = ROOT / "docs" / "EVAL.md"
@@ -201,6 +205,11 @@ def rl_demo_arith_table(report: dict) -> str:
 def distill_demo_long_table(report: dict) -> str:
     """``distill_demo_table`` of the 120-step run."""
     return distill_demo_table(report, "docs/data/distill_demo_steps120.json")
+
+
+def distill_demo_arith_table(report: dict) -> str:
+    """``distill_demo_table`` of the run on arith's cells alone."""
+    return distill_demo_table(report, "docs/data/distill_demo_arith.json")
 
 
 def _left_out(sp: dict) -> str:
@@ -759,6 +768,8 @@ def main() -> int:
                                           "docs/data/distill_demo.json first")
     p.add_argument("--save-distill-120", help="a benchmarks/distill_demo.py --steps 120 report.json to record as "
                                               "docs/data/distill_demo_steps120.json first")
+    p.add_argument("--save-distill-arith", help="a benchmarks/distill_demo.py --families arith report.json to "
+                                                "record as docs/data/distill_demo_arith.json first")
     p.add_argument("--save-hybrid", help="a benchmarks/hybrid_retrieval.py report.json (its plot beside it) to "
                                          "record as docs/data/hybrid_retrieval.json / .png first")
     p.add_argument("--save-sustain", help="a benchmarks/sustain.py report.json (its plot beside it) to record as "
@@ -821,7 +832,8 @@ def render_all(a: argparse.Namespace, root: Path) -> None:
     for src, dst in ((a.save, DATA), (a.save_rl, RL_DATA), (a.save_rl_low_lr, RL_LOW_LR_DATA),
                      (a.save_rl_arith, RL_ARITH_DATA),
                      (a.save_distill, DISTILL_DATA),
-                     (a.save_distill_120, DISTILL_LONG_DATA), (a.save_hybrid, HYBRID_DATA),
+                     (a.save_distill_120, DISTILL_LONG_DATA), (a.save_distill_arith, DISTILL_ARITH_DATA),
+                     (a.save_hybrid, HYBRID_DATA),
                      (a.save_vision, VISION_DATA), (a.save_sustain, SUSTAIN_DATA)):
         if src:
             require_stamp([json.loads(Path(src).read_text())], str(src))
@@ -857,6 +869,7 @@ def blocks(root: Path = ROOT) -> list[tuple]:
         (at(RL_ARITH_DATA), at(RL_DOC), "rl_demo_arith", rl_demo_arith_table, read_report),
         (at(DISTILL_DATA), at(DISTILL_DOC), "distill_demo", distill_demo_table, read_report),
         (at(DISTILL_LONG_DATA), at(DISTILL_DOC), "distill_demo_steps120", distill_demo_long_table, read_report),
+        (at(DISTILL_ARITH_DATA), at(DISTILL_DOC), "distill_demo_arith", distill_demo_arith_table, read_report),
         (at(EVAL_ROWS), at(EVAL_DOC), "eval_harness", eval_harness_table, read_rows),
         (at(EVAL_ROWS_RANDOMIZED), at(EVAL_DOC), "eval_harness_randomized", eval_harness_randomized_table,
          read_rows),

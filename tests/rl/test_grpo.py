@@ -355,6 +355,39 @@ def test_lost_episodes_and_crashing_verifiers_are_counted_not_fatal(letters, tmp
     assert [r["groups_degenerate"] for r in recs] == [1, 1]
 
 
+def test_every_episode_lost_for_three_steps_stops_the_run_and_two_do_not(letters, tmp_path, monkeypatch, capsys,
+                                                                         sandboxes):
+    """A rollout path that fails on every episode (a broken task setup, a broken worker) would only
+    log empty steps: the run stops after three such steps in a row with one line naming the last
+    failure (exit 1). The control: two such steps, then episodes that run: the run goes on (exit 0)."""
+    d, sft, task = letters
+    from k3.rl import rollout
+    orig = rollout.run_episode
+    calls = {"n": 0}
+
+    def broken(until):
+        def run(*a, **kw):
+            calls["n"] += 1
+            if 1 < calls["n"] <= until:    # the hack replay is call 1
+                raise OSError(f"sandbox vanished (call {calls['n']})")
+            return orig(*a, **kw)
+        return run
+
+    monkeypatch.setattr(rollout, "run_episode", broken(1 + 2 * 2))    # steps 1 and 2 lost, then fine
+    assert rl_main(rl_argv(sft, task, tmp_path / "ok", steps=3, group=2)) == 0
+    recs = rl_records(tmp_path / "ok")
+    assert [r["lost"] for r in recs] == [2, 2, 0] and recs[2]["reward_mean"] is not None
+    capsys.readouterr()
+    calls["n"] = 0
+    monkeypatch.setattr(rollout, "run_episode", broken(10 ** 6))
+    assert rl_main(rl_argv(sft, task, tmp_path / "lost", steps=6, group=2)) == 1
+    err = capsys.readouterr().err.strip()    # the trainer's progress lines, then the error's one line
+    last = err.splitlines()[-1]
+    assert last.startswith("k3 rl: every episode of 3 steps in a row was lost (steps 1-3") and "Traceback" not in err
+    assert "sandbox vanished (call 7)" in last, err
+    assert calls["n"] == 7    # the replay and 3 steps of 2: no fourth step was sampled
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--group", "1"], "--group must be an int >= 2"),
     (["--tasks", "nope:0:4"], "nope"),

@@ -37,6 +37,8 @@ def _parser(kind: str = "rl") -> argparse.ArgumentParser:
         p.add_argument("--teachers", help="TOML: a table per DOMAIN/EFFORT tag with checkpoint = PATH")
         p.add_argument("--estimator", default="exact", help="exact (whole vocabulary; --top-k K) | sampled")
         p.add_argument("--top-k", type=int, default=None, help="exact: the student's K likeliest tokens + a tail bucket")
+        p.add_argument("--forward-weight", type=float, default=0.0,
+                       help="exact: train (1-w) x reverse KL + w x forward KL(teacher || student), w in [0, 1]")
         p.add_argument("--reward-weight", type=float, default=0.0,
                        help="add W x the k3 rl policy loss on the verifier's rewards (groups >= 2)")
     else:
@@ -95,7 +97,7 @@ def _rl_config(args):
             raise ConfigError("--teachers FILE (the tag -> teacher table) is required")
         cls = DistillConfig
         extra = {"teachers": read_teachers(args.teachers), "estimator": args.estimator, "top_k": args.top_k,
-                 "reward_weight": args.reward_weight}
+                 "forward_weight": args.forward_weight, "reward_weight": args.reward_weight}
     return cls(tasks=list(args.tasks), group=args.group, tasks_per_step=args.tasks_per_step,
                efforts=efforts, temperature=args.temperature, max_tokens=args.max_tokens,
                context_tokens=args.context_tokens, eps_low=args.eps_low, eps_high=args.eps_high,
@@ -109,7 +111,7 @@ def _rl_config(args):
 _RL_FLAGS = ("tasks", "effort", "beta", "scale_std", "micro_tokens", "randomize", "canonical", "backend",
              "keep_rollouts", "workers", "ray",
              "group", "tasks_per_step", "temperature", "max_tokens", "context_tokens", "eps_low", "eps_high")
-_DISTILL_FLAGS = ("teachers", "estimator", "top_k", "reward_weight")
+_DISTILL_FLAGS = ("teachers", "estimator", "top_k", "forward_weight", "reward_weight")
 
 
 def _train_config(args):

@@ -23,7 +23,14 @@ trained two ways:
   ∇loss_t = k_t · ∇s(x_t), whose expectation over x_t ~ π_s is ∇KL_t. Its reported value is k_t
   (the estimate of the KL), not the surrogate.
 
-Both are 0 with zero gradient when the student equals the teacher. Each returns the sum over masked
+The forward direction, ``forward_kl_exact``: KL(π_t ‖ π_s)_t = Σ_v exp(q(v)) · (q(v) − s(v)) on the
+same positions (the student's own samples; TRL's GKD at β = 0 on-policy), with the same ``top_k``
+buckets. Its gradient in the student's logits is π_s − π_t, which stays large where the student is
+confidently wrong; the reverse KL's, π_s · (s − q − KL_t), vanishes there as π_s of the teacher's
+token goes to 0 (mode-seeking). ``k3 distill --forward-weight w`` trains
+(1 − w) · reverse + w · forward; the reported KL is always the reverse one.
+
+All are 0 with zero gradient when the student equals the teacher. Each returns the sum over masked
 tokens (the caller divides by the step's trained tokens, as the Trainer does for every objective)
 and statistics (the KL estimate summed over the tokens, the token count).
 """
@@ -32,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["reverse_kl_exact", "reverse_kl_sampled"]
+__all__ = ["forward_kl_exact", "reverse_kl_exact", "reverse_kl_sampled"]
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:
@@ -50,26 +57,42 @@ def reverse_kl_exact(student_logits: torch.Tensor, teacher_logprobs: torch.Tenso
     """student_logits [*, V] (differentiable), teacher_logprobs [*, V] (log-softmax of the
     teacher), mask [*] 0/1 -> (Σ_t mask_t · KL_t, stats). ``top_k``: the student's k most likely
     tokens and one tail bucket (module doc)."""
+    s, q = _rows(student_logits, teacher_logprobs, mask, top_k)
+    kl_t = (s.exp() * (s - q)).sum(-1)
+    m = mask.to(kl_t.dtype)
+    loss = (kl_t * m).sum()
+    return loss, {"kl": float(loss.detach()), "tokens": float(m.sum())}
+
+
+def forward_kl_exact(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
+                     top_k: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """As ``reverse_kl_exact`` for KL(π_t ‖ π_s): Σ_t mask_t · Σ_v exp(q(v)) · (q(v) − s(v)) (module
+    doc); ``top_k`` coarsens both rows into the student's k likeliest tokens and one tail bucket."""
+    s, q = _rows(student_logits, teacher_logprobs, mask, top_k)
+    kl_t = (q.exp() * (q - s)).sum(-1)
+    m = mask.to(kl_t.dtype)
+    loss = (kl_t * m).sum()
+    return loss, {"kl": float(loss.detach()), "tokens": float(m.sum())}
+
+
+def _rows(student_logits, teacher_logprobs, mask, top_k):
+    """The student's and the teacher's log-probability rows, checked, at least fp32; with
+    ``top_k``: the student's k likeliest tokens of both and one tail bucket each (log(1 − Σ top-k),
+    a log-sum-exp of the tail for precision)."""
     _check("teacher_logprobs", teacher_logprobs, student_logits.shape)
     _check("mask", mask, student_logits.shape[:-1])
     s = torch.log_softmax(_up(student_logits), -1)
     q = _up(teacher_logprobs)
-    if top_k is not None:
-        V = s.shape[-1]
-        if not 1 <= top_k < V:
-            raise ValueError(f"top_k must be in 1..{V - 1} (the vocabulary has {V} tokens), got {top_k}")
-        idx = s.detach().topk(top_k, -1).indices
-        s_k, q_k = s.gather(-1, idx), q.gather(-1, idx)
-        # the tail bucket: log(1 − Σ top-k), computed as a log-sum-exp of the tail for precision
-        keep = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, idx, True)
-        tail_s = torch.logsumexp(s.masked_fill(keep, float("-inf")), -1, keepdim=True)
-        tail_q = torch.logsumexp(q.masked_fill(keep, float("-inf")), -1, keepdim=True)
-        s, q = torch.cat([s_k, tail_s], -1), torch.cat([q_k, tail_q], -1)
-    p = s.exp()
-    kl_t = (p * (s - q)).sum(-1)
-    m = mask.to(kl_t.dtype)
-    loss = (kl_t * m).sum()
-    return loss, {"kl": float(loss.detach()), "tokens": float(m.sum())}
+    if top_k is None:
+        return s, q
+    V = s.shape[-1]
+    if not 1 <= top_k < V:
+        raise ValueError(f"top_k must be in 1..{V - 1} (the vocabulary has {V} tokens), got {top_k}")
+    idx = s.detach().topk(top_k, -1).indices
+    keep = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, idx, True)
+    tail_s = torch.logsumexp(s.masked_fill(keep, float("-inf")), -1, keepdim=True)
+    tail_q = torch.logsumexp(q.masked_fill(keep, float("-inf")), -1, keepdim=True)
+    return torch.cat([s.gather(-1, idx), tail_s], -1), torch.cat([q.gather(-1, idx), tail_q], -1)
 
 
 def reverse_kl_sampled(logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor,

@@ -31,7 +31,10 @@ checkpoint, so ``k3 distill --resume DIR`` needs nothing else (the teachers must
 **Estimators** (``--estimator``): ``exact`` (default; the KL over the whole vocabulary, or over
 the student's top ``--top-k`` tokens and one tail bucket) or ``sampled`` (the teacher's logprob of
 the sampled token only, a score-function gradient; what a remote teacher that returns only the
-logprobs of given tokens allows). ``--reward-weight W`` > 0 adds W × the ``k3 rl`` clipped
+logprobs of given tokens allows). ``--forward-weight w`` (exact only) trains (1 − w) × the reverse
+KL + w × the forward KL(π_t ‖ π_s) on the same sampled positions, whose gradient does not vanish
+where the student is confidently wrong (``k3.ops.distill_loss``); the logged KL stays the reverse
+one. ``--reward-weight W`` > 0 adds W × the ``k3 rl`` clipped
 policy loss on the group-relative verifier rewards (groups of ``--group`` >= 2 then).
 
 Logged per step besides ``k3 rl``'s figures: per tag, the KL (estimate) per token, the student's
@@ -51,7 +54,7 @@ import torch
 
 from k3.data.packing import IGNORE_INDEX
 from k3.errors import ConfigError, K3Error
-from k3.ops.distill_loss import reverse_kl_exact, reverse_kl_sampled
+from k3.ops.distill_loss import forward_kl_exact, reverse_kl_exact, reverse_kl_sampled
 from k3.ops.policy_loss import clipped_policy_loss
 from k3.rl.grpo import GRPOObjective, RLConfig
 
@@ -143,6 +146,7 @@ class DistillConfig(RLConfig):
     teachers: dict[str, dict] = field(default_factory=dict)   # tag -> read_teachers' entry
     estimator: str = "exact"
     top_k: int | None = None
+    forward_weight: float = 0.0   # w: the loss is (1 − w) · reverse KL + w · forward KL (exact only)
     reward_weight: float = 0.0
 
     def min_group(self) -> int:
@@ -155,6 +159,9 @@ class DistillConfig(RLConfig):
         w = self.reward_weight
         if not (isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 and math.isfinite(w)):
             raise ConfigError(f"--reward-weight must be a number >= 0, got {w!r}")
+        f = self.forward_weight
+        if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0 <= f <= 1):
+            raise ConfigError(f"--forward-weight must be a number in [0, 1], got {f!r}")
         super().validate()
         if None in self.efforts:
             raise ConfigError("k3 distill: every group needs an effort (its tag is DOMAIN/EFFORT): "
@@ -168,6 +175,9 @@ class DistillConfig(RLConfig):
                 raise ConfigError("--top-k applies to --estimator exact (the sampled one reads one token)")
             if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
                 raise ConfigError(f"--top-k must be an int >= 1, got {self.top_k!r}")
+        if f and self.estimator != "exact":
+            raise ConfigError("--forward-weight needs the teacher's whole row (--estimator exact); the sampled "
+                              "estimator reads the teacher's logprob of the sampled token only")
         remote = sorted(t for t, v in self.teachers.items() if "url" in v)
         if remote and self.estimator != "sampled":
             raise ConfigError(f"teacher {remote[0]!r} is remote: it gives the logprobs of given tokens only, "
@@ -281,6 +291,9 @@ class DistillObjective(GRPOObjective):
                 t_tok = t_all.gather(-1, tgt[rows]).squeeze(-1)
             if rl.estimator == "exact":
                 part, st = reverse_kl_exact(logits[rows], t_all, m.float(), rl.top_k)
+                if rl.forward_weight:   # the reported KL stays the reverse one
+                    fwd, _ = forward_kl_exact(logits[rows], t_all, m.float(), rl.top_k)
+                    part = (1 - rl.forward_weight) * part + rl.forward_weight * fwd
             else:
                 part, st = reverse_kl_sampled(logp[rows], old[rows], t_tok, m.float())
             total = total + part

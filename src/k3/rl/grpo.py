@@ -16,6 +16,7 @@ What a step learns from:
 2. **Rewards** come only from the clean-room verifier (the episode's score). A verifier that
    crashes scores 0 (``k3.tasks.verify``). An episode whose harness or sandbox failed is *lost*:
    counted, left out of its group; a group with fewer than 2 episodes left is dropped and counted.
+   When every episode of ``MAX_LOST_STEPS`` steps in a row is lost, the run stops (``RolloutsLost``).
 3. **Advantages** are group-relative (``k3.ops.policy_loss.group_advantages``: reward minus the
    group mean, ÷ std with ``scale_std``); a group whose rewards are all equal has advantage 0.
 4. **Tokens.** Each assistant turn is one sequence: the prompt the engine saw (``prompt_ids``)
@@ -54,11 +55,17 @@ import torch
 from k3.data.packing import IGNORE_INDEX
 from k3.errors import CheckpointError, ConfigError, K3Error
 from k3.ops.policy_loss import clipped_policy_loss, group_advantages
+from k3.train.loop import TrainingDiverged
 
 __all__ = ["RLConfig", "GRPOObjective", "episode_sequences", "resolve_tasks", "replay_hacks", "FORMAT"]
 
 FORMAT = 1            # of the data state an RL checkpoint holds
 EFFORT_CHOICES = ("low", "high", "max")
+MAX_LOST_STEPS = 3    # steps in a row whose every episode was lost: the run stops
+
+
+class RolloutsLost(TrainingDiverged):
+    """Raised when every episode of ``MAX_LOST_STEPS`` steps in a row was lost (the CLI: one line, exit 1)."""
 
 
 @dataclass
@@ -309,6 +316,7 @@ class GRPOObjective:
         self.step_stats: dict = {}
         self.rollout_stats: dict = {}
         self.micros_trained: list = []   # this process's share of the step's micro-batches
+        self.lost_steps = 0   # steps in a row whose every episode was lost (MAX_LOST_STEPS stops the run)
 
     # ------------------------------------------------------------------ Trainer protocol
     def build_data(self, trainer, ckpt, saved) -> None:
@@ -537,6 +545,7 @@ class GRPOObjective:
         for ep in episodes:
             if ep["reward"] is None:
                 self.log(f"step {step + 1}: an episode of {ep['task']} was lost: {ep['detail']}")
+        self._count_lost(step, episodes)
         t_sample = time.perf_counter() - t0
         micros, stats = self._micro_batches(episodes)
         mb = micros[rank::world]   # the same micro-batches on every process: each trains its share,
@@ -593,6 +602,20 @@ class GRPOObjective:
                     for (slot, task, member, effort, seed, harness, path), job, res in zip(plan, jobs, results)]
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+    def _count_lost(self, step: int, episodes: list[dict]) -> None:
+        """Stop the run (``RolloutsLost``) when every episode of ``MAX_LOST_STEPS`` steps in a row
+        was lost: nothing trains, and a run that went on would only log empty steps. Every process
+        sees the same episodes, so all stop at the same step."""
+        if not episodes or any(e["reward"] is not None for e in episodes):
+            self.lost_steps = 0
+            return
+        self.lost_steps += 1
+        if self.lost_steps >= MAX_LOST_STEPS:
+            why = str(episodes[-1]["detail"]).strip().splitlines()
+            raise RolloutsLost(f"every episode of {self.lost_steps} steps in a row was lost (steps "
+                               f"{step + 2 - self.lost_steps}-{step + 1}; the last: {why[-1] if why else 'no detail'}); "
+                               "nothing trained; check the tasks, sandboxes and rollout workers")
 
     def _micro_batches(self, episodes: list[dict]):
         rl = self.rl
