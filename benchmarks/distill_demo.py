@@ -118,6 +118,8 @@ def main() -> int:
     p.add_argument("--teacher-lr", type=float, default=1e-3, help="lr of the teachers' SFT and of the SFT arm")
     p.add_argument("--steps", type=int, default=60, help="steps of each arm")
     p.add_argument("--lr", type=float, default=5e-4, help="lr of the distill arm")
+    p.add_argument("--forward-weight", type=float, default=0.0,
+                   help="the distill arm's k3 distill --forward-weight (0: the reverse KL alone)")
     p.add_argument("--rl-lr", type=float, default=3e-4, help="lr of the rl arm")
     p.add_argument("--max-tokens", type=int, default=400, help="tokens per assistant turn")
     p.add_argument("--heldout", type=int, default=20, help="held-out tasks per family × effort")
@@ -151,6 +153,8 @@ def main() -> int:
            if getattr(a, k) < low]
     bad += [f"--{k.replace('_', '-')} must be > 0, got {getattr(a, k)}"
             for k in ("sft_lr", "teacher_lr", "lr", "rl_lr") if not getattr(a, k) > 0]
+    if not 0 <= a.forward_weight <= 1:
+        bad.append(f"--forward-weight must be in [0, 1], got {a.forward_weight}")
     if bad:
         print(f"distill_demo: {bad[0]}", file=sys.stderr)
         return 2
@@ -235,7 +239,8 @@ def main() -> int:
         return [r for r in read_metrics(run) if r["kind"] == "rl"]
 
     dist = arm("distill", distill_main, ["--student", str(init), "--teachers", str(toml), "--group", "1",
-                                         "--tasks-per-step", "9", "--lr", str(a.lr)])
+                                         "--tasks-per-step", "9", "--lr", str(a.lr),
+                                         "--forward-weight", str(a.forward_weight)])
     rl = arm("rl", rl_main, ["--from", str(init), "--group", "3", "--tasks-per-step", "3", "--lr", str(a.rl_lr)])
 
     # the SFT arm: the teachers' samples on the same task positions and efforts
@@ -293,7 +298,7 @@ def main() -> int:
                     "general_batch": a.general_batch, "sft_lr": a.sft_lr, "teacher_steps": a.teacher_steps,
                     "teacher_batch": a.teacher_batch, "teacher_lr": a.teacher_lr, "steps": a.steps, "lr": a.lr,
                     "rl_lr": a.rl_lr, "max_tokens": a.max_tokens, "heldout": a.heldout,
-                    "estimator": "exact", "temperature": 1.0},
+                    "estimator": "exact", "forward_weight": a.forward_weight, "temperature": 1.0},
         "times": times, "reused": reused, "earlier_times": earlier_times(out / "report.json", reused),
         "machine": machine(), "date": time.strftime("%Y-%m-%d"),
     }

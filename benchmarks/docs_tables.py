@@ -261,7 +261,7 @@ def distill_demo_table(report: dict, source: str = "docs/data/distill_demo.json"
         + f"; teachers: it, fine-tuned {o['teacher_steps']} steps of "
         f"{o['teacher_batch']} × 1024 on their own cell at lr {o['teacher_lr']}. Arms from the init, "
         f"{o['steps']} steps each: distill at lr {o['lr']}, {cp['distill']['trained_tokens']:,.0f} trained tokens "
-        f"(exact reverse KL, 9 episodes a step); RL at lr {o['rl_lr']}, {cp['rl']['trained_tokens']:,.0f} "
+        f"({_distill_loss(o)}, 9 episodes a step); RL at lr {o['rl_lr']}, {cp['rl']['trained_tokens']:,.0f} "
         f"(groups of 3 × 3 tasks); SFT at lr {o['teacher_lr']}, {cp['sft']['steps']} steps of "
         f"{cp['sft']['batch_size']} × 1024 on "
         + (f"{cp['sft']['train_conversations']} teacher samples ({cp['sft']['trained_tokens']:,} trained tokens an "
@@ -275,6 +275,11 @@ def distill_demo_table(report: dict, source: str = "docs/data/distill_demo.json"
         f"- Student's reasoning per episode (characters): low {r['low']:.0f}, high {r['high']:.0f}, "
         f"max {r['max']:.0f}; ordered low < high < max: {yes[tg['reasoning_ordered']]}.",
         f"- Student ahead of both baselines on the mean: {yes[tg['ahead_of_baselines']]}."])
+
+
+def _distill_loss(options: dict) -> str:
+    w = options.get("forward_weight", 0.0)
+    return f"exact KL, {1 - w:g} × reverse + {w:g} × forward" if w else "exact reverse KL"
 
 
 def _count(n: int) -> str:

@@ -121,7 +121,8 @@ def test_the_rl_demo_refuses_bad_seeds_before_its_evaluation(tmp_path, seeds, re
 
 @pytest.mark.parametrize("flag,value", [("--general-steps", "0"), ("--teacher-batch", "-1"), ("--heldout", "-1"),
                                         ("--rl-lr", "0"), ("--lr", "nan"), ("--families", "arith,maths"),
-                                        ("--families", "code,code"), ("--init", "no-such-run")])
+                                        ("--families", "code,code"), ("--init", "no-such-run"),
+                                        ("--forward-weight", "1.5")])
 def test_bad_sizes_and_rates_are_one_line_before_anything_runs(tmp_path, flag, value):
     """(The nano run below, with each of these at a valid value, is the control.)"""
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "distill_demo.py"), flag, value,
@@ -174,7 +175,8 @@ def test_the_distill_demo_on_one_family_from_a_given_init(tmp_path, make_nano_ch
     cmd = [sys.executable, str(ROOT / "benchmarks" / "distill_demo.py"), "--out", str(out),
            "--base", str(tmp_path / "no-base"), "--init", str(init), "--families", "arith",
            "--seeds", "arith:2,files:2,code:2", "--teacher-steps", "1", "--teacher-batch", "1", "--steps", "1",
-           "--max-tokens", "6", "--heldout", "0", "--threads", "1", "--results", str(tmp_path / "results.jsonl")]
+           "--max-tokens", "6", "--heldout", "0", "--threads", "1", "--results", str(tmp_path / "results.jsonl"),
+           "--forward-weight", "0.5"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert not (tmp_path / "no-base").exists() and not (out / "student-init").exists()
@@ -186,7 +188,11 @@ def test_the_distill_demo_on_one_family_from_a_given_init(tmp_path, make_nano_ch
     assert set(report["curves"]["distill"][0]["kl_by_tag"]) == tags
     assert len(list((out / "teacher-samples").glob("*.jsonl"))) == 9
     assert report["options"]["init"] == str(init) and report["options"]["families"] == ["arith"]
+    assert report["options"]["forward_weight"] == 0.5
+    from k3.checkpoint.training import find_checkpoint, load_trainer_state
+    assert load_trainer_state(find_checkpoint(str(out / "distill")))["data"]["distill"]["forward_weight"] == 0.5
     assert "init_s" not in report["times"]
     table = _load("docs_tables").distill_demo_table(report)
     assert f"Student init: `{init}`" in table and "over the three cells" in table
+    assert "exact KL, 0.5 × reverse + 0.5 × forward" in table
     assert "| teacher general/high |" in table and "files/" not in table
