@@ -761,7 +761,7 @@ def save_report(src: Path, dst: Path) -> dict:
     return report
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--save", help="a k3 agent-demo report.json to record as docs/data/agent_demo.json first")
     p.add_argument("--save-rl", help="a benchmarks/rl_demo.py report.json to record as docs/data/rl_demo.json first")
@@ -796,7 +796,11 @@ def main() -> int:
                                                              "recorded as docs/data/ablations.jsonl first")
     p.add_argument("--root", help="read and write DIR/docs/data, DIR/README.md and DIR/docs/*.md instead of the "
                                   "repository's (a dry run on a copy)")
-    a = p.parse_args()
+    return p
+
+
+def main() -> int:
+    a = parser().parse_args()
     try:
         render_all(a, Path(a.root).resolve() if a.root else ROOT)
     except Unstamped as e:

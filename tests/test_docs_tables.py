@@ -6,7 +6,6 @@ machine and date is refused."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import re
@@ -82,9 +81,7 @@ def test_the_readme_and_docs_are_what_rerendering_gives(tmp_path):
     """Rendering every table again (``docs_tables.py`` with no --save, on a copy) changes no file."""
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copyfile(T.README, tmp_path / "README.md")
-    none = argparse.Namespace(**{k: None for k in ("save", "save_rl", "save_rl_low_lr", "save_rl_arith", "save_distill", "save_distill_120",
-                                                   "save_hybrid", "save_eval", "save_vision", "save_sustain", "save_eval_randomized",
-                                                   "save_speed", "save_micro", "save_demo", "save_ablations")})
+    none = T.parser().parse_args([])    # no --save of any kind
     T.render_all(none, tmp_path)
     for f in [tmp_path / "README.md", *(tmp_path / "docs").glob("*.md")]:
         assert f.read_text() == (ROOT / f.relative_to(tmp_path)).read_text(), \
