@@ -4,7 +4,9 @@ Every ``k3`` subcommand runs under :func:`guarded`: a :class:`k3.errors.K3Error`
 (missing path, a file where a directory is expected, read-only filesystem, no space left) or a
 torch/safetensors I/O failure becomes ``k3 CMD: error: <path>: <cause>`` on stderr and exit code 2.
 ``--debug`` (anywhere on the command line) or ``K3_DEBUG=1`` re-raises so the traceback shows.
-Ctrl-C outside a training loop exits 130 without a traceback.
+Ctrl-C outside a training loop exits 130 without a traceback; so does SIGTERM inside
+:func:`sigterm_interrupts` (exit 143), so that a command's cleanup runs where the default action
+would kill it mid-way.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Callable
 from k3.errors import K3Error
 
 __all__ = ["guarded", "describe_error", "pop_debug_flag", "debug_enabled", "exit_quietly_on_signals",
-           "leave_now_if_stopping"]
+           "leave_now_if_stopping", "sigterm_interrupts"]
 
 _ERRNO_TEXT = {
     errno.ENOENT: "no such file or directory",
@@ -107,14 +109,36 @@ def _interrupt_once_then_exit(signum, frame) -> None:
     """SIGINT while a command runs: the first raises KeyboardInterrupt (the command stops cleanly),
     any further one ends the process at once -- even when both arrive before Python could run the
     first handler's cleanup (a loaded machine delivers them together)."""
-    global _interrupts
+    global _interrupts, _last_signal
     _interrupts += 1
+    _last_signal = signum
     if _interrupts > 1:
         os._exit(128 + signum)
     raise KeyboardInterrupt
 
 
 _interrupts = 0
+_last_signal: int | None = None
+
+
+class sigterm_interrupts:
+    """``with sigterm_interrupts():`` SIGTERM acts as Ctrl-C does under :func:`guarded` (the first
+    raises KeyboardInterrupt, so ``finally`` blocks run -- e.g. closing sandboxes -- and the command
+    exits 143; a second ends the process at once). For a command's phases outside the Trainer's own
+    signal handling; the previous handler comes back on exit. A no-op off the main thread."""
+
+    def __enter__(self):
+        import signal
+        import threading
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, _interrupt_once_then_exit)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def guarded(cmd: str, fn: Callable[[], int]) -> int:
@@ -122,8 +146,9 @@ def guarded(cmd: str, fn: Callable[[], int]) -> int:
     import signal
     import threading
 
-    global _interrupts, _stopping
+    global _interrupts, _stopping, _last_signal
     _stopping = False  # each command starts afresh (tests run several in one process)
+    _last_signal = None
     previous = None
     if threading.current_thread() is threading.main_thread() and not debug_enabled():
         _interrupts = 0
@@ -134,8 +159,9 @@ def guarded(cmd: str, fn: Callable[[], int]) -> int:
         if debug_enabled():
             raise
         exit_quietly_on_signals()  # the process is on its way out: stays installed (see finally)
-        print(f"k3 {cmd}: interrupted", file=sys.stderr)
-        return 130
+        sig = _last_signal or signal.SIGINT
+        print(f"k3 {cmd}: interrupted" + (" (SIGTERM)" if sig == signal.SIGTERM else ""), file=sys.stderr)
+        return 128 + sig
     except Exception as e:  # noqa: BLE001 - classified below; bugs are re-raised
         line = describe_error(e)
         if line is None or debug_enabled():

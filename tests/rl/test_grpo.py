@@ -281,6 +281,32 @@ def test_resume_after_sigkill_mid_step_gives_the_same_weights_and_rewards(letter
     sandboxes.manager.gc()
 
 
+def test_sigterm_during_the_hack_replay_closes_its_sandboxes_and_exits_143(letters, tmp_path, sandboxes):
+    """SIGTERM while the run replays its tasks' hack transcripts, before the first step (a
+    sandbox of the replay is up): the run closes it and exits 143 with one line. Under the default
+    action the process died with that sandbox left running, which ``k3 env gc`` does not close
+    (its processes are alive). The control: the same run, not signalled, replays them all and
+    trains its step."""
+    d, sft, _ = letters
+    mgr = sandboxes.manager
+    argv = rl_argv(sft, "arith:0:40", tmp_path / "run", steps=1, group=2)
+    proc = _start_rl_until(argv, lambda: bool(mgr.list()), "a sandbox of the hack replay")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+    err = err.decode().strip()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == "k3 rl: interrupted (SIGTERM)" and "Traceback" not in err, err
+    assert mgr.list() == [] and not list(mgr.unmade())
+    assert rl_main(argv[:argv.index("--out") + 1] + [str(tmp_path / "ok")] + argv[argv.index("--out") + 2:]) == 0
+    assert [r["step"] for r in rl_records(tmp_path / "ok")] == [1]
+    assert [r["hacks"] for r in read_metrics(tmp_path / "ok") if r["kind"] == "hacks"][0] >= 40
+
+
 def test_a_sandbox_an_earlier_start_left_that_cannot_be_closed_does_not_stop_the_run(letters, tmp_path, capsys,
                                                                                    sandboxes):
     """An earlier start of the run, killed, left a half-made sandbox whose cgroup cannot be removed

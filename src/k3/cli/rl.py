@@ -160,7 +160,7 @@ def distill_main(argv: list[str] | None = None, trainer_hook=None) -> int:
 
 
 def rl_main(argv: list[str] | None = None, trainer_hook=None, kind: str = "rl") -> int:
-    from k3.cliutil import guarded
+    from k3.cliutil import guarded, sigterm_interrupts
 
     args = _parser(kind).parse_args(argv)
     args.kind = kind
@@ -201,7 +201,8 @@ def rl_main(argv: list[str] | None = None, trainer_hook=None, kind: str = "rl") 
                           f"{obj.rl.tasks_per_step} tasks per step; run dir {tc.out}"
                           + (f"; resuming at step {trainer.step}" if args.resume else ""))
             if not args.resume:
-                obj.check_hacks(trainer)
+                with sigterm_interrupts():   # the replay's sandboxes are closed below, not left running
+                    obj.check_hacks(trainer)
             res = trainer.train()
         except TrainingDiverged as e:
             print(f"k3 {kind}: {e}", file=sys.stderr)
