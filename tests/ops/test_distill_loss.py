@@ -12,7 +12,7 @@ import torch
 
 import torch.nn.functional as F
 
-from k3.ops.distill_loss import forward_kl_exact, reverse_kl_exact, reverse_kl_sampled
+from k3.ops.distill_loss import forward_kl_exact, mixed_kl_exact, reverse_kl_exact, reverse_kl_sampled
 
 
 def _kl_loop(p: list[float], q: list[float]) -> float:
@@ -175,3 +175,17 @@ def test_a_confidently_wrong_student_gets_a_vanishing_reverse_gradient_and_a_ful
     assert rev > 4 and g_rev < 0.01 and g_fwd > 0.9
     (_, g_rev), (_, g_fwd) = grads(torch.tensor([[0.0, 0.0, -3.0]]))
     assert g_rev > 0.1 and g_fwd > 0.1
+
+
+@pytest.mark.parametrize("top_k", [None, 3])
+def test_the_mixture_is_the_weighted_sum_of_both_directions_with_the_reverse_kl_reported(top_k):
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(2, 3, 9, generator=g, dtype=torch.float64)
+    q = torch.log_softmax(torch.randn(2, 3, 9, generator=g, dtype=torch.float64), -1)
+    m = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    rev, st_rev = reverse_kl_exact(s, q, m, top_k)
+    fwd, _ = forward_kl_exact(s, q, m, top_k)
+    for w in (0.0, 0.3, 1.0):
+        mix, st = mixed_kl_exact(s, q, m, top_k, w)
+        assert float(mix) == pytest.approx((1 - w) * float(rev) + w * float(fwd), rel=1e-12)
+        assert st == st_rev

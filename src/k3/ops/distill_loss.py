@@ -27,8 +27,9 @@ The forward direction, ``forward_kl_exact``: KL(π_t ‖ π_s)_t = Σ_v exp(q(v)
 same positions (the student's own samples; TRL's GKD at β = 0 on-policy), with the same ``top_k``
 buckets. Its gradient in the student's logits is π_s − π_t, which stays large where the student is
 confidently wrong; the reverse KL's, π_s · (s − q − KL_t), vanishes there as π_s of the teacher's
-token goes to 0 (mode-seeking). ``k3 distill --forward-weight w`` trains
-(1 − w) · reverse + w · forward; the reported KL is always the reverse one.
+token goes to 0 (mode-seeking). ``k3 distill --forward-weight w`` trains ``mixed_kl_exact``,
+(1 − w) · reverse + w · forward on one coarsening of the rows; the reported KL is always the
+reverse one.
 
 All are 0 with zero gradient when the student equals the teacher. Each returns the sum over masked
 tokens (the caller divides by the step's trained tokens, as the Trainer does for every objective)
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["forward_kl_exact", "reverse_kl_exact", "reverse_kl_sampled"]
+__all__ = ["forward_kl_exact", "mixed_kl_exact", "reverse_kl_exact", "reverse_kl_sampled"]
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:
@@ -57,11 +58,7 @@ def reverse_kl_exact(student_logits: torch.Tensor, teacher_logprobs: torch.Tenso
     """student_logits [*, V] (differentiable), teacher_logprobs [*, V] (log-softmax of the
     teacher), mask [*] 0/1 -> (Σ_t mask_t · KL_t, stats). ``top_k``: the student's k most likely
     tokens and one tail bucket (module doc)."""
-    s, q = _rows(student_logits, teacher_logprobs, mask, top_k)
-    kl_t = (s.exp() * (s - q)).sum(-1)
-    m = mask.to(kl_t.dtype)
-    loss = (kl_t * m).sum()
-    return loss, {"kl": float(loss.detach()), "tokens": float(m.sum())}
+    return mixed_kl_exact(student_logits, teacher_logprobs, mask, top_k, 0.0)
 
 
 def forward_kl_exact(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -69,10 +66,26 @@ def forward_kl_exact(student_logits: torch.Tensor, teacher_logprobs: torch.Tenso
     """As ``reverse_kl_exact`` for KL(π_t ‖ π_s): Σ_t mask_t · Σ_v exp(q(v)) · (q(v) − s(v)) (module
     doc); ``top_k`` coarsens both rows into the student's k likeliest tokens and one tail bucket."""
     s, q = _rows(student_logits, teacher_logprobs, mask, top_k)
-    kl_t = (q.exp() * (q - s)).sum(-1)
-    m = mask.to(kl_t.dtype)
-    loss = (kl_t * m).sum()
-    return loss, {"kl": float(loss.detach()), "tokens": float(m.sum())}
+    loss = _masked_kl(q, s, mask)
+    return loss, {"kl": float(loss.detach()), "tokens": float(mask.sum())}
+
+
+def mixed_kl_exact(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
+                   top_k: int | None = None, forward_weight: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """(1 − w) · ``reverse_kl_exact`` + w · ``forward_kl_exact`` on one coarsening of the rows
+    (``w`` = ``forward_weight``; 0 computes the reverse KL alone); the stats are the reverse KL's."""
+    s, q = _rows(student_logits, teacher_logprobs, mask, top_k)
+    reverse = _masked_kl(s, q, mask)
+    stats = {"kl": float(reverse.detach()), "tokens": float(mask.sum())}
+    if not forward_weight:
+        return reverse, stats
+    return (1 - forward_weight) * reverse + forward_weight * _masked_kl(q, s, mask), stats
+
+
+def _masked_kl(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ_t mask_t · Σ_v exp(a(v)) · (a(v) − b(v)): KL(exp a ‖ exp b) summed over the masked rows."""
+    kl_t = (a.exp() * (a - b)).sum(-1)
+    return (kl_t * mask.to(kl_t.dtype)).sum()
 
 
 def _rows(student_logits, teacher_logprobs, mask, top_k):

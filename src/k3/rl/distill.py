@@ -54,7 +54,7 @@ import torch
 
 from k3.data.packing import IGNORE_INDEX
 from k3.errors import ConfigError, K3Error
-from k3.ops.distill_loss import forward_kl_exact, reverse_kl_exact, reverse_kl_sampled
+from k3.ops.distill_loss import mixed_kl_exact, reverse_kl_sampled
 from k3.ops.policy_loss import clipped_policy_loss
 from k3.rl.grpo import GRPOObjective, RLConfig
 
@@ -290,10 +290,7 @@ class DistillObjective(GRPOObjective):
                     t_all = torch.log_softmax(teacher(x[rows]).logits.float(), -1)
                 t_tok = t_all.gather(-1, tgt[rows]).squeeze(-1)
             if rl.estimator == "exact":
-                part, st = reverse_kl_exact(logits[rows], t_all, m.float(), rl.top_k)
-                if rl.forward_weight:   # the reported KL stays the reverse one
-                    fwd, _ = forward_kl_exact(logits[rows], t_all, m.float(), rl.top_k)
-                    part = (1 - rl.forward_weight) * part + rl.forward_weight * fwd
+                part, st = mixed_kl_exact(logits[rows], t_all, m.float(), rl.top_k, rl.forward_weight)
             else:
                 part, st = reverse_kl_sampled(logp[rows], old[rows], t_tok, m.float())
             total = total + part
